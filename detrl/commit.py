@@ -1,0 +1,101 @@
+"""Commitments: canonical SHA-256 of training state, and a Merkle tree over the per-step hashes.
+
+The canonical bytes of a state are name-sorted records ``name, dtype, shape, raw little-endian bytes``,
+so two machines that hold the same tensors produce the same hash whatever their memory layout or device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+LEAF_TAG = b"detrl/leaf/v1"
+NODE_TAG = b"detrl/node/v1"
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: hash the raw 16-bit words
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def hash_tensors(tensors: Mapping[str, torch.Tensor], extra: Iterable[tuple[str, bytes]] = ()) -> bytes:
+    """SHA-256 over name-sorted ``(name, dtype, shape, bytes)`` records, then name-sorted extra blobs."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        header = f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode()
+        h.update(struct.pack("<I", len(header)))
+        h.update(header)
+        data = _tensor_bytes(t)
+        h.update(struct.pack("<Q", len(data)))
+        h.update(data)
+    for name, blob in sorted(extra):
+        h.update(struct.pack("<I", len(name)) + name.encode())
+        h.update(struct.pack("<Q", len(blob)))
+        h.update(blob)
+    return h.digest()
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, param_names: Mapping[int, str]) -> dict[str, torch.Tensor]:
+    """The optimizer's state tensors keyed ``opt.<param name>.<state key>`` (scalars as 0-d tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    for p, state in opt.state.items():
+        pname = param_names.get(id(p), "?")
+        for key, value in state.items():
+            out[f"opt.{pname}.{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    return out
+
+
+def state_tensors(
+    model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> dict[str, torch.Tensor]:
+    """Everything tensor-valued that determines the future: parameters, buffers, optimizer state."""
+    out: dict[str, torch.Tensor] = {}
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        out[f"param.{name}"] = p
+        names[id(p)] = name
+    for name, b in model.named_buffers():
+        out[f"buffer.{name}"] = b
+    for i, opt in enumerate(optimizers):
+        for k, v in optimizer_tensors(opt, names).items():
+            out[f"{i}.{k}"] = v
+    return out
+
+
+def leaf(step: int, state_hash: bytes, batch_hash: bytes) -> bytes:
+    """The Merkle leaf of one step: binds the step number, the state after it and the batch it used."""
+    return hashlib.sha256(LEAF_TAG + struct.pack("<Q", step) + state_hash + batch_hash).digest()
+
+
+def merkle_root(leaves: list[bytes]) -> bytes:
+    """Merkle root (SHA-256, domain-separated; an odd node is carried up unchanged). Empty -> hash of tag."""
+    if not leaves:
+        return hashlib.sha256(NODE_TAG).digest()
+    level = list(leaves)
+    while len(level) > 1:
+        nxt = [hashlib.sha256(NODE_TAG + level[i] + level[i + 1]).digest() for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0]
+
+
+def hash_batch(*tensors: Any) -> bytes:
+    """Digest of a training batch (tensors, arrays or bytes), so a changed example shows at its step."""
+    items = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor):
+            items[f"{i}"] = t
+        else:
+            items[f"{i}"] = torch.as_tensor(t)
+    return hash_tensors(items)

@@ -1,0 +1,100 @@
+"""Which aten ops need rounding, and which need rounding-log entries, in verifiable precision.
+
+Every FP64 result is rounded to FP32 so that each op starts from FP32-grid inputs on every machine. What
+differs between ops is whether two IEEE-754 machines can disagree about the FP64 result:
+
+``KEEP``
+    The result is one of the inputs' values (or a constant on the grid): views, copies, concatenation,
+    indexing, relu, max, neg, abs, where, ... Nothing to do.
+``EXACT``
+    IEEE-754 requires the FP64 result to be correctly rounded (add, sub, mul, div, sqrt of FP32-grid
+    inputs, casts, fills), so every conforming machine computes the same FP64 value and the FP32 rounding
+    of it is the same too. Round to nearest; no log entries.
+``ELEMENTWISE``
+    Per-element results whose last FP64 bits depend on the implementation: transcendental functions
+    (libm and CUDA differ within an ulp or two), and fused multi-step ops (addcmul, addcdiv, lerp, add with
+    ``alpha``) that a GPU compiler contracts into FMAs. The disagreement is relative to the element, so
+    the threshold is measured in FP32 spacings *at the element*.
+``REDUCTION``
+    Sums whose order varies by hardware: mm, convolution and their backward, sum/mean, norm layers,
+    log-softmax, losses, embedding backward. The disagreement scales with the output's magnitude, not the
+    element's, so the threshold is measured in FP32 spacings *at the output's largest magnitude*. This is
+    the default for every op not listed: an unknown op is logged, never trusted.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+class OpKind(enum.Enum):
+    KEEP = "keep"
+    EXACT = "exact"
+    ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"
+
+
+def _packets(*names: str) -> frozenset[Any]:
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+_KEEP = _packets(
+    "clone", "copy_", "detach", "alias", "lift_fresh", "lift_fresh_copy", "_unsafe_view", "contiguous",
+    "cat", "stack", "index", "index_select", "gather", "select_scatter", "slice_scatter", "embedding",
+    "relu", "relu_", "threshold_backward", "max_pool2d_with_indices", "neg", "neg_", "abs", "abs_",
+    "zeros", "zeros_like", "ones", "ones_like", "empty", "empty_like", "empty_strided", "new_empty",
+    "new_empty_strided", "new_zeros", "new_ones", "zero_", "sign", "maximum", "minimum", "max", "min",
+    "amax", "amin", "sort", "topk", "flip", "roll", "repeat", "bernoulli_", "bernoulli", "_foreach_neg",
+    "_foreach_zero_", "_foreach_copy_", "_foreach_abs", "unbind", "split", "split_with_sizes", "chunk",
+    "narrow", "squeeze", "unsqueeze", "t", "transpose", "permute", "expand", "view", "reshape",
+    "slice", "select", "diagonal", "unfold", "as_strided", "masked_select", "resize_", "set_",
+)  # fmt: skip
+
+_EXACT = _packets(
+    "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "sqrt", "sqrt_", "reciprocal",
+    "reciprocal_", "_to_copy", "to", "fill", "fill_", "full", "full_like", "scalar_tensor", "masked_fill",
+    "masked_fill_", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "hardtanh",
+    "hardtanh_", "constant_pad_nd", "where", "native_dropout", "native_dropout_backward", "arange",
+    "_foreach_add", "_foreach_add_", "_foreach_sub", "_foreach_sub_", "_foreach_mul", "_foreach_mul_",
+    "_foreach_div", "_foreach_div_", "_foreach_sqrt", "_foreach_sqrt_", "_foreach_reciprocal",
+    "_foreach_reciprocal_", "square", "_foreach_maximum_", "_foreach_clamp_min_", "_foreach_clamp_max_",
+    "mse_loss_backward", "uniform_", "normal_", "rand", "randn", "randint", "randperm", "exponential_",
+    "random_", "rand_like", "randn_like",
+)  # fmt: skip
+
+_ELEMENTWISE = _packets(
+    "exp", "exp_", "log", "log_", "log1p", "expm1", "tanh", "tanh_", "sigmoid", "sigmoid_", "gelu",
+    "gelu_backward", "erf", "erfinv", "pow", "pow_", "rsqrt", "rsqrt_", "sin", "cos", "silu",
+    "silu_backward", "softplus", "softplus_backward", "tanh_backward", "sigmoid_backward", "addcmul",
+    "addcmul_", "addcdiv", "addcdiv_", "lerp", "lerp_", "_foreach_addcmul", "_foreach_addcmul_",
+    "_foreach_addcdiv", "_foreach_addcdiv_", "_foreach_lerp", "_foreach_lerp_", "_foreach_pow",
+    "_foreach_pow_", "_foreach_exp", "_foreach_exp_", "_softmax", "elu", "elu_backward", "leaky_relu",
+    "leaky_relu_backward", "hardswish", "log_sigmoid_forward", "_foreach_addcdiv_",
+)  # fmt: skip
+
+# Ops in _EXACT that become fused (FMA-able) when a scaling argument is not 1.
+_ALPHA_FUSED = _packets("add", "add_", "sub", "sub_", "rsub", "_foreach_add", "_foreach_add_", "_foreach_sub_")
+
+
+def classify(func: Any, kwargs: dict[str, Any]) -> OpKind:
+    """The :class:`OpKind` of aten overload ``func`` called with ``kwargs``."""
+    packet = func.overloadpacket
+    if packet in _KEEP:
+        return OpKind.KEEP
+    if packet in _EXACT:
+        if packet in _ALPHA_FUSED and kwargs.get("alpha", 1) != 1:
+            return OpKind.ELEMENTWISE
+        return OpKind.EXACT
+    if packet in _ELEMENTWISE:
+        return OpKind.ELEMENTWISE
+    return OpKind.REDUCTION
+
+
+def op_name(func: Any) -> str:
+    """Short stable name of an op kind, the key of the threshold table (``"mm"``, ``"convolution"``)."""
+    return func.overloadpacket.__name__

@@ -1,0 +1,100 @@
+"""Random ops inside a step draw from a switchboard stream, never from a device RNG.
+
+:class:`StreamRandomMode` is a dispatch mode with one job: it sees every aten op tagged
+``nondeterministic_seeded`` (dropout, bernoulli, rand, randn, randperm, uniform_, normal_, ...), draws the
+randomness on the host from the given stream's CPU generator, and moves the result to the op's device. A
+CPU run and a GPU run therefore draw identical masks. A seeded random op without a handler is an error:
+silently falling back to the device RNG would break replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+_HANDLERS: dict[Any, Callable[..., Any]] = {}
+
+
+def _handles(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for op in ops:
+            if op in _HANDLERS:
+                raise RuntimeError(f"duplicate random-op handler for {op}")
+            _HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+@_handles(aten.native_dropout.default)
+def _native_dropout(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    x, p, train = args[0], float(args[1]), args[2]
+    if train is False or p == 0.0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    keep = torch.empty(x.shape, dtype=torch.float64).bernoulli_(1.0 - p, generator=g)
+    mask = keep.to(device=x.device, dtype=torch.bool)
+    scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
+    return x * mask * scale, mask
+
+
+@_handles(aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.uniform_.default, aten.normal_.default)
+@_handles(aten.exponential_.default, aten.random_.default, getattr(aten.random_, "from"), aten.random_.to)
+def _inplace(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    # Fill a CPU twin from the stream, then copy into the (possibly device) tensor.
+    target = args[0]
+    rest = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args[1:])
+    twin = torch.empty(target.shape, dtype=target.dtype)
+    func(twin, *rest, **{**kwargs, "generator": g})
+    return target.copy_(twin)
+
+
+@_handles(aten.bernoulli.default, aten.bernoulli.p)
+def _bernoulli(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    out = func(x.cpu(), *args[1:], **{**kwargs, "generator": g})
+    return out.to(x.device)
+
+
+@_handles(aten.rand.default, aten.randn.default, aten.randperm.default, aten.randint.low, aten.randint.default)
+@_handles(aten.rand.generator, aten.randn.generator, aten.randperm.generator)
+def _factory(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    # Call the public factory (torch.rand, torch.randint, ...) on the CPU with the stream's generator.
+    public = getattr(torch, func.overloadpacket.__name__)
+    dtype = kwargs.get("dtype")
+    out = public(*args, generator=g, **({"dtype": dtype} if dtype is not None else {}))
+    return out.to(kwargs.get("device") or "cpu")
+
+
+@_handles(aten.rand_like.default, aten.randn_like.default)
+def _like(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    x = args[0]
+    dtype = kwargs.get("dtype") or x.dtype
+    device = kwargs.get("device") or x.device
+    base = torch.rand if func is aten.rand_like.default else torch.randn
+    return base(x.shape, dtype=dtype, generator=g).to(device)
+
+
+class StreamRandomMode(TorchDispatchMode):
+    """Route seeded random aten ops to the CPU generator ``generator`` (a switchboard stream)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if kwargs.get("generator") is not None:  # an explicit generator is already a chosen stream
+            return func(*args, **kwargs)
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(self.generator, func, args, kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise RuntimeError(
+                f"random op {func} has no switchboard stream in detrl; it would draw from the device RNG "
+                "and break replay (add a handler in detrl/randomness.py)"
+            )
+        return func(*args, **kwargs)

@@ -1,0 +1,277 @@
+"""FP64 compute -> FP32 round -> threshold log, as a torch dispatch mode.
+
+In verifiable precision every tensor is FP64 but lies on the FP32 grid. :class:`RoundingMode` sees every
+aten op (forward, the ops autograd runs in backward, optimizer updates) and rounds each floating result
+to the nearest FP32 value, kept in the FP64 tensor. Two machines then compute every op from identical
+inputs; their FP64 results differ by a tiny delta, and round to the same FP32 value unless an FP32 rounding
+midpoint lies between them. Elements within the op's threshold of a midpoint are *logged* with the
+neighbour chosen; a replayer rounds those as logged and everything else to nearest.
+
+Distance to the midpoint is read off the bits: rounding FP64 to FP32 drops the 29 low mantissa bits and the
+midpoint is where they equal 2**28, so ``|low29 - 2**28|`` is the distance in FP64 ulps, i.e. in units of
+2**-29 FP32 spacings. FP32-subnormal results (|x| < 2**-126) have fewer FP32 bits; they are rare and are
+always logged. Infinities and NaN are never logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from detrl.oprules import OpKind, classify, op_name
+from detrl.roundlog import OpEntries
+
+_LOW_MASK = (1 << 29) - 1
+_HALF = 1 << 28
+_ABS_MASK = (1 << 63) - 1
+_EXP_F32_MIN_NORMAL = 1023 - 126  # biased FP64 exponent of 2**-126
+_EXP_OVERFLOW = 1023 + 128  # |x| >= 2**128 rounds to inf whatever the direction
+_THRESH_UNITS = 1 << 29  # FP64 ulps per FP32 spacing
+
+
+@dataclasses.dataclass
+class Thresholds:
+    """Per-op-kind threshold tau, in FP32 spacings (at the element or at the output's scale, see oprules).
+
+    ``per_op`` maps op names (``"mm"``, ``"convolution_backward"``) to tau; ops not in it use ``default``.
+    """
+
+    per_op: dict[str, float] = dataclasses.field(default_factory=dict)
+    default: float = 2.0**-16
+
+    def tau(self, name: str) -> float:
+        return self.per_op.get(name, self.default)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"default": self.default, "per_op": dict(sorted(self.per_op.items()))}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Thresholds:
+        if not isinstance(obj, dict) or not isinstance(obj.get("per_op", {}), dict):
+            raise ValueError("thresholds must be an object with 'default' and 'per_op'")
+        per_op = {str(k): float(v) for k, v in obj.get("per_op", {}).items()}
+        default = float(obj.get("default", cls.default))
+        for name, tau in [*per_op.items(), ("default", default)]:
+            if not (0.0 <= tau <= 0.5):
+                raise ValueError(f"threshold for {name} is {tau}, outside [0, 0.5]")
+        return cls(per_op=per_op, default=default)
+
+
+def round_to_fp32_(x: torch.Tensor) -> None:
+    """Round an FP64 tensor in place to the nearest FP32 value (ties to even), keeping it FP64."""
+    x.copy_(x.to(torch.float32))
+
+
+def near_midpoint(x: torch.Tensor, tau: float, scale_relative: bool) -> torch.Tensor:
+    """Bool mask of FP64 elements within ``tau`` FP32 spacings of an FP32 rounding midpoint.
+
+    With ``scale_relative`` the spacing is that at ``max(|x|, amax(|x|))``, the output's scale, which is
+    how reduction errors behave; otherwise it is the spacing at the element itself.
+    """
+    bits = x.view(torch.int64)
+    thr = int(tau * _THRESH_UNITS)
+    dist = (bits & _LOW_MASK).sub_(_HALF).abs_()
+    exp = (bits & _ABS_MASK) >> 52
+    if scale_relative and x.numel():
+        amax = x.abs().max()
+        scale_exp = int((amax.view(torch.int64) >> 52).item()) if torch.isfinite(amax) else 2046
+        # Spacing at the scale is 2**(scale_exp - exp) times the element's own: shift the threshold.
+        limit = torch.bitwise_left_shift(torch.full_like(exp, thr), (scale_exp - exp).clamp_(0, 33))
+        near = dist < limit
+    else:
+        near = dist < thr
+    near &= exp < _EXP_OVERFLOW
+    tiny = (exp < _EXP_F32_MIN_NORMAL) & ((bits & _ABS_MASK) != 0)
+    return near | tiny
+
+
+@dataclasses.dataclass
+class Anomaly:
+    """Something the replayer saw in one op that the log did not predict."""
+
+    op: int  # op position in the step
+    name: str  # aten op name
+    module: str  # module path (or "" when not tracked)
+    index: int  # logical row-major element index
+    kind: str  # "unlogged-near" | "logged-direction-differs" | "logged-index-out-of-range"
+
+
+@dataclasses.dataclass
+class StepStats:
+    rounded_elements: int = 0  # elements rounded to FP32 (EXACT and logged kinds)
+    logged: int = 0  # elements in the log for this step
+    unlogged_near: int = 0  # replay: near-midpoint elements the recorder did not log
+    corrected: int = 0  # replay: logged elements whose own nearest rounding differed from the log
+
+
+class StepRounding:
+    """The rounding work of one step: what to record, or what to replay.
+
+    ``replay`` is None when recording; otherwise it maps op position -> logged entries for this step.
+    """
+
+    def __init__(self, replay: dict[int, OpEntries] | None = None, max_anomalies: int = 20) -> None:
+        self.replay = replay
+        self.recorded: list[OpEntries] = []
+        self.stats = StepStats()
+        self.anomalies: list[Anomaly] = []
+        self.max_anomalies = max_anomalies
+        self.seq = 0
+        self.op_names: list[str] = []
+
+
+class RoundingMode(TorchDispatchMode):
+    """Verifiable precision: compute each op under ``profile`` and round every FP64 result to FP32.
+
+    Args:
+        profile: callable ``(func, args, kwargs) -> out`` that computes an op (a hardware profile).
+        thresholds: tau per op kind.
+        module_path: optional callable returning the current module path, for anomaly reports.
+    """
+
+    def __init__(
+        self,
+        profile: Callable[[Any, tuple, dict], Any],
+        thresholds: Thresholds,
+        module_path: Callable[[], str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.profile = profile
+        self.thresholds = thresholds
+        self.module_path = module_path
+        self.step: StepRounding | None = None
+        self.calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = self.profile(func, args, kwargs)
+        if func.is_view:
+            return out
+        kind = classify(func, kwargs)
+        if kind is OpKind.KEEP:
+            return out
+        targets = _written_tensors(func, args, kwargs, out)
+        if self.calibrate is not None and kind is not OpKind.EXACT and not _mutates(func):
+            self.calibrate(func, args, kwargs, out, kind)
+        for t in targets:
+            if t.dtype != torch.float64 or t.numel() == 0:
+                continue
+            if kind is OpKind.EXACT or self.step is None:
+                round_to_fp32_(t)
+                if self.step is not None:
+                    self.step.stats.rounded_elements += t.numel()
+            else:
+                self._round_logged(func, t, kind)
+        return out
+
+    # ------------------------------------------------------------------ the logged path
+    def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind) -> None:
+        step = self.step
+        assert step is not None
+        seq = step.seq
+        step.seq += 1
+        name = op_name(func)
+        step.op_names.append(name)
+        step.stats.rounded_elements += x.numel()
+        near = near_midpoint(x, self.thresholds.tau(name), kind is OpKind.REDUCTION)
+        rounded = x.to(torch.float32)
+        if step.replay is None:
+            idx = near.reshape(-1).nonzero().squeeze(1)
+            if idx.numel():
+                xs, rs = _take(x, idx), _take(rounded, idx).to(torch.float64)
+                up = rs.abs() > xs.abs()
+                step.recorded.append(OpEntries(op=seq, indices=idx.cpu().numpy(), up=up.cpu().numpy()))
+                step.stats.logged += idx.numel()
+            x.copy_(rounded)
+            return
+        entries = step.replay.get(seq)
+        flat_near = near.reshape(-1)
+        if entries is not None and len(entries.indices):
+            if int(entries.indices[-1]) >= x.numel():
+                self._anomaly(seq, name, int(entries.indices[-1]), "logged-index-out-of-range")
+                raise _LogOutOfRange(seq, name, int(entries.indices[-1]), x.numel())
+            idx = torch.from_numpy(entries.indices).to(x.device)
+            want_up = torch.from_numpy(entries.up.astype(np.bool_)).to(x.device)
+            xs, rs = _take(x, idx), _take(rounded, idx)
+            is_up = rs.double().abs() > xs.abs()
+            wrong = is_up != want_up
+            n_wrong = int(wrong.sum())
+            if n_wrong:
+                step.stats.corrected += n_wrong
+                toward = torch.where(want_up, torch.copysign(torch.full_like(rs, float("inf")), xs.float()), 0.0)
+                fixed = torch.where(wrong, torch.nextafter(rs, toward.to(rs.dtype)), rs)
+                _put(rounded, idx, fixed)
+                first = int(idx[wrong.nonzero()[0, 0]])
+                self._anomaly(seq, name, first, "logged-direction-differs")
+            step.stats.logged += idx.numel()
+            flat_near = flat_near.clone()
+            flat_near[idx] = False
+        n_unlogged = int(flat_near.sum())
+        if n_unlogged:
+            step.stats.unlogged_near += n_unlogged
+            self._anomaly(seq, name, int(flat_near.nonzero()[0, 0]), "unlogged-near")
+        x.copy_(rounded)
+
+    def _anomaly(self, seq: int, name: str, index: int, kind: str) -> None:
+        step = self.step
+        assert step is not None
+        if len(step.anomalies) < step.max_anomalies:
+            module = self.module_path() if self.module_path is not None else ""
+            step.anomalies.append(Anomaly(op=seq, name=name, module=module, index=index, kind=kind))
+
+
+class _LogOutOfRange(Exception):
+    def __init__(self, seq: int, name: str, index: int, numel: int) -> None:
+        super().__init__(f"rounding log entry for op #{seq} ({name}) has index {index} >= {numel} elements")
+
+
+LogOutOfRange = _LogOutOfRange
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1)[idx] if x.is_contiguous() else x.flatten()[idx]
+
+
+def _put(x: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    if x.is_contiguous():
+        x.view(-1)[idx] = values
+    else:
+        x[torch.unravel_index(idx, x.shape)] = values
+
+
+# Ops that update arguments their schema does not mark as written: batch norm's running statistics.
+HIDDEN_WRITES: dict[Any, tuple[int, ...]] = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+    torch.ops.aten._native_batch_norm_legit.default: (3, 4),
+}
+
+
+def _mutates(func: Any) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def _hidden_writes(func: Any, args: tuple) -> list[torch.Tensor]:
+    return [args[i] for i in HIDDEN_WRITES.get(func, ()) if i < len(args) and isinstance(args[i], torch.Tensor)]
+
+
+def _written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
+    """The tensors an op produced: its mutated arguments if it has any, else its outputs."""
+    schema = func._schema
+    written: list[torch.Tensor] = []
+    if _mutates(func):
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            flat, _ = tree_flatten(value)
+            written.extend(t for t in flat if isinstance(t, torch.Tensor))
+        return written
+    flat, _ = tree_flatten(out)
+    outs = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return outs + _hidden_writes(func, args)

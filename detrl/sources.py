@@ -1,0 +1,196 @@
+"""The switchboard: one named, seeded, host-side random stream per source of randomness.
+
+Every random decision of a run draws from a *named stream*. Each stream's seed is derived from the base
+seed and the stream's name (SHA-256), unless set explicitly, so changing one source never shifts another.
+A stream may also be *unseeded*: it then takes a fresh seed from the operating system, and that seed is
+recorded in the run bundle so the run can still be replayed.
+
+Streams live on the host (a CPU ``torch.Generator`` and a ``numpy.random.Generator`` per stream), so a CPU
+and a GPU run draw the same numbers; random ops inside a step are routed here by
+:class:`detrl.randomness.StreamRandomMode`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+#: Streams every run has. ``bitflip`` moves one initial weight to its neighbouring float when enabled;
+#: ``hardware`` names the accumulation-order source (see :mod:`detrl.hardware`).
+STREAMS: tuple[str, ...] = (
+    "init",
+    "data_order",
+    "augment",
+    "dropout",
+    "explore",
+    "replay",
+    "env",
+    "sticky",
+    "noop",
+    "bitflip",
+    "hardware",
+)
+
+
+def derive_seed(base_seed: int, name: str) -> int:
+    """A 63-bit seed for stream ``name``, a pure function of the base seed and the name."""
+    digest = hashlib.sha256(f"detrl/stream/{base_seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class Sources:
+    """The switchboard of a run.
+
+    Args:
+        seed: base seed; every stream's seed derives from it unless set in ``streams``.
+        streams: per-stream settings, ``{name: {"seed": int | None}}``. ``seed: None`` makes the stream
+            unseeded (a fresh OS-drawn seed, recorded so the run stays replayable).
+        bitflip: when True, :meth:`apply_bitflip` moves one initial weight (chosen by the ``bitflip``
+            stream) to its neighbouring float, as in Summers & Dinneen (2021).
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        streams: Mapping[str, Mapping[str, Any]] | None = None,
+        bitflip: bool = False,
+    ) -> None:
+        self.base_seed = int(seed)
+        self.bitflip = bool(bitflip)
+        self._seeds: dict[str, int] = {}
+        self._unseeded: set[str] = set()
+        streams = dict(streams or {})
+        for name in streams:
+            if name not in STREAMS:
+                raise ValueError(f"unknown random stream {name!r}; known: {', '.join(STREAMS)}")
+        for name in STREAMS:
+            spec = dict(streams.get(name) or {})
+            if "seed" in spec and spec["seed"] is None:
+                self._seeds[name] = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+                self._unseeded.add(name)
+            elif spec.get("seed") is not None:
+                self._seeds[name] = int(spec["seed"])
+            else:
+                self._seeds[name] = derive_seed(self.base_seed, name)
+        self._torch: dict[str, torch.Generator] = {}
+        self._numpy: dict[str, np.random.Generator] = {}
+
+    # ------------------------------------------------------------------ streams
+    def seed_of(self, name: str) -> int:
+        """The seed of stream ``name`` (explicit, derived, or drawn from the OS when unseeded)."""
+        self._check(name)
+        return self._seeds[name]
+
+    def torch(self, name: str) -> torch.Generator:
+        """The CPU ``torch.Generator`` of stream ``name`` (created on first use)."""
+        self._check(name)
+        if name not in self._torch:
+            self._torch[name] = torch.Generator(device="cpu").manual_seed(self._seeds[name])
+        return self._torch[name]
+
+    def numpy(self, name: str) -> np.random.Generator:
+        """The ``numpy.random.Generator`` (PCG64) of stream ``name``; independent of :meth:`torch`."""
+        self._check(name)
+        if name not in self._numpy:
+            self._numpy[name] = np.random.Generator(np.random.PCG64(self._seeds[name]))
+        return self._numpy[name]
+
+    @contextlib.contextmanager
+    def global_torch_rng(self, name: str) -> Iterator[None]:
+        """Seed torch's global CPU RNG from stream ``name`` for the block, restoring it afterwards.
+
+        Library code that draws from the global RNG (``nn.Linear``'s default init, say) then draws from
+        the stream's seed and nothing else.
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed_of(name))
+            yield
+
+    def permutation(self, name: str, n: int) -> torch.Tensor:
+        """A random permutation of ``range(n)`` (int64, CPU) drawn from stream ``name``."""
+        return torch.randperm(n, generator=self.torch(name))
+
+    def apply_bitflip(self, module: torch.nn.Module) -> str | None:
+        """Move one floating parameter element to its next float (``nextafter``), if bitflip is on.
+
+        The parameter and element are chosen by the ``bitflip`` stream. Returns ``"name[index]"`` of the
+        changed element, or None when the switch is off.
+        """
+        if not self.bitflip:
+            return None
+        params = [(n, p) for n, p in sorted(module.named_parameters()) if p.is_floating_point()]
+        if not params:
+            return None
+        g = self.torch("bitflip")
+        k = int(torch.randint(len(params), (1,), generator=g))
+        name, p = params[k]
+        i = int(torch.randint(p.numel(), (1,), generator=g))
+        with torch.no_grad():
+            flat = p.view(-1)
+            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf"), dtype=p.dtype))
+        return f"{name}[{i}]"
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: config, seeds and the position of every stream created so far."""
+        return {
+            "seed": self.base_seed,
+            "bitflip": self.bitflip,
+            "seeds": dict(self._seeds),
+            "unseeded": sorted(self._unseeded),
+            "torch": {n: base64.b64encode(g.get_state().numpy().tobytes()).decode() for n, g in self._torch.items()},
+            "numpy": {n: g.bit_generator.state for n, g in self._numpy.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore seeds and stream positions saved by :meth:`state_dict` (validated: untrusted input)."""
+        try:
+            seeds = {str(k): int(v) for k, v in dict(state["seeds"]).items()}
+            for name in seeds:
+                self._check(name)
+            self.base_seed = int(state["seed"])
+            self.bitflip = bool(state.get("bitflip", False))
+            self._seeds.update(seeds)
+            self._unseeded = {str(n) for n in state.get("unseeded", [])}
+            self._torch.clear()
+            self._numpy.clear()
+            for name, b64 in dict(state.get("torch", {})).items():
+                raw = np.frombuffer(base64.b64decode(b64, validate=True), dtype=np.uint8).copy()
+                self.torch(name).set_state(torch.from_numpy(raw))
+            for name, st in dict(state.get("numpy", {})).items():
+                self.numpy(name).bit_generator.state = dict(st)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"invalid switchboard state: {e}") from None
+
+    def config(self) -> dict[str, Any]:
+        """The switchboard as config: base seed and every stream's effective seed (for the manifest)."""
+        return {"seed": self.base_seed, "bitflip": self.bitflip, "streams": {n: {"seed": s} for n, s in self._seeds.items()}}
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None) -> Sources:
+        """Build from a config mapping ``{seed, bitflip, streams: {name: {seed}}}`` or ``{seed, name: {seed}}``."""
+        cfg = dict(cfg or {})
+        streams = dict(cfg.pop("streams", None) or {})
+        seed = cfg.pop("seed", 0)
+        bitflip = cfg.pop("bitflip", False)
+        for name, spec in cfg.items():
+            if name not in STREAMS:
+                raise ValueError(f"unknown key sources.{name}; streams are: {', '.join(STREAMS)}")
+            streams[name] = spec
+        return cls(seed=seed, streams=streams, bitflip=bitflip)
+
+    def digest_bytes(self) -> bytes:
+        """Canonical bytes of the switchboard state, for commitments."""
+        return json.dumps(self.state_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    def _check(self, name: str) -> None:
+        if name not in STREAMS:
+            raise KeyError(f"unknown random stream {name!r}; known: {', '.join(STREAMS)}")
