@@ -98,7 +98,9 @@ def save_checkpoint(run_dir: Path, step: int, tensors: dict[str, torch.Tensor], 
 
     (run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
     clean = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-    save_file(clean, str(run_dir / checkpoint_name(step)), metadata={"detrl": json.dumps(meta, sort_keys=True)})
+    save_file(
+        clean, str(run_dir / checkpoint_name(step)), metadata={"detrl": json.dumps(meta, sort_keys=True)}
+    )
 
 
 class Bundle:
@@ -113,7 +115,9 @@ class Bundle:
             raise BundleError(f"{MANIFEST}: not a detrl bundle manifest (format is not {FORMAT!r})")
         version = m.get("version")
         if version != VERSION:
-            raise BundleError(f"{MANIFEST}: unsupported bundle version {version!r} (this detrl reads {VERSION})")
+            raise BundleError(
+                f"{MANIFEST}: unsupported bundle version {version!r} (this detrl reads {VERSION})"
+            )
         self.manifest = m
         self.config: dict[str, Any] = _require(m, "config", dict, MANIFEST)
         self.precision: str = _require(m, "precision", str, MANIFEST)
@@ -158,7 +162,9 @@ class Bundle:
         obj = _read_json(self.dir / COMMITMENTS, COMMITMENTS)
         steps = _require(obj, "steps", list, COMMITMENTS)
         if len(steps) != self.steps + 1:
-            raise BundleError(f"{COMMITMENTS}: {len(steps)} entries, manifest says {self.steps} steps (+ init)")
+            raise BundleError(
+                f"{COMMITMENTS}: {len(steps)} entries, manifest says {self.steps} steps (+ init)"
+            )
         leaves = []
         for i, e in enumerate(steps):
             s = _require(e, "state", str, f"{COMMITMENTS} step {i}")
@@ -194,7 +200,9 @@ class Bundle:
         except BundleError:
             raise
         except (SafetensorError, OSError, ValueError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BundleError(f"{rel}: not a valid safetensors checkpoint ({str(e).splitlines()[0]})") from None
+            raise BundleError(
+                f"{rel}: not a valid safetensors checkpoint ({str(e).splitlines()[0]})"
+            ) from None
         if not isinstance(meta, dict):
             raise BundleError(f"{rel}: bad detrl metadata")
         return tensors, meta

@@ -51,7 +51,9 @@ def optimizer_tensors(opt: torch.optim.Optimizer, param_names: Mapping[int, str]
     for p, state in opt.state.items():
         pname = param_names.get(id(p), "?")
         for key, value in state.items():
-            out[f"opt.{pname}.{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            out[f"opt.{pname}.{key}"] = (
+                value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            )
     return out
 
 
@@ -83,7 +85,9 @@ def merkle_root(leaves: list[bytes]) -> bytes:
         return hashlib.sha256(NODE_TAG).digest()
     level = list(leaves)
     while len(level) > 1:
-        nxt = [hashlib.sha256(NODE_TAG + level[i] + level[i + 1]).digest() for i in range(0, len(level) - 1, 2)]
+        nxt = [
+            hashlib.sha256(NODE_TAG + level[i] + level[i + 1]).digest() for i in range(0, len(level) - 1, 2)
+        ]
         if len(level) % 2:
             nxt.append(level[-1])
         level = nxt

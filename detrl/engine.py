@@ -34,7 +34,15 @@ from detrl import commit
 from detrl.hardware import HardwareMode, get_profile
 from detrl.precision import Precision
 from detrl.randomness import StreamRandomMode
-from detrl.rounding import HIDDEN_WRITES, Anomaly, LogOutOfRange, RoundingMode, StepRounding, StepStats, Thresholds
+from detrl.rounding import (
+    HIDDEN_WRITES,
+    Anomaly,
+    LogOutOfRange,
+    RoundingMode,
+    StepRounding,
+    StepStats,
+    Thresholds,
+)
 from detrl.roundlog import RoundLogWriter
 from detrl.sources import Sources
 
@@ -66,9 +74,13 @@ class Divergence(Exception):
         if self.anomalies:
             a = self.anomalies[0]
             where = f" in {a.module}" if a.module else ""
-            parts.append(f"first rounding anomaly: op #{a.op} aten.{a.name}{where}, element {a.index} ({a.kind})")
+            parts.append(
+                f"first rounding anomaly: op #{a.op} aten.{a.name}{where}, element {a.index} ({a.kind})"
+            )
         elif self.batch_matches and not self.detail:
-            parts.append("no rounding-log anomaly in this step: the update itself differs (e.g. a skipped step)")
+            parts.append(
+                "no rounding-log anomaly in this step: the update itself differs (e.g. a skipped step)"
+            )
         return "; ".join(parts)
 
 
@@ -109,7 +121,9 @@ class _Calibrator:
         hidden = set(HIDDEN_WRITES.get(func, ()))
         for prof in self.profiles:
             # Batch norm updates its running statistics in place: give the extra runs copies.
-            fresh = tuple(a.clone() if i in hidden and isinstance(a, torch.Tensor) else a for i, a in enumerate(args))
+            fresh = tuple(
+                a.clone() if i in hidden and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)
+            )
             alt = [t for t in tree_flatten(prof(func, fresh, kwargs))[0] if isinstance(t, torch.Tensor)]
             alt = [t for t in alt if t.dtype == torch.float64]
             for a, b in zip(ref, alt):
@@ -326,7 +340,9 @@ class Session:
         if self.model is None:
             raise RuntimeError("call Session.init(build_model) before the first step")
         step = self.step_index + 1
-        batch_hash = commit.hash_batch(*_as_tuple(batch)) if batch is not None else (self._batch_hash or bytes(32))
+        batch_hash = (
+            commit.hash_batch(*_as_tuple(batch)) if batch is not None else (self._batch_hash or bytes(32))
+        )
         self._batch_hash = None
         rounding = None
         t0 = time.perf_counter()
@@ -428,7 +444,9 @@ class Session:
             src = json.dumps(meta.get("sources", {}), sort_keys=True, separators=(",", ":")).encode()
             got = commit.hash_tensors(tensors, [("sources", src)])
             if got != self.bundle.leaves[step][0]:
-                raise Divergence(step, True, [], f"{bundle_mod.checkpoint_name(step)} differs from the commitment")
+                raise Divergence(
+                    step, True, [], f"{bundle_mod.checkpoint_name(step)} differs from the commitment"
+                )
 
 
 def _as_tuple(batch: Any) -> tuple:

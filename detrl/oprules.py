@@ -78,7 +78,9 @@ _ELEMENTWISE = _packets(
 )  # fmt: skip
 
 # Ops in _EXACT that become fused (FMA-able) when a scaling argument is not 1.
-_ALPHA_FUSED = _packets("add", "add_", "sub", "sub_", "rsub", "_foreach_add", "_foreach_add_", "_foreach_sub_")
+_ALPHA_FUSED = _packets(
+    "add", "add_", "sub", "sub_", "rsub", "_foreach_add", "_foreach_add_", "_foreach_sub_"
+)
 
 
 def classify(func: Any, kwargs: dict[str, Any]) -> OpKind:

@@ -59,7 +59,9 @@ def _bernoulli(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     return out.to(x.device)
 
 
-@_handles(aten.rand.default, aten.randn.default, aten.randperm.default, aten.randint.low, aten.randint.default)
+@_handles(
+    aten.rand.default, aten.randn.default, aten.randperm.default, aten.randint.low, aten.randint.default
+)
 @_handles(aten.rand.generator, aten.randn.generator, aten.randperm.generator)
 def _factory(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     # Call the public factory (torch.rand, torch.randint, ...) on the CPU with the stream's generator.

@@ -86,7 +86,8 @@ def near_midpoint(x: torch.Tensor, tau: float, scale_relative: bool) -> torch.Te
         near = dist < limit
     else:
         near = dist < thr
-    near &= exp < _EXP_OVERFLOW
+    # Exact zeros (structural: untouched gradient slots, masked values) are on the grid, never near.
+    near &= (exp < _EXP_OVERFLOW) & (exp != 0)
     tiny = (exp < _EXP_F32_MIN_NORMAL) & ((bits & _ABS_MASK) != 0)
     return near | tiny
 
@@ -204,7 +205,9 @@ class RoundingMode(TorchDispatchMode):
             n_wrong = int(wrong.sum())
             if n_wrong:
                 step.stats.corrected += n_wrong
-                toward = torch.where(want_up, torch.copysign(torch.full_like(rs, float("inf")), xs.float()), 0.0)
+                toward = torch.where(
+                    want_up, torch.copysign(torch.full_like(rs, float("inf")), xs.float()), 0.0
+                )
                 fixed = torch.where(wrong, torch.nextafter(rs, toward.to(rs.dtype)), rs)
                 _put(rounded, idx, fixed)
                 first = int(idx[wrong.nonzero()[0, 0]])
@@ -257,7 +260,9 @@ def _mutates(func: Any) -> bool:
 
 
 def _hidden_writes(func: Any, args: tuple) -> list[torch.Tensor]:
-    return [args[i] for i in HIDDEN_WRITES.get(func, ()) if i < len(args) and isinstance(args[i], torch.Tensor)]
+    return [
+        args[i] for i in HIDDEN_WRITES.get(func, ()) if i < len(args) and isinstance(args[i], torch.Tensor)
+    ]
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:

@@ -146,7 +146,9 @@ class Sources:
             "bitflip": self.bitflip,
             "seeds": dict(self._seeds),
             "unseeded": sorted(self._unseeded),
-            "torch": {n: base64.b64encode(g.get_state().numpy().tobytes()).decode() for n, g in self._torch.items()},
+            "torch": {
+                n: base64.b64encode(g.get_state().numpy().tobytes()).decode() for n, g in self._torch.items()
+            },
             "numpy": {n: g.bit_generator.state for n, g in self._numpy.items()},
         }
 
@@ -172,7 +174,11 @@ class Sources:
 
     def config(self) -> dict[str, Any]:
         """The switchboard as config: base seed and every stream's effective seed (for the manifest)."""
-        return {"seed": self.base_seed, "bitflip": self.bitflip, "streams": {n: {"seed": s} for n, s in self._seeds.items()}}
+        return {
+            "seed": self.base_seed,
+            "bitflip": self.bitflip,
+            "streams": {n: {"seed": s} for n, s in self._seeds.items()},
+        }
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None) -> Sources:

@@ -54,7 +54,9 @@ def text_file(path: str, seq_len: int = 32, n: int = 4096) -> tuple[torch.Tensor
     return _windows(toks, seq_len, n)
 
 
-def synthetic_images(n: int = 64, channels: int = 3, size: int = 32, classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_images(
+    n: int = 64, channels: int = 3, size: int = 32, classes: int = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
     """CIFAR-shaped random images ``(n, channels, size, size)`` and labels, for benchmarks."""
     g = torch.Generator().manual_seed(12345)
     return torch.rand(n, channels, size, size, generator=g), torch.randint(classes, (n,), generator=g)

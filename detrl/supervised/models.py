@@ -33,7 +33,9 @@ class DigitsCNN(nn.Module):
 class MLPDropout(nn.Module):
     """Two hidden layers with dropout. Input ``(N, features)`` (images are flattened)."""
 
-    def __init__(self, features: int = 64, hidden: int = 128, classes: int = 10, dropout: float = 0.2) -> None:
+    def __init__(
+        self, features: int = 64, hidden: int = 128, classes: int = 10, dropout: float = 0.2
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(features, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
@@ -75,7 +77,13 @@ class TinyTransformer(nn.Module):
     """A GPT-style character model. Input tokens ``(N, T)`` int64, output logits ``(N, T, vocab)``."""
 
     def __init__(
-        self, vocab: int = 65, d_model: int = 32, heads: int = 2, layers: int = 1, seq_len: int = 32, dropout: float = 0.1
+        self,
+        vocab: int = 65,
+        d_model: int = 32,
+        heads: int = 2,
+        layers: int = 1,
+        seq_len: int = 32,
+        dropout: float = 0.1,
     ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
@@ -106,7 +114,9 @@ class Bottleneck(nn.Module):
         self.bn3 = nn.BatchNorm2d(cout)
         self.down = None
         if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))

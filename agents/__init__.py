@@ -1,0 +1,1 @@
+"""RL agents built on detrl (the deterministic DQN arrives with its own issue)."""

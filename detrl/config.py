@@ -1,0 +1,142 @@
+"""Run configs: YAML files validated by pydantic, with ``--set key=value`` overrides.
+
+Every user mistake (unknown key, wrong type, missing file) becomes one :class:`ConfigError` line.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from detrl.hardware import get_profile
+from detrl.sources import Sources
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Strict):
+    name: Literal["digits", "synthetic_text", "text_file", "synthetic_images"] = "digits"
+    path: str | None = None  # for text_file
+    seq_len: int = Field(32, ge=2, description="tokens per example (text data)")
+    n: int = Field(512, ge=1, description="examples to generate or read (text, synthetic images)")
+    vocab: int = Field(65, ge=2, description="vocabulary size of synthetic_text")
+
+
+class ModelConfig(_Strict):
+    name: Literal["cnn_bn", "mlp_dropout", "tiny_transformer", "resnet50"] = "cnn_bn"
+    channels: int = Field(16, ge=1, description="cnn_bn: channels of the first conv")
+    hidden: int = Field(128, ge=1, description="mlp_dropout: hidden units")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout probability (mlp, transformer)")
+    d_model: int = Field(32, ge=2)
+    heads: int = Field(2, ge=1)
+    layers: int = Field(1, ge=1)
+
+
+class OptimizerConfig(_Strict):
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.05, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd only")
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(30, ge=1, description="optimizer steps")
+    batch_size: int = Field(32, ge=1, description="examples per step")
+    log_every: int = Field(5, ge=1, description="steps between TensorBoard scalars")
+
+
+class VerifyConfig(_Strict):
+    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints (0: only the last)")
+    margin: float = Field(16.0, ge=1.0, description="threshold = margin x largest calibrated disagreement")
+
+
+class RunConfig(_Strict):
+    """A supervised run: what ``detrl train`` records and ``detrl audit`` rebuilds from the manifest."""
+
+    name: str = "run"
+    task: Literal["supervised"] = "supervised"
+    precision: Literal["verifiable", "fp64", "fp32"] = "verifiable"
+    hardware: str = "native"
+    threads: int = Field(1, ge=1, description="torch intra-op threads")
+    sources: dict[str, Any] = Field(default_factory=lambda: {"seed": 0})
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
+
+    @field_validator("hardware")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        get_profile(v)
+        return v
+
+    @field_validator("sources")
+    @classmethod
+    def _valid_sources(cls, v: dict[str, Any]) -> dict[str, Any]:
+        Sources.from_config(v)
+        return v
+
+
+def _set_path(cfg: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = cfg
+    for k in keys[:-1]:
+        if not isinstance(node.get(k), dict):
+            node[k] = {}
+        node = node[k]
+    node[keys[-1]] = value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.sub=value`` overrides (values parsed as YAML scalars) to a raw config dict."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text
+        _set_path(out, key.strip(), value)
+    return out
+
+
+def validate(raw: dict[str, Any]) -> RunConfig:
+    """Validate a raw config dict; the first problem becomes one ConfigError line."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config must be a mapping")
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        raise ConfigError(f"config error: {where}: {msg}") from None
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read, override and validate a YAML run config."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    return validate(apply_overrides(raw, overrides or []))

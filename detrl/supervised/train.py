@@ -1,0 +1,104 @@
+"""The supervised train loop: one function that records (``detrl train``) and replays (``detrl audit``).
+
+It reads top to bottom: data, model, optimizer, then the loop through :class:`detrl.Session`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from detrl.config import RunConfig
+from detrl.engine import Session
+from detrl.supervised import data as datasets
+from detrl.supervised.models import MODELS
+
+
+def load_data(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training set ``(x, y)`` named by ``cfg.data``."""
+    d = cfg.data
+    if d.name == "digits":
+        return datasets.digits()
+    if d.name == "synthetic_text":
+        return datasets.synthetic_text(vocab=d.vocab, seq_len=d.seq_len, n=d.n)
+    if d.name == "text_file":
+        if not d.path:
+            raise ValueError("config error: data.path is required for data.name=text_file")
+        return datasets.text_file(d.path, seq_len=d.seq_len, n=d.n)
+    return datasets.synthetic_images(n=d.n)
+
+
+def model_builder(cfg: RunConfig, x: torch.Tensor) -> Any:
+    """A zero-argument callable building the model for inputs shaped like ``x``."""
+    m, name = cfg.model, cfg.model.name
+    if name == "cnn_bn":
+        return lambda: MODELS[name](channels=m.channels)
+    if name == "mlp_dropout":
+        return lambda: MODELS[name](features=int(x[0].numel()), hidden=m.hidden, dropout=m.dropout)
+    if name == "tiny_transformer":
+        vocab = cfg.data.vocab if cfg.data.name == "synthetic_text" else 256
+        kw = dict(
+            vocab=vocab,
+            d_model=m.d_model,
+            heads=m.heads,
+            layers=m.layers,
+            seq_len=x.shape[1],
+            dropout=m.dropout,
+        )
+        return lambda: MODELS[name](**kw)
+    return lambda: MODELS[name]()
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+    )
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over classes; sequence outputs ``(N, T, V)`` are flattened to ``(N*T, V)``."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def run(cfg: RunConfig, session: Session, progress: bool = False, writer: Any = None) -> dict[str, float]:
+    """Train ``cfg.train.steps`` steps inside ``session`` (recording or replaying). Returns final metrics."""
+    x, y = load_data(cfg)
+    model = session.init(model_builder(cfg, x))
+    opt = session.track(make_optimizer(cfg, model))
+    model.train()
+    steps = cfg.train.steps
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc=f"{session.mode} {cfg.name}", unit="step", leave=False, disable=None)
+    loss_value = float("nan")
+    for batch in session.loader((x, y), batch_size=cfg.train.batch_size, steps=steps):
+        with session.step():
+            loss = loss_fn(model(batch.x), batch.y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        loss_value = float(loss.detach())
+        step = session.step_index
+        if writer is not None and (step % cfg.train.log_every == 0 or step == steps):
+            writer.add_scalar("train/loss", loss_value, step)
+            writer.add_scalar("train/step_seconds", session.step_seconds[-1], step)
+            if session.step_stats:
+                writer.add_scalar("verify/logged_elements", session.step_stats[-1].logged, step)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_value:.4f}")
+    if bar is not None:
+        bar.close()
+    return {"loss": loss_value, "steps": float(session.step_index)}
+
+
+def fingerprint(cfg: RunConfig) -> str:
+    """SHA-256 of the training data the config names (checked by the auditor before replay)."""
+    return datasets.fingerprint(*load_data(cfg))

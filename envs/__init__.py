@@ -1,0 +1,1 @@
+"""Gymnasium environments under the detrl switchboard (arrive with the DQN issue)."""
