@@ -126,7 +126,7 @@ class _Calibrator:
             )
             alt = [t for t in tree_flatten(prof(func, fresh, kwargs))[0] if isinstance(t, torch.Tensor)]
             alt = [t for t in alt if t.dtype == torch.float64]
-            for a, b in zip(ref, alt):
+            for a, b in zip(ref, alt, strict=False):
                 if a.shape != b.shape or a.numel() == 0:
                     continue
                 diff = (a - b).abs()
@@ -266,14 +266,14 @@ class Session:
         try:
             if self.mode == "record" and exc_type is None:
                 self._finish_record()
-            if self.mode == "replay" and exc_type is None and self.bundle is not None:
-                if self.step_index != self.bundle.steps:
-                    raise Divergence(
-                        self.step_index + 1,
-                        True,
-                        [],
-                        f"the replay ran {self.step_index} steps, the bundle has {self.bundle.steps}",
-                    )
+            replayed_short = self.bundle is not None and self.step_index != self.bundle.steps
+            if self.mode == "replay" and exc_type is None and replayed_short:
+                raise Divergence(
+                    self.step_index + 1,
+                    True,
+                    [],
+                    f"the replay ran {self.step_index} steps, the bundle has {self.bundle.steps}",
+                )
         finally:
             if self._writer is not None:
                 self._writer.close()
