@@ -1,0 +1,141 @@
+"""The rounding mode: every op result on the FP32 grid, near-midpoint detection, logged directions."""
+
+import numpy as np
+import torch
+
+from detrl.hardware import get_profile
+from detrl.oprules import OpKind, classify
+from detrl.rounding import RoundingMode, StepRounding, Thresholds, near_midpoint
+from detrl.roundlog import OpEntries
+
+aten = torch.ops.aten
+
+
+def midpoints(values):
+    x32 = torch.tensor(values, dtype=torch.float32)
+    up = torch.nextafter(x32, torch.full_like(x32, float("inf")))
+    return (x32.double() + up.double()) / 2, x32.double(), up.double()
+
+
+def on_grid(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.float().double(), t))
+
+
+def test_near_midpoint_reads_distance_off_the_bits():
+    mid, lo, _ = midpoints([1.0, 3.0, -7.5, 1e-3, 1e30])
+    assert near_midpoint(mid, 1e-6, False).all()  # exact ties
+    ulp64 = 2.0**-52
+    off = mid * (1 + 2000 * ulp64)  # ~2000 FP64 ulps = ~3.7e-6 FP32 spacings away
+    assert not near_midpoint(off, 1e-6, False).any()
+    assert near_midpoint(off, 1e-5, False).all()
+    assert not near_midpoint(lo, 0.1, False).any()  # on the grid: as far from a midpoint as can be
+    special = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e39], dtype=torch.float64)
+    assert not near_midpoint(special, 0.1, False).any()
+    assert near_midpoint(torch.tensor([1e-40], dtype=torch.float64), 1e-9, False).all()  # FP32 subnormal: logged
+
+
+def test_fraction_logged_grows_with_tau_not_with_size():
+    x = torch.randn(200_000, dtype=torch.float64)
+    for tau in (1e-2, 1e-3):
+        frac = near_midpoint(x, tau, False).double().mean().item()
+        assert abs(frac - 2 * tau) < 0.2 * 2 * tau
+    # relative to the tensor's scale, small elements are logged more often
+    assert near_midpoint(x, 1e-3, True).sum() > near_midpoint(x, 1e-3, False).sum()
+
+
+def test_op_classes():
+    assert classify(aten.mul.Tensor, {}) is OpKind.EXACT
+    assert classify(aten.add_.Tensor, {"alpha": -0.1}) is OpKind.ELEMENTWISE
+    assert classify(aten.addcdiv_.default, {}) is OpKind.ELEMENTWISE
+    assert classify(aten.mm.default, {}) is OpKind.REDUCTION
+    assert classify(aten.relu.default, {}) is OpKind.KEEP
+    assert classify(aten.special_bessel_j0.default, {}) is OpKind.REDUCTION  # unknown ops are logged
+
+
+def _mode(tau=2.0**-20):
+    return RoundingMode(get_profile("native"), Thresholds(default=tau))
+
+
+def test_every_result_lands_on_the_fp32_grid_forward_backward_and_foreach_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.GELU(), torch.nn.Flatten(), torch.nn.Linear(144, 3)
+    ).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.float().double())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x = torch.rand(8, 1, 8, 8).double()
+    mode = _mode()
+    step = StepRounding()
+    mode.step = step
+    seen = []
+    original = mode.profile
+
+    def spy(func, args, kwargs):
+        seen.append(func.overloadpacket.__name__)
+        return original(func, args, kwargs)
+
+    mode.profile = spy
+    with mode:
+        loss = model(x).logsumexp(1).mean()
+        loss.backward()
+        opt.step()
+    for name, p in model.named_parameters():
+        assert on_grid(p), name
+        assert on_grid(p.grad), name
+        for k, v in opt.state[p].items():
+            if v.dtype == torch.float64:
+                assert on_grid(v), (name, k)
+    for b in model.buffers():
+        if b.is_floating_point():
+            assert on_grid(b)
+    # backward ops and foreach optimizer ops reach the mode
+    assert {"convolution_backward", "native_batch_norm_backward", "gelu_backward", "mm"} <= set(seen)
+    assert any(n.startswith("_foreach_") for n in seen)
+    assert step.stats.rounded_elements > 0
+
+
+def test_replay_rounds_logged_elements_in_the_logged_direction():
+    mid, lo, up = midpoints([1.0, 3.0, 5.0, -7.5])
+    eye = torch.eye(4, dtype=torch.float64)
+
+    def compute(step):
+        mode = _mode(1e-6)
+        mode.step = step
+        with mode:
+            return torch.mm(mid.view(1, 4), eye).view(4)  # a logged (reduction) op whose results are ties
+
+    rec = StepRounding()
+    out = compute(rec)
+    assert len(rec.recorded) == 1 and len(rec.recorded[0].indices) == 4
+    entries = rec.recorded[0]
+    # recorder rounds ties to even; the log says which neighbour that was
+    assert torch.equal(out, mid.float().double())
+    assert (entries.up == (out.abs() > mid.abs()).numpy()).all()
+    flipped = OpEntries(op=entries.op, indices=entries.indices, up=~entries.up)
+    rep = StepRounding(replay={entries.op: flipped})
+    out2 = compute(rep)
+    expect = torch.where(torch.from_numpy(~entries.up), torch.maximum(lo.abs(), up.abs()), torch.minimum(lo.abs(), up.abs()))
+    assert torch.equal(out2.abs(), expect)
+    assert rep.stats.corrected == 4
+    assert rep.anomalies and rep.anomalies[0].kind == "logged-direction-differs"
+    # without the entry the replayer finds unlogged near-midpoint elements and says where
+    rep2 = StepRounding(replay={})
+    compute(rep2)
+    assert rep2.stats.unlogged_near == 4
+    assert rep2.anomalies[0].kind == "unlogged-near" and rep2.anomalies[0].name == "mm"
+
+
+def test_logged_entries_are_sparse_for_a_matmul():
+    torch.manual_seed(1)
+    a = torch.randn(128, 256).double()
+    b = torch.randn(256, 128).double()
+    step = StepRounding()
+    mode = _mode(2.0**-20)
+    mode.step = step
+    with mode:
+        torch.mm(a, b)
+    n = sum(len(e.indices) for e in step.recorded)
+    assert n < 0.001 * 128 * 128
+    assert all(isinstance(e.indices, np.ndarray) for e in step.recorded)

@@ -1,0 +1,84 @@
+"""The switchboard: named streams, independent seeds, state round trip, stream-driven random ops."""
+
+import pytest
+import torch
+
+from detrl import Sources
+from detrl.randomness import StreamRandomMode
+from detrl.sources import STREAMS, derive_seed
+
+
+def test_each_stream_has_its_own_seed_derived_from_base_and_name():
+    s = Sources(seed=0)
+    seeds = [s.seed_of(n) for n in STREAMS]
+    assert len(set(seeds)) == len(STREAMS)
+    assert s.seed_of("init") == derive_seed(0, "init")
+    assert Sources(seed=1).seed_of("init") != s.seed_of("init")
+
+
+def test_changing_one_stream_leaves_the_others_untouched():
+    a = Sources(seed=0)
+    b = Sources(seed=0, streams={"dropout": {"seed": 7}})
+    assert b.seed_of("dropout") == 7
+    for name in STREAMS:
+        if name != "dropout":
+            assert torch.equal(a.permutation(name, 50), b.permutation(name, 50)), name
+    assert not torch.equal(a.permutation("dropout", 50), b.permutation("dropout", 50))
+
+
+def test_unseeded_stream_draws_fresh_seed_and_records_it():
+    a, b = Sources(streams={"explore": {"seed": None}}), Sources(streams={"explore": {"seed": None}})
+    assert a.seed_of("explore") != b.seed_of("explore")
+    restored = Sources()
+    restored.load_state_dict(a.state_dict())
+    assert restored.seed_of("explore") == a.seed_of("explore")
+
+
+def test_state_round_trip_resumes_streams_exactly():
+    a = Sources(seed=3)
+    a.permutation("data_order", 10)
+    a.numpy("replay").integers(0, 100, 5)
+    b = Sources()
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.permutation("data_order", 100), b.permutation("data_order", 100))
+    assert (a.numpy("replay").integers(0, 1000, 10) == b.numpy("replay").integers(0, 1000, 10)).all()
+    assert a.digest_bytes() == b.digest_bytes()
+
+
+def test_bad_state_and_unknown_streams_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown random stream"):
+        Sources(streams={"nope": {"seed": 1}})
+    with pytest.raises(ValueError, match="unknown key sources.bogus"):
+        Sources.from_config({"seed": 0, "bogus": {"seed": 1}})
+    with pytest.raises(ValueError, match="invalid switchboard state"):
+        Sources().load_state_dict({"seeds": {"init": "x"}, "seed": 0})
+
+
+def test_bitflip_moves_one_weight_to_its_neighbouring_float():
+    torch.manual_seed(0)
+    m1 = torch.nn.Linear(4, 3)
+    m2 = torch.nn.Linear(4, 3)
+    m2.load_state_dict(m1.state_dict())
+    where = Sources(seed=0, bitflip=True).apply_bitflip(m2)
+    assert where is not None
+    diffs = [(n, (p1 != p2).sum().item()) for (n, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters())]
+    assert sum(d for _, d in diffs) == 1
+    assert Sources(seed=0).apply_bitflip(m2) is None
+
+
+def test_random_ops_in_a_step_draw_from_the_stream_not_the_global_rng():
+    def draw(stream_seed, global_seed):
+        torch.manual_seed(global_seed)
+        g = torch.Generator().manual_seed(stream_seed)
+        with StreamRandomMode(g):
+            x = torch.nn.functional.dropout(torch.ones(64, dtype=torch.float64), 0.5)
+            return x, torch.rand(5), torch.randperm(7), torch.empty(4).bernoulli_(0.5), torch.randn(3)
+
+    a, b, c = draw(1, 0), draw(1, 99), draw(2, 0)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))  # the global seed does not matter
+    assert not torch.equal(a[0], c[0])  # the stream does
+
+
+def test_random_op_without_a_handler_is_refused():
+    with StreamRandomMode(torch.Generator()), pytest.raises(RuntimeError, match="no switchboard stream"):
+        torch.poisson(torch.ones(3))
