@@ -14,7 +14,9 @@ def test_train_then_audit_on_another_profile(tmp_path, capsys):
     assert "rounding log:" in text and "dense reference encoding" in text
     assert (out / "tb").is_dir()  # TensorBoard scalars
     report = tmp_path / "report.json"
-    rc = main(["audit", str(out), "--hardware", "emulated:pairwise", "--json", str(report), "--stats", "--quiet"])
+    rc = main(
+        ["audit", str(out), "--hardware", "emulated:pairwise", "--json", str(report), "--stats", "--quiet"]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert text.startswith("REPLICATED on emulated:pairwise")
@@ -35,7 +37,9 @@ def test_fp32_run_audited_on_another_profile_diverges_at_step_1(tmp_path, capsys
 def test_profiles_are_listed(capsys):
     assert main(["profiles"]) == 0
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert {"native", "emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"} <= set(names)
+    assert {"native", "emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"} <= set(
+        names
+    )
 
 
 def test_unknown_profile_and_benchmark_are_one_line_errors(tmp_path, capsys):

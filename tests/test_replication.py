@@ -10,7 +10,10 @@ from detrl.supervised.train import fingerprint, run
 PROFILES = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
 MODELS = {
     "cnn_bn": {"data": {"name": "digits"}, "model": {"name": "cnn_bn", "channels": 8}},
-    "mlp_dropout": {"data": {"name": "digits"}, "model": {"name": "mlp_dropout", "hidden": 128, "dropout": 0.2}},
+    "mlp_dropout": {
+        "data": {"name": "digits"},
+        "model": {"name": "mlp_dropout", "hidden": 128, "dropout": 0.2},
+    },
     "tiny_transformer": {
         "data": {"name": "synthetic_text", "seq_len": 16, "n": 256, "vocab": 32},
         "model": {"name": "tiny_transformer", "d_model": 32, "heads": 2, "layers": 1, "dropout": 0.1},

@@ -31,7 +31,9 @@ def test_near_midpoint_reads_distance_off_the_bits():
     assert not near_midpoint(lo, 0.1, False).any()  # on the grid: as far from a midpoint as can be
     special = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e39], dtype=torch.float64)
     assert not near_midpoint(special, 0.1, False).any()
-    assert near_midpoint(torch.tensor([1e-40], dtype=torch.float64), 1e-9, False).all()  # FP32 subnormal: logged
+    assert near_midpoint(
+        torch.tensor([1e-40], dtype=torch.float64), 1e-9, False
+    ).all()  # FP32 subnormal: logged
 
 
 def test_fraction_logged_grows_with_tau_not_with_size():
@@ -59,7 +61,11 @@ def _mode(tau=2.0**-20):
 def test_every_result_lands_on_the_fp32_grid_forward_backward_and_foreach_optimizer():
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.GELU(), torch.nn.Flatten(), torch.nn.Linear(144, 3)
+        torch.nn.Conv2d(1, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.GELU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(144, 3),
     ).double()
     with torch.no_grad():
         for p in model.parameters():
@@ -116,7 +122,9 @@ def test_replay_rounds_logged_elements_in_the_logged_direction():
     flipped = OpEntries(op=entries.op, indices=entries.indices, up=~entries.up)
     rep = StepRounding(replay={entries.op: flipped})
     out2 = compute(rep)
-    expect = torch.where(torch.from_numpy(~entries.up), torch.maximum(lo.abs(), up.abs()), torch.minimum(lo.abs(), up.abs()))
+    expect = torch.where(
+        torch.from_numpy(~entries.up), torch.maximum(lo.abs(), up.abs()), torch.minimum(lo.abs(), up.abs())
+    )
     assert torch.equal(out2.abs(), expect)
     assert rep.stats.corrected == 4
     assert rep.anomalies and rep.anomalies[0].kind == "logged-direction-differs"

@@ -61,7 +61,9 @@ def test_bitflip_moves_one_weight_to_its_neighbouring_float():
     m2.load_state_dict(m1.state_dict())
     where = Sources(seed=0, bitflip=True).apply_bitflip(m2)
     assert where is not None
-    diffs = [(n, (p1 != p2).sum().item()) for (n, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters())]
+    diffs = [
+        (n, (p1 != p2).sum().item()) for (n, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters())
+    ]
     assert sum(d for _, d in diffs) == 1
     assert Sources(seed=0).apply_bitflip(m2) is None
 
