@@ -88,3 +88,21 @@ def test_profiles_bite_in_fp64_without_rounding(tmp_path):
     with pytest.raises(Divergence) as e:
         replay(cfg, tmp_path / "run", "emulated:splitk")
     assert e.value.step == 1
+
+
+def test_thread_count_changes_fp32_bits_but_not_verifiable_ones(tmp_path):
+    import json
+
+    from detrl.cli import main
+
+    roots = {}
+    for precision in ("fp32", "verifiable"):
+        for threads in (1, 2):
+            out = tmp_path / f"{precision}-{threads}"
+            args = ["train", "configs/supervised/digits_cnn.yaml", "--out", str(out), "--quiet", "--no-tensorboard",
+                    "--set", f"threads={threads}", "--set", f"precision={precision}", "--set", "train.steps=5"]  # fmt: skip
+            assert main(args) == 0
+            roots[precision, threads] = json.loads((out / "manifest.json").read_text())["merkle_root"]
+    assert roots["verifiable", 1] == roots["verifiable", 2]
+    # oneDNN's FP32 convolutions on this CPU split work by thread count
+    assert roots["fp32", 1] != roots["fp32", 2]

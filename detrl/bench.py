@@ -1,0 +1,452 @@
+"""Benchmarks behind BENCHMARKS.md: ``detrl bench overhead | roundlog | nolog [options]``.
+
+Every benchmark prints a header line naming the machine and a small table to stdout; progress goes to
+stderr. Ratios are always measured side by side in one run (variants interleaved, repeated, medians),
+because a shared CPU is noisy.
+
+``overhead``
+    Step time and peak memory of verifiable precision (recording, and ``mode="off"`` to separate the
+    log/commit I/O) against plain FP64 and plain FP32, for the digits CNN and ResNet-50 (CIFAR form).
+    Each (model, variant, repeat) runs in a fresh subprocess so that its peak RSS is its own.
+``roundlog``
+    Rounding-log size per step against the dense reference encoding, and against the 26.2 MB per
+    ResNet-50 step written by the paper's code.
+``nolog``
+    Replays a recorded verifiable run on every emulated profile with its log and with the log emptied,
+    to show how soon FP64 + rounding *without* the log diverges; plain FP32 as a control.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: The paper's code writes this much rounding log per ResNet-50 step at batch 8 (from the issue).
+PAPER_LOG_BYTES_PER_STEP = 26.2e6
+#: The issue's goal: a log at least this many times smaller than the paper's.
+LOG_GOAL_FACTOR = 1000
+EMULATED = ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic")
+
+# The models, as in configs/supervised/*.yaml (precision and steps are set per benchmark).
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "digits_cnn": {
+        "data": {"name": "digits"},
+        "model": {"name": "cnn_bn", "channels": 16},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "train": {"batch_size": 32},
+    },
+    "mlp_dropout": {
+        "data": {"name": "digits"},
+        "model": {"name": "mlp_dropout", "hidden": 128, "dropout": 0.2},
+        "optimizer": {"name": "adamw", "lr": 0.001, "weight_decay": 0.01},
+        "train": {"batch_size": 32},
+    },
+    "tiny_transformer": {
+        "data": {"name": "synthetic_text", "seq_len": 32, "n": 512, "vocab": 65},
+        "model": {"name": "tiny_transformer", "d_model": 32, "heads": 2, "layers": 1, "dropout": 0.1},
+        "optimizer": {"name": "adamw", "lr": 0.003},
+        "train": {"batch_size": 16},
+    },
+    "resnet50": {
+        "data": {"name": "synthetic_images", "n": 64},
+        "model": {"name": "resnet50"},
+        "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "train": {"batch_size": 8},
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def machine_line(threads: int) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"machine: {cpu} | {os.cpu_count()} cores | torch {torch.__version__} | "
+        f"{threads} thread{'s' if threads != 1 else ''} | python {platform.python_version()}"
+    )
+
+
+def make_config(model: str, precision: str, steps: int, threads: int = 1, **train: Any) -> Any:
+    from detrl import config as config_mod
+
+    raw = json.loads(json.dumps(MODEL_CONFIGS[model]))
+    raw.update(name=f"bench_{model}", precision=precision, threads=threads)
+    raw["train"].update(steps=steps, **train)
+    raw["verify"] = {"checkpoint_every": 0}
+    return config_mod.validate(raw)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(
+        c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )  # noqa: E731
+    out = [line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM (peak RSS) to the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------- overhead
+#: variant -> (Session mode, precision)
+VARIANTS: dict[str, tuple[str, str]] = {
+    "verifiable record": ("record", "verifiable"),
+    "verifiable off": ("off", "verifiable"),
+    "fp64": ("off", "fp64"),
+    "fp32": ("off", "fp32"),
+}
+
+
+def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run ``warmup + steps`` training steps of one variant in this (fresh) process; time and measure it."""
+    from detrl.engine import Session
+    from detrl.rounding import Thresholds
+    from detrl.sources import Sources
+    from detrl.supervised import train
+
+    torch.set_num_threads(spec["threads"])
+    mode, precision = VARIANTS[spec["variant"]]
+    warmup, steps = spec["warmup"], spec["steps"]
+    cfg = make_config(spec["model"], precision, warmup + steps, spec["threads"])
+    x, y = train.load_data(cfg)
+    thresholds: Any = "calibrate" if spec["tau"] is None else Thresholds(default=spec["tau"])
+    tmp = tempfile.mkdtemp(prefix="detrl-bench-") if mode == "record" else None
+    baseline_kb = _status_kb("VmRSS")  # torch imported, data loaded, no model yet
+    session = Session(
+        tmp, mode=mode, precision=precision, sources=Sources.from_config(cfg.sources),
+        checkpoint_every=0, thresholds=thresholds,
+    )  # fmt: skip
+    times: list[float] = []
+    reset_ok, first_peak_kb = False, 0
+    try:
+        with session:
+            model = session.init(train.model_builder(cfg, x))
+            opt = session.track(train.make_optimizer(cfg, model))
+            model.train()
+            batches = session.loader((x, y), batch_size=cfg.train.batch_size, steps=warmup + steps)
+            for i in range(warmup + steps):
+                if i == warmup:
+                    first_peak_kb = _status_kb("VmHWM")
+                    reset_ok = _reset_peak_rss()
+                t0 = time.perf_counter()
+                batch = next(batches)
+                with session.step():
+                    loss = train.loss_fn(model(batch.x), batch.y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                float(loss.detach())
+                times.append(time.perf_counter() - t0)  # includes the commit and the log write
+            peak_kb = _status_kb("VmHWM")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "times": times[warmup:],
+        "first": times[:warmup],
+        "baseline_kb": baseline_kb,
+        "peak_kb": peak_kb,
+        "first_peak_kb": first_peak_kb,
+        "reset_ok": reset_ok,
+        "logged": [s.logged for s in session.step_stats[warmup:]],
+        "log_bytes": session.log_bytes[warmup:],
+    }
+
+
+def _worker_main() -> None:
+    spec = json.loads(sys.argv[1])
+    print("RESULT " + json.dumps(_overhead_worker(spec)), flush=True)
+
+
+def _spawn_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    code = "from detrl.bench import _worker_main; _worker_main()"
+    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, env=env, check=False
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"benchmark worker failed ({spec}): {proc.stderr.strip().splitlines()[-1:]}")
+
+
+def bench_overhead(rest: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="detrl bench overhead", description=bench_overhead.__doc__)
+    p.add_argument("--models", default="digits_cnn,resnet50", help="comma list of " + ",".join(MODEL_CONFIGS))
+    p.add_argument("--steps", type=int, default=20, help="timed steps per process (small models)")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per variant (small models)")
+    p.add_argument("--resnet-steps", type=int, default=2, help="timed steps per process for resnet50")
+    p.add_argument("--resnet-repeats", type=int, default=1, help="fresh processes per variant for resnet50")
+    p.add_argument("--warmup", type=int, default=1, help="untimed first steps (step 1 calibrates)")
+    p.add_argument(
+        "--resnet-tau", type=float, default=2.0**-16,
+        help="fixed threshold for resnet50's verifiable variants (skips the ~1 min calibration step); "
+        "0 or negative: calibrate as a real run does",
+    )  # fmt: skip
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(rest)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in models:
+        if m not in MODEL_CONFIGS:
+            raise ValueError(f"unknown model {m!r}; known: {', '.join(MODEL_CONFIGS)}")
+    print(machine_line(args.threads))
+    print(
+        "step time: wall time of a whole loop iteration (batch, forward, backward, optimizer, commit, log "
+        "write), first step(s) excluded; peak memory: VmHWM (peak RSS) of a fresh process per variant, "
+        "reset via /proc/self/clear_refs after the warm-up step, minus its RSS before the model was built"
+    )
+    rows = []
+    notes = []
+    for model in models:
+        big = model == "resnet50"
+        steps = args.resnet_steps if big else args.steps
+        repeats = args.resnet_repeats if big else args.repeats
+        tau = args.resnet_tau if big and args.resnet_tau > 0 else None
+        if tau is not None:
+            notes.append(
+                f"{model}: verifiable variants use a fixed threshold tau={tau:g} for every op instead of "
+                "calibrating in step 1 (same rounding work per step; at least as many logged elements as "
+                "a calibrated run)"
+            )
+        res: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+        names = list(VARIANTS)
+        for r in range(repeats):
+            order = names[r % len(names) :] + names[: r % len(names)]  # rotate to spread drift
+            for v in order:
+                t0 = time.perf_counter()
+                spec = {"model": model, "variant": v, "steps": steps, "warmup": args.warmup,
+                        "threads": args.threads, "tau": tau}  # fmt: skip
+                out = _spawn_worker(spec)
+                res[v].append(out)
+                _log(
+                    f"{model} repeat {r + 1}/{repeats} {v}: median "
+                    f"{statistics.median(out['times']) * 1e3:.1f} ms/step ({time.perf_counter() - t0:.0f} s)"
+                )
+        med = {v: statistics.median([t for o in res[v] for t in o["times"]]) for v in VARIANTS}
+        mem = {
+            v: statistics.median([(o["peak_kb"] - o["baseline_kb"]) / 1024 for o in res[v]]) for v in VARIANTS
+        }
+        mem1 = {
+            v: statistics.median(
+                [(max(o["first_peak_kb"], o["peak_kb"]) - o["baseline_kb"]) / 1024 for o in res[v]]
+            )
+            for v in VARIANTS
+        }
+        if not all(o["reset_ok"] for v in VARIANTS for o in res[v]):
+            notes.append(f"{model}: could not reset peak RSS; steady-state peak includes the warm-up step")
+        for v in VARIANTS:
+            logged = [n for o in res[v] for n in o["logged"]]
+            rows.append([
+                model, v, str(len(res[v]) * steps), f"{med[v] * 1e3:.1f}",
+                f"{med[v] / med['fp64']:.2f}x", f"{med[v] / med['fp32']:.2f}x",
+                f"{mem[v]:.0f}", f"{mem[v] / mem['fp64']:.2f}x" if mem["fp64"] > 0 else "-",
+                f"{mem1[v]:.0f}", f"{statistics.median(logged):.0f}" if logged else "-",
+            ])  # fmt: skip
+    headers = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp32",
+               "peak MB", "peak /fp64", "peak MB incl. step 1", "logged/step"]  # fmt: skip
+    print(_table(headers, rows))
+    for n in notes:
+        print("note: " + n)
+    print(
+        "goal: verifiable within 1.5x plain FP64 step time and 1.2x its peak memory (paper's hooks: 3.9x, 1.8x)"
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- roundlog
+def _record(cfg: Any, run_dir: Path) -> Any:
+    from detrl.engine import Session
+    from detrl.sources import Sources
+    from detrl.supervised import train
+
+    session = Session(
+        run_dir, mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
+        hardware=cfg.hardware, checkpoint_every=cfg.verify.checkpoint_every, margin=cfg.verify.margin,
+        config=cfg.model_dump(mode="json"), data_fingerprint=train.fingerprint(cfg),
+    )  # fmt: skip
+    with session:
+        train.run(cfg, session)
+    return session
+
+
+def bench_roundlog(rest: list[str]) -> int:
+    from detrl.roundlog import dense_reference_bytes
+
+    p = argparse.ArgumentParser(prog="detrl bench roundlog")
+    p.add_argument("--models", default="digits_cnn,mlp_dropout,tiny_transformer,resnet50")
+    p.add_argument("--steps", type=int, default=30, help="steps for the small models")
+    p.add_argument("--resnet-steps", type=int, default=3, help="steps for resnet50 (step 1 takes ~1 min)")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(rest)
+    torch.set_num_threads(args.threads)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in models:
+        if m not in MODEL_CONFIGS:
+            raise ValueError(f"unknown model {m!r}; known: {', '.join(MODEL_CONFIGS)}")
+    print(machine_line(args.threads))
+    print(
+        "step 1 calibrates the thresholds with a generous tau (2**-10), so it is reported separately; "
+        "'steps 2..N' are per-step means. dense = one base-3 digit per rounded element, 5 per byte"
+    )
+    rows = []
+    resnet_bytes: float | None = None
+    with tempfile.TemporaryDirectory(prefix="detrl-bench-") as tmp:
+        for model in models:
+            steps = args.resnet_steps if model == "resnet50" else args.steps
+            t0 = time.perf_counter()
+            _log(f"recording {model}, {steps} steps ...")
+            s = _record(make_config(model, "verifiable", steps, args.threads), Path(tmp) / model)
+            _log(f"{model}: {time.perf_counter() - t0:.0f} s")
+            parts = [("step 1", [0])]
+            if steps > 1:
+                parts.append((f"steps 2..{steps}", list(range(1, steps))))
+            for label, idx in parts:
+                logged = statistics.mean(s.step_stats[i].logged for i in idx)
+                rounded = statistics.mean(s.step_stats[i].rounded_elements for i in idx)
+                lb = statistics.mean(s.log_bytes[i] for i in idx)
+                dense = statistics.mean(dense_reference_bytes(s.step_stats[i].rounded_elements) for i in idx)
+                if model == "resnet50" and label != "step 1":
+                    resnet_bytes = lb
+                rows.append([
+                    model, label, f"{logged:,.0f}", f"{lb:,.0f}", f"{rounded:,.0f}", f"{dense:,.0f}",
+                    f"{dense / max(lb, 1):,.0f}x", f"{PAPER_LOG_BYTES_PER_STEP / max(lb, 1):,.1f}x",
+                ])  # fmt: skip
+    headers = ["model", "steps", "logged el./step", "log B/step", "rounded el./step", "dense B/step",
+               "dense/log", "26.2MB/log"]  # fmt: skip
+    print(_table(headers, rows))
+    print(
+        f"paper: its code writes {_bytes(PAPER_LOG_BYTES_PER_STEP)} of log per ResNet-50 step at batch 8; "
+        f"goal >= {LOG_GOAL_FACTOR}x smaller, i.e. <= {_bytes(PAPER_LOG_BYTES_PER_STEP / LOG_GOAL_FACTOR)}/step"
+    )
+    if resnet_bytes is not None:
+        factor = PAPER_LOG_BYTES_PER_STEP / max(resnet_bytes, 1)
+        verdict = "MET" if factor >= LOG_GOAL_FACTOR else "MISSED"
+        print(
+            f"ours (resnet50, steps after calibration): {_bytes(resnet_bytes)}/step = {factor:,.1f}x smaller "
+            f"than the paper's -> goal {verdict}"
+            + ("" if factor >= LOG_GOAL_FACTOR else f" by {LOG_GOAL_FACTOR / factor:.1f}x")
+        )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ nolog
+def strip_log(src: Path, dst: Path) -> None:
+    """Copy bundle ``src`` to ``dst`` with every step of its rounding log emptied, re-hashed so it validates."""
+    from detrl import bundle as bundle_mod
+    from detrl.roundlog import rewrite
+
+    shutil.copytree(src, dst)
+    rewrite(src / bundle_mod.ROUNDLOG, dst / bundle_mod.ROUNDLOG, lambda step, ops: {})
+    manifest_path = dst / bundle_mod.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    for rel in manifest["files"]:
+        manifest["files"][rel] = hashlib.sha256((dst / rel).read_bytes()).hexdigest()
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def bench_nolog(rest: list[str]) -> int:
+    from detrl.audit import audit
+
+    p = argparse.ArgumentParser(prog="detrl bench nolog")
+    p.add_argument("--steps", type=int, default=200, help="steps of the recorded digits CNN run")
+    p.add_argument("--profiles", default=",".join(EMULATED))
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(rest)
+    torch.set_num_threads(args.threads)
+    profiles = [q.strip() for q in args.profiles.split(",") if q.strip()]
+    print(machine_line(args.threads))
+    print(f"digits CNN, batch 32, {args.steps} steps, recorded on native; replayed with `detrl.audit.audit`")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="detrl-bench-") as tmp:
+        runs: dict[str, Path] = {}
+        for precision in ("verifiable", "fp32"):
+            t0 = time.perf_counter()
+            runs[precision] = Path(tmp) / precision
+            s = _record(make_config("digits_cnn", precision, args.steps, args.threads), runs[precision])
+            _log(f"recorded {precision}: {args.steps} steps in {time.perf_counter() - t0:.0f} s")
+            if precision == "verifiable":
+                total_logged = s.totals.logged
+        runs["nolog"] = Path(tmp) / "nolog"
+        strip_log(runs["verifiable"], runs["nolog"])
+        variants: list[tuple[str, Path]] = [
+            ("verifiable, with log", runs["verifiable"]),
+            ("verifiable, log emptied", runs["nolog"]),
+            ("fp32 (control)", runs["fp32"]),
+        ]
+        for prof in profiles:
+            for label, run_dir in variants:
+                t0 = time.perf_counter()
+                r = audit(run_dir, prof)
+                _log(f"{prof} {label}: {r.verdict} ({time.perf_counter() - t0:.0f} s)")
+                first = str(r.diverged_step) if r.diverged_step is not None else f"none in {args.steps} steps"
+                rows.append([prof, label, r.verdict, first, str(r.corrected), str(r.unlogged_near)])
+    print(f"recorded log: {total_logged:,} logged elements over {args.steps} steps")
+    print(
+        _table(["profile", "bundle", "verdict", "first diverging step", "corrected", "unlogged near"], rows)
+    )
+    print(
+        "corrected: logged elements whose replayer-nearest rounding differed from the log (where the log "
+        "mattered); unlogged near: near-midpoint elements the replayer saw that the log did not list"
+    )
+    return 0
+
+
+BENCHMARKS: dict[str, Callable[[list[str]], int]] = {
+    "overhead": bench_overhead,
+    "roundlog": bench_roundlog,
+    "nolog": bench_nolog,
+}
+
+
+def main(name: str, rest: list[str]) -> int:
+    """Run benchmark ``name`` with command-line options ``rest``; returns the exit code."""
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name](list(rest))
