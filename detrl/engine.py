@@ -347,15 +347,17 @@ class Session:
         rounding = None
         t0 = time.perf_counter()
         with contextlib.ExitStack() as modes:
+            # Innermost first: the rounding mode's own work must not pass through the random-op mode,
+            # and random ops must reach the rounding mode already drawn from their stream.
             if not self.precision.is_verifiable and self.hardware != "native":
                 modes.enter_context(HardwareMode(self.profile))
-            modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             if self.precision.is_verifiable:
                 replay = self.bundle.read_log_step(step) if self.bundle is not None else None
                 rounding = StepRounding(replay=replay)
                 self.rounding.step = rounding
                 self.rounding.calibrate = self._calibrator if step <= self.calibration_steps else None
                 modes.enter_context(self.rounding)
+            modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             try:
                 yield rounding
             except LogOutOfRange as e:

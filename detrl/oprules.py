@@ -25,6 +25,7 @@ differs between ops is whether two IEEE-754 machines can disagree about the FP64
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import torch
@@ -85,12 +86,18 @@ _ALPHA_FUSED = _packets(
 
 def classify(func: Any, kwargs: dict[str, Any]) -> OpKind:
     """The :class:`OpKind` of aten overload ``func`` called with ``kwargs``."""
+    kind = _base_kind(func)
+    if kind is OpKind.EXACT and func.overloadpacket in _ALPHA_FUSED and kwargs.get("alpha", 1) != 1:
+        return OpKind.ELEMENTWISE
+    return kind
+
+
+@functools.cache
+def _base_kind(func: Any) -> OpKind:
     packet = func.overloadpacket
     if packet in _KEEP:
         return OpKind.KEEP
     if packet in _EXACT:
-        if packet in _ALPHA_FUSED and kwargs.get("alpha", 1) != 1:
-            return OpKind.ELEMENTWISE
         return OpKind.EXACT
     if packet in _ELEMENTWISE:
         return OpKind.ELEMENTWISE

@@ -16,6 +16,7 @@ always logged. Infinities and NaN are never logged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -77,19 +78,21 @@ def near_midpoint(x: torch.Tensor, tau: float, scale_relative: bool) -> torch.Te
     bits = x.view(torch.int64)
     thr = int(tau * _THRESH_UNITS)
     dist = (bits & _LOW_MASK).sub_(_HALF).abs_()
-    exp = (bits & _ABS_MASK) >> 52
+    exp = (bits >> 52).bitwise_and_(0x7FF)
     if scale_relative and x.numel():
-        amax = x.abs().max()
-        scale_exp = int((amax.view(torch.int64) >> 52).item()) if torch.isfinite(amax) else 2046
-        # Spacing at the scale is 2**(scale_exp - exp) times the element's own: shift the threshold.
-        limit = torch.bitwise_left_shift(torch.full_like(exp, thr), (scale_exp - exp).clamp_(0, 33))
-        near = dist < limit
+        amax = torch.maximum(x.max(), -x.min())
+        scale_exp = int((amax.view(torch.int64) >> 52).item()) & 0x7FF
+        # The spacing at the scale is 2**(scale_exp - exp) times the element's own, so compare
+        # dist < thr << shift, computed exactly as (dist >> shift) < thr.
+        near = dist.bitwise_right_shift_((scale_exp - exp).clamp_(0, 62)) < thr
     else:
         near = dist < thr
-    # Exact zeros (structural: untouched gradient slots, masked values) are on the grid, never near.
-    near &= (exp < _EXP_OVERFLOW) & (exp != 0)
-    tiny = (exp < _EXP_F32_MIN_NORMAL) & ((bits & _ABS_MASK) != 0)
-    return near | tiny
+    # Exact zeros are on the grid (often structurally: untouched gradient slots); inf/NaN and values past
+    # the FP32 range are never logged; FP32-subnormal results keep fewer bits and are always logged.
+    near &= exp < _EXP_OVERFLOW
+    near |= exp < _EXP_F32_MIN_NORMAL
+    near &= exp != 0
+    return near
 
 
 @dataclasses.dataclass
@@ -255,6 +258,7 @@ HIDDEN_WRITES: dict[Any, tuple[int, ...]] = {
 }
 
 
+@functools.cache
 def _mutates(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
