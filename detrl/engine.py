@@ -47,7 +47,7 @@ from detrl.roundlog import RoundLogWriter
 from detrl.sources import Sources
 
 #: Threshold used while calibrating (the first recorded step): generous, so that step is safe too.
-CALIBRATION_TAU = 2.0**-10
+CALIBRATION_TAU = 2.0**-14
 #: Calibrated tau = margin x the largest disagreement seen between profiles, clamped to [floor, cap].
 DEFAULT_MARGIN = 16.0
 TAU_FLOOR = 2.0**-22  # 128 FP64 ulps: covers libm and FMA-contraction differences of elementwise ops
