@@ -79,6 +79,8 @@ def audit(run_dir: str | Path, hardware: str = "native", progress: bool = False)
         cfg = config_mod.validate(probe.config)
         task = recipe(cfg.task)
         claimed = probe.manifest.get("data_fingerprint")
+    except config_mod.ConfigError as e:
+        raise bundle_mod.BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
     finally:
         probe.close()
     torch.set_num_threads(cfg.threads)

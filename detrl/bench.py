@@ -396,7 +396,7 @@ def bench_nolog(rest: list[str]) -> int:
     from detrl.audit import audit
 
     p = argparse.ArgumentParser(prog="detrl bench nolog")
-    p.add_argument("--steps", type=int, default=200, help="steps of the recorded digits CNN run")
+    p.add_argument("--steps", type=int, default=100, help="steps of the recorded digits CNN run")
     p.add_argument("--profiles", default=",".join(EMULATED))
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(rest)

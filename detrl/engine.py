@@ -203,14 +203,16 @@ class Session:
             if self.dir is None:
                 raise ValueError("replay needs the bundle directory")
             self.bundle = bundle_mod.Bundle(self.dir)
-            self.precision = Precision(self.bundle.precision)
-            self.sources = Sources()
-            self.sources.load_state_dict(self.bundle.sources)
-            try:
+            try:  # the manifest is untrusted: every field that shapes the replay is checked
+                self.precision = Precision(self.bundle.precision)
+                self.sources = Sources()
+                self.sources.load_state_dict(self.bundle.sources)
                 self.thresholds = Thresholds.from_json(self.bundle.thresholds)
+                self.calibration_steps = self.bundle.thresholds.get("calibration_steps", 0)
+                if not isinstance(self.calibration_steps, int) or self.calibration_steps < 0:
+                    raise ValueError("thresholds.calibration_steps must be a non-negative integer")
             except ValueError as e:
                 raise bundle_mod.BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
-            self.calibration_steps = int(self.bundle.thresholds.get("calibration_steps", 0))
             self.config = self.bundle.config
             fp = self.bundle.manifest.get("data_fingerprint")
             if data_fingerprint is not None and fp is not None and fp != data_fingerprint:

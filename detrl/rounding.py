@@ -56,8 +56,15 @@ class Thresholds:
     def from_json(cls, obj: Any) -> Thresholds:
         if not isinstance(obj, dict) or not isinstance(obj.get("per_op", {}), dict):
             raise ValueError("thresholds must be an object with 'default' and 'per_op'")
-        per_op = {str(k): float(v) for k, v in obj.get("per_op", {}).items()}
-        default = float(obj.get("default", cls.default))
+        raw = {
+            **{str(k): v for k, v in obj.get("per_op", {}).items()},
+            "default": obj.get("default", cls.default),
+        }
+        for name, value in raw.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"threshold for {name} is {value!r}, not a number")
+        default = float(raw.pop("default"))
+        per_op = {k: float(v) for k, v in raw.items()}
         for name, tau in [*per_op.items(), ("default", default)]:
             if not (0.0 <= tau <= 0.5):
                 raise ValueError(f"threshold for {name} is {tau}, outside [0, 0.5]")

@@ -169,8 +169,10 @@ class Sources:
                 self.torch(name).set_state(torch.from_numpy(raw))
             for name, st in dict(state.get("numpy", {})).items():
                 self.numpy(name).bit_generator.state = dict(st)
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"invalid switchboard state: {e}") from None
+        except KeyError as e:
+            raise ValueError(f"invalid switchboard state (sources): missing {e}") from None
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"invalid switchboard state (sources): {e}") from None
 
     def config(self) -> dict[str, Any]:
         """The switchboard as config: base seed and every stream's effective seed (for the manifest)."""

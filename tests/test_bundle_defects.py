@@ -113,7 +113,9 @@ def _cut_points(size: int) -> list[int]:
 
 
 @pytest.mark.parametrize("which", range(7))
-def test_roundlog_truncated_stale_manifest(bundle: Path, capsys: pytest.CaptureFixture[str], which: int) -> None:
+def test_roundlog_truncated_stale_manifest(
+    bundle: Path, capsys: pytest.CaptureFixture[str], which: int
+) -> None:
     log = bundle / "roundlog"
     cut = _cut_points(log.stat().st_size)[which]
     log.write_bytes(log.read_bytes()[:cut])
@@ -177,7 +179,9 @@ def test_manifest_not_utf8(bundle: Path, capsys: pytest.CaptureFixture[str]) -> 
     audit_bad(capsys, bundle, "manifest.json")
 
 
-@pytest.mark.parametrize("key", ["config", "precision", "sources", "steps", "merkle_root", "thresholds", "files"])
+@pytest.mark.parametrize(
+    "key", ["config", "precision", "sources", "steps", "merkle_root", "thresholds", "files"]
+)
 def test_manifest_missing_key(bundle: Path, capsys: pytest.CaptureFixture[str], key: str) -> None:
     m = read_manifest(bundle)
     del m[key]
@@ -186,7 +190,9 @@ def test_manifest_missing_key(bundle: Path, capsys: pytest.CaptureFixture[str], 
 
 
 @pytest.mark.parametrize("key, value", [("steps", "8"), ("steps", True), ("files", []), ("config", [1])])
-def test_manifest_key_wrong_type(bundle: Path, capsys: pytest.CaptureFixture[str], key: str, value: Any) -> None:
+def test_manifest_key_wrong_type(
+    bundle: Path, capsys: pytest.CaptureFixture[str], key: str, value: Any
+) -> None:
     m = read_manifest(bundle)
     m[key] = value
     write_manifest(bundle, m)
@@ -222,11 +228,6 @@ def test_manifest_config_unknown_key(bundle: Path, capsys: pytest.CaptureFixture
     audit_bad(capsys, bundle, "bogus")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: detrl/audit.py audit() lets config_mod.validate(probe.config) raise a ConfigError "
-    "('config error: model.bogus: unknown key') that does not name manifest.json, the file concerned",
-)
 def test_manifest_config_error_names_manifest(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     m = read_manifest(bundle)
     m["config"]["model"]["bogus"] = 1
@@ -241,12 +242,6 @@ def test_manifest_config_unknown_hardware(bundle: Path, capsys: pytest.CaptureFi
     audit_bad(capsys, bundle, "tpu:v9")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: detrl/rounding.py Thresholds.from_json calls float(v) on untrusted per_op values; "
-    "float(None) raises TypeError, which detrl/engine.py Session.__init__ (except ValueError) does not "
-    "convert, so the CLI reports 'detrl: internal error' and exits 3",
-)
 def test_manifest_thresholds_null(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     m = read_manifest(bundle)
     m["thresholds"]["per_op"]["mm"] = None
@@ -261,11 +256,6 @@ def test_manifest_thresholds_out_of_range(bundle: Path, capsys: pytest.CaptureFi
     audit_bad(capsys, bundle, "manifest.json", "default")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: detrl/engine.py Session.__init__ does int(bundle.thresholds.get('calibration_steps')) "
-    "unchecked: a list gives TypeError -> 'detrl: internal error', exit 3",
-)
 def test_manifest_calibration_steps_wrong_type(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     m = read_manifest(bundle)
     m["thresholds"]["calibration_steps"] = [1]
@@ -273,16 +263,25 @@ def test_manifest_calibration_steps_wrong_type(bundle: Path, capsys: pytest.Capt
     audit_bad(capsys, bundle, "manifest.json", "calibration_steps")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: detrl/engine.py Session.__init__ passes bundle.sources to Sources.load_state_dict "
-    "whose ValueError ('invalid switchboard state: ...') is not prefixed with manifest.json",
-)
 def test_manifest_sources_invalid_names_manifest(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
     m = read_manifest(bundle)
     m["sources"] = {}
     write_manifest(bundle, m)
     audit_bad(capsys, bundle, "manifest.json", "sources")
+
+
+def test_manifest_unknown_precision(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    m = read_manifest(bundle)
+    m["precision"] = "fp16"
+    write_manifest(bundle, m)
+    audit_bad(capsys, bundle, "fp16")
+
+
+def test_manifest_unknown_precision_names_manifest(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    m = read_manifest(bundle)
+    m["precision"] = "fp16"
+    write_manifest(bundle, m)
+    audit_bad(capsys, bundle, "fp16", "manifest.json")
 
 
 # --- missing files ---------------------------------------------------------------------------------
@@ -371,7 +370,9 @@ def test_commitments_short_hash(bundle: Path, capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize("change", ["drop-last", "add-one"])
-def test_commitments_wrong_number_of_steps(bundle: Path, capsys: pytest.CaptureFixture[str], change: str) -> None:
+def test_commitments_wrong_number_of_steps(
+    bundle: Path, capsys: pytest.CaptureFixture[str], change: str
+) -> None:
     def edit(o: dict[str, Any]) -> None:
         if change == "drop-last":
             o["steps"].pop()
@@ -387,7 +388,9 @@ def test_commitments_wrong_shape(bundle: Path, capsys: pytest.CaptureFixture[str
     audit_bad(capsys, bundle, "commitments.json", "steps")
 
 
-def test_commitments_changed_hash_breaks_merkle_root(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_commitments_changed_hash_breaks_merkle_root(
+    bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _edit_commitments(bundle, lambda o: o["steps"][5].update(state="0" * 64))
     audit_bad(capsys, bundle, "commitments.json", "Merkle")
 
@@ -413,7 +416,9 @@ def test_subprocess_one_line_no_traceback(bundle: Path) -> None:
 
 def test_train_missing_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.yaml"
-    rc, out, err = cli(capsys, "train", str(missing), "--out", str(tmp_path / "o"), "--quiet", "--no-tensorboard")
+    rc, out, err = cli(
+        capsys, "train", str(missing), "--out", str(tmp_path / "o"), "--quiet", "--no-tensorboard"
+    )
     assert_bad_input(rc, out, err, "nope.yaml")
 
 
