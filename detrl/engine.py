@@ -382,6 +382,8 @@ class Session:
 
     def _commit(self, step: int, batch_hash: bytes, rounding: StepRounding | None = None) -> None:
         assert self.model is not None
+        if self.mode == "off":  # no bundle: nobody reads a commitment, so don't pay for hashing
+            return
         tensors = commit.state_tensors(self.model, self.optimizers)
         state_hash = commit.hash_tensors(tensors, [("sources", self.sources.digest_bytes())])
         if self.mode == "replay":
