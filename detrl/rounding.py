@@ -7,10 +7,8 @@ inputs; their FP64 results differ by a tiny delta, and round to the same FP32 va
 midpoint lies between them. Elements within the op's threshold of a midpoint are *logged* with the
 neighbour chosen; a replayer rounds those as logged and everything else to nearest.
 
-Distance to the midpoint is read off the bits: rounding FP64 to FP32 drops the 29 low mantissa bits and the
-midpoint is where they equal 2**28, so ``|low29 - 2**28|`` is the distance in FP64 ulps, i.e. in units of
-2**-29 FP32 spacings. FP32-subnormal results (|x| < 2**-126) have fewer FP32 bits; they are rare and are
-always logged. Infinities and NaN are never logged.
+An element is within T of a midpoint exactly when ``x - T`` and ``x + T`` round to different FP32 values
+(see :func:`near_midpoint` and docs/verifiable.md). Infinities and NaN are never logged.
 """
 
 from __future__ import annotations
@@ -29,12 +27,6 @@ from torch.utils._pytree import tree_flatten
 from detrl.oprules import OpKind, classify, op_name
 from detrl.roundlog import OpEntries
 
-_LOW_MASK = (1 << 29) - 1
-_HALF = 1 << 28
-_ABS_MASK = (1 << 63) - 1
-_EXP_F32_MIN_NORMAL = 1023 - 126  # biased FP64 exponent of 2**-126
-_EXP_OVERFLOW = 1023 + 128  # |x| >= 2**128 rounds to inf whatever the direction
-_THRESH_UNITS = 1 << 29  # FP64 ulps per FP32 spacing
 
 
 @dataclasses.dataclass
