@@ -28,7 +28,6 @@ from detrl.oprules import OpKind, classify, op_name
 from detrl.roundlog import OpEntries
 
 
-
 @dataclasses.dataclass
 class Thresholds:
     """Per-op-kind threshold tau, in FP32 spacings (at the element or at the output's scale, see oprules).
