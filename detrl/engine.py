@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +31,11 @@ from torch.utils.module_tracker import ModuleTracker
 
 from detrl import bundle as bundle_mod
 from detrl import commit
+from detrl.calibrate import DEFAULT_MARGIN, TAU_FLOOR, Calibrator
 from detrl.hardware import HardwareMode, get_profile
 from detrl.precision import Precision
 from detrl.randomness import StreamRandomMode
 from detrl.rounding import (
-    HIDDEN_WRITES,
     Anomaly,
     LogOutOfRange,
     RoundingMode,
@@ -45,14 +45,6 @@ from detrl.rounding import (
 )
 from detrl.roundlog import RoundLogWriter
 from detrl.sources import Sources
-
-#: Threshold used while calibrating (the first recorded step): generous, so that step is safe too.
-CALIBRATION_TAU = 2.0**-14
-#: Calibrated tau = margin x the largest disagreement seen between profiles, clamped to [floor, cap].
-DEFAULT_MARGIN = 16.0
-TAU_FLOOR = 2.0**-22  # 128 FP64 ulps: covers libm and FMA-contraction differences of elementwise ops
-TAU_CAP = 2.0**-4
-CALIBRATION_PROFILES = ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic")
 
 
 class Divergence(Exception):
@@ -101,58 +93,6 @@ class ReplayReport:
     divergence: Divergence | None = None
 
 
-class _Calibrator:
-    """Measures, per op kind, the largest FP64 disagreement between native and the emulated profiles."""
-
-    def __init__(self, profiles: Sequence[str]) -> None:
-        self.profiles = [get_profile(p) for p in profiles]
-        self.worst: dict[str, float] = {}
-
-    def __call__(self, func: Any, args: tuple, kwargs: dict, out: Any, kind: Any) -> None:
-        from torch.utils._pytree import tree_flatten
-
-        from detrl.oprules import OpKind, op_name
-
-        ref = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
-        if not ref:
-            return
-        name = op_name(func)
-        worst = self.worst.get(name, 0.0)
-        hidden = set(HIDDEN_WRITES.get(func, ()))
-        for prof in self.profiles:
-            # Batch norm updates its running statistics in place: give the extra runs copies.
-            fresh = tuple(
-                a.clone() if i in hidden and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)
-            )
-            alt = [t for t in tree_flatten(prof(func, fresh, kwargs))[0] if isinstance(t, torch.Tensor)]
-            alt = [t for t in alt if t.dtype == torch.float64]
-            for a, b in zip(ref, alt, strict=False):
-                if a.shape != b.shape or a.numel() == 0:
-                    continue
-                diff = (a - b).abs()
-                finite = torch.isfinite(diff)
-                if not bool(finite.any()):
-                    continue
-                if kind is OpKind.REDUCTION:
-                    spacing = _spacing32(a.abs().max().reshape(1))[0]
-                    d = float(diff[finite].max() / spacing)
-                else:
-                    d = float((diff[finite] / _spacing32(a[finite])).max())
-                worst = max(worst, d)
-        self.worst[name] = worst
-
-    def thresholds(self, margin: float) -> Thresholds:
-        per_op = {k: min(TAU_CAP, max(TAU_FLOOR, margin * v)) for k, v in self.worst.items()}
-        default = max([TAU_FLOOR * 64, *per_op.values()])
-        return Thresholds(per_op=per_op, default=default)
-
-
-def _spacing32(x: torch.Tensor) -> torch.Tensor:
-    """FP32 spacing (ulp) at |x|, as FP64; at least the subnormal spacing 2**-149."""
-    _, e = torch.frexp(x.abs())
-    return torch.ldexp(torch.ones_like(x), (e - 24).clamp(min=-149))
-
-
 class Session:
     """Record or replay one training run.
 
@@ -198,7 +138,7 @@ class Session:
         self.margin = margin
         self.bundle: bundle_mod.Bundle | None = None
         self._writer: RoundLogWriter | None = None
-        self._calibrator: _Calibrator | None = None
+        self._calibrator: Calibrator | None = None
         if mode == "replay":
             if self.dir is None:
                 raise ValueError("replay needs the bundle directory")
@@ -227,9 +167,9 @@ class Session:
             if isinstance(thresholds, Thresholds):
                 self.thresholds = thresholds
             elif thresholds == "calibrate":
-                self.thresholds = Thresholds(default=CALIBRATION_TAU)
+                self.thresholds = Thresholds(default=TAU_FLOOR * 64)
                 if self.precision.is_verifiable:
-                    self._calibrator = _Calibrator(CALIBRATION_PROFILES)
+                    self._calibrator = Calibrator(self.thresholds, margin)
                     self.calibration_steps = 1
             else:
                 raise ValueError(f"thresholds must be a Thresholds or 'calibrate', not {thresholds!r}")
@@ -357,7 +297,12 @@ class Session:
                 replay = self.bundle.read_log_step(step) if self.bundle is not None else None
                 rounding = StepRounding(replay=replay)
                 self.rounding.step = rounding
-                self.rounding.calibrate = self._calibrator if step <= self.calibration_steps else None
+                in_calibration = step <= self.calibration_steps
+                self.rounding.calibrate = self._calibrator if in_calibration else None
+                if in_calibration and self.mode == "replay":
+                    # The recorder's thresholds grew during this step; every one was at least the floor,
+                    # so the floor is the sound threshold for counting unlogged near-midpoint elements.
+                    self.rounding.thresholds = Thresholds(default=TAU_FLOOR)
                 modes.enter_context(self.rounding)
             modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             try:
@@ -367,6 +312,7 @@ class Session:
             finally:
                 self.rounding.step = None
                 self.rounding.calibrate = None
+                self.rounding.thresholds = self.thresholds
         self.step_seconds.append(time.perf_counter() - t0)
         self.step_index = step
         stats = rounding.stats if rounding is not None else StepStats()
@@ -375,9 +321,6 @@ class Session:
             setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(stats, f.name))
         if self._writer is not None and rounding is not None:
             self.log_bytes.append(self._writer.write_step(step, rounding.recorded))
-        if self._calibrator is not None and step == self.calibration_steps:
-            self.thresholds = self._calibrator.thresholds(self.margin)
-            self.rounding.thresholds = self.thresholds
         self._commit(step, batch_hash, rounding)
 
     def _commit(self, step: int, batch_hash: bytes, rounding: StepRounding | None = None) -> None:
@@ -413,8 +356,11 @@ class Session:
             self._writer.close()
         bundle_mod.write_commitments(self.dir, self.leaves)
         root = commit.merkle_root([commit.leaf(i, s, b) for i, (s, b) in enumerate(self.leaves)])
-        thresholds = {**self.thresholds.to_json(), "calibration_steps": self.calibration_steps,
-                      "calibration_tau": CALIBRATION_TAU, "margin": self.margin}  # fmt: skip
+        thresholds = {
+            **self.thresholds.to_json(),
+            "calibration_steps": self.calibration_steps,
+            "margin": self.margin,
+        }
         manifest = {
             "config": self.config,
             "precision": self.precision.kind,

@@ -52,7 +52,7 @@ _KEEP = _packets(
     "new_empty_strided", "new_zeros", "new_ones", "zero_", "sign", "maximum", "minimum", "max", "min",
     "amax", "amin", "sort", "topk", "flip", "roll", "repeat", "bernoulli_", "bernoulli", "_foreach_neg",
     "_foreach_zero_", "_foreach_copy_", "_foreach_abs", "unbind", "split", "split_with_sizes", "chunk",
-    "narrow", "squeeze", "unsqueeze", "t", "transpose", "permute", "expand", "view", "reshape",
+    "_record_function_enter", "_record_function_enter_new", "_record_function_exit", "narrow", "squeeze", "unsqueeze", "t", "transpose", "permute", "expand", "view", "reshape",
     "slice", "select", "diagonal", "unfold", "as_strided", "masked_select", "resize_", "set_",
 )  # fmt: skip
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from detrl.fused import run_split, split_needed
 from detrl.oprules import OpKind, classify, op_name
 from detrl.roundlog import OpEntries
 
@@ -68,19 +69,39 @@ def round_to_fp32_(x: torch.Tensor) -> None:
     x.copy_(x.to(torch.float32))
 
 
+def spacing32(x: torch.Tensor) -> torch.Tensor:
+    """FP32 spacing (ulp) at |x|, as FP64; at least the subnormal spacing 2**-149."""
+    _, e = torch.frexp(x.abs())
+    return torch.ldexp(torch.ones_like(x), (e - 24).clamp(min=-149))
+
+
+def scale_spacing(x: torch.Tensor) -> torch.Tensor:
+    """FP32 spacing at an output's scale: its largest finite magnitude per channel (dim 1) for tensors of
+    rank >= 2 (a convolution's output channel, a linear layer's feature), per tensor otherwise.
+
+    Reduction errors grow with the magnitude of the terms summed, which varies by channel far more than
+    within one; the shape of the result broadcasts against ``x``.
+    """
+    dims = [d for d in range(x.dim()) if d != 1] if x.dim() >= 2 else list(range(x.dim()))
+    if not dims:  # a 1-D tensor of rank >= 2 cannot happen; a 0-d tensor is its own scale
+        return spacing32(x.detach().clone())
+    hi, lo = x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True)
+    amax = torch.maximum(hi, -lo)
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    return spacing32(amax)
+
+
 def near_midpoint(x: torch.Tensor, tau: float, scale_relative: bool) -> torch.Tensor:
     """Bool mask of FP64 elements within ``tau`` FP32 spacings of an FP32 rounding midpoint.
 
     An element is within T of a midpoint exactly when ``x - T`` and ``x + T`` round to different FP32
     values, which costs two adds and two casts instead of a dozen integer passes, and handles the FP32
     subnormal range, the binade edges and overflow by the cast's own rules. With ``scale_relative`` T is
-    tau spacings at the output's largest magnitude (how reduction errors behave); otherwise it is tau
-    spacings at the element (over-estimated by at most 2x: ``|x| * 2**-23`` bounds the spacing).
+    tau spacings at the output's scale (:func:`scale_spacing`: how reduction errors behave); otherwise it is
+    tau spacings at the element (over-estimated by at most 2x: ``|x| * 2**-23`` bounds the spacing).
     """
     if scale_relative:
-        finite = x if bool(torch.isfinite(x).all()) else x[torch.isfinite(x)]
-        amax = float(torch.maximum(finite.max(), -finite.min())) if finite.numel() else 0.0
-        t: float | torch.Tensor = tau * math.ldexp(1.0, max(math.frexp(amax)[1] - 24, -149))
+        t = scale_spacing(x).mul_(tau)
     else:
         t = x.abs().mul_(2.0**-23).clamp_(min=2.0**-149).mul_(tau)
     lo, hi = (x - t).to(torch.float32), (x + t).to(torch.float32)
@@ -150,15 +171,16 @@ class RoundingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        out = self.profile(func, args, kwargs)
-        if func.is_view:
+        split = split_needed(func, kwargs)
+        kind = OpKind.EXACT if split else classify(func, kwargs)
+        calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
+        before = _snapshot(func, args) if calibrating else args
+        out = run_split(func, args, kwargs) if split else self.profile(func, args, kwargs)
+        if func.is_view or kind is OpKind.KEEP:
             return out
-        kind = classify(func, kwargs)
-        if kind is OpKind.KEEP:
-            return out
-        targets = _written_tensors(func, args, kwargs, out)
-        if self.calibrate is not None and kind is not OpKind.EXACT and not _mutates(func):
-            self.calibrate(func, args, kwargs, out, kind)
+        targets = written_tensors(func, args, kwargs, out)
+        if calibrating:
+            self.calibrate(func, before, kwargs, targets, kind)
         for t in targets:
             if t.dtype != torch.float64 or t.numel() == 0:
                 continue
@@ -265,7 +287,23 @@ def _hidden_writes(func: Any, args: tuple) -> list[torch.Tensor]:
     ]
 
 
-def _written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
+def _snapshot(func: Any, args: tuple) -> tuple:
+    """The op's arguments, with copies of those it will write (so a calibration rerun sees the inputs)."""
+    schema_written = {
+        i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    }
+    written = schema_written | set(HIDDEN_WRITES.get(func, ()))
+    out = []
+    for i, a in enumerate(args):
+        if i in written and isinstance(a, torch.Tensor):
+            a = a.clone()
+        elif i in written and isinstance(a, (list, tuple)):
+            a = type(a)(t.clone() if isinstance(t, torch.Tensor) else t for t in a)
+        out.append(a)
+    return tuple(out)
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
     """The tensors an op produced: its mutated arguments if it has any, else its outputs."""
     schema = func._schema
     written: list[torch.Tensor] = []

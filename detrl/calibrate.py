@@ -1,0 +1,68 @@
+"""Threshold calibration: how far apart can two machines' FP64 results of one op be?
+
+During the first recorded step, :class:`Calibrator` reruns every logged op under each emulated hardware
+profile on the same inputs and measures the largest FP64 disagreement with the result actually computed,
+in the op kind's units (FP32 spacings at the element, or at the output's largest magnitude for
+reductions). It keeps the live :class:`~detrl.rounding.Thresholds` up to date as it goes, so each op call
+of the calibration step is logged with a threshold covering its own measured disagreement:
+
+    tau(op kind) = clamp(margin x largest disagreement so far, TAU_FLOOR, TAU_CAP)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from detrl.hardware import get_profile
+from detrl.oprules import OpKind, op_name
+from detrl.rounding import Thresholds, scale_spacing, spacing32, written_tensors
+
+DEFAULT_MARGIN = 16.0
+TAU_FLOOR = 2.0**-22  # 128 FP64 ulps: libm and FMA differences of elementwise ops the profiles don't make
+TAU_CAP = 2.0**-4
+PROFILES = ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic")
+
+
+class Calibrator:
+    """Measures per-op-kind disagreement between profiles and updates ``thresholds`` in place."""
+
+    def __init__(
+        self, thresholds: Thresholds, margin: float = DEFAULT_MARGIN, profiles: Sequence[str] = PROFILES
+    ) -> None:
+        self.thresholds = thresholds
+        self.margin = margin
+        self.profiles = [get_profile(p) for p in profiles]
+        self.worst: dict[str, float] = {}
+
+    def __call__(
+        self, func: Any, before: tuple, kwargs: dict, produced: list[torch.Tensor], kind: OpKind
+    ) -> None:
+        """``before``: the op's inputs as they were before it ran; ``produced``: its unrounded results."""
+        name = op_name(func)
+        worst = self.worst.get(name, 0.0)
+        for prof in self.profiles:
+            fresh = tuple(_fresh(a) for a in before)  # in-place ops must not touch the snapshot
+            alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
+            for a, b in zip(produced, alt):
+                if a.dtype == torch.float64 and b.dtype == torch.float64 and a.shape == b.shape and a.numel():
+                    worst = max(worst, _disagreement(a, b, kind))
+        self.worst[name] = worst
+        self.thresholds.per_op[name] = min(TAU_CAP, max(TAU_FLOOR, self.margin * worst))
+
+
+def _fresh(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a.clone()
+    if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+        return type(a)(t.clone() for t in a)
+    return a
+
+
+def _disagreement(a: torch.Tensor, b: torch.Tensor, kind: OpKind) -> float:
+    unit = scale_spacing(a) if kind is OpKind.REDUCTION else spacing32(a)
+    rel = (a - b).abs() / unit
+    rel = rel[torch.isfinite(rel)]
+    return float(rel.max()) if rel.numel() else 0.0
