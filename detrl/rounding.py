@@ -28,6 +28,9 @@ from detrl.fused import run_split, split_needed
 from detrl.oprules import OpKind, classify, op_name
 from detrl.roundlog import OpEntries
 
+#: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
+REPLAY_CHECK_FRACTION = 0.5
+
 
 @dataclasses.dataclass
 class Thresholds:
@@ -201,7 +204,13 @@ class RoundingMode(TorchDispatchMode):
         name = op_name(func)
         step.op_names.append(name)
         step.stats.rounded_elements += x.numel()
-        near = near_midpoint(x, self.thresholds.tau(name), kind is OpKind.REDUCTION)
+        tau = self.thresholds.tau(name)
+        if step.replay is not None:
+            # The replayer's value differs from the recorder's by at most tau/margin (calibration), so any
+            # element it finds within tau/2 of a midpoint was within tau for the recorder and must be logged;
+            # between tau/2 and tau it may legitimately not be.
+            tau *= REPLAY_CHECK_FRACTION
+        near = near_midpoint(x, tau, kind is OpKind.REDUCTION)
         rounded = x.to(torch.float32)
         if step.replay is None:
             idx = near.reshape(-1).nonzero().squeeze(1)
