@@ -41,6 +41,8 @@ class Calibrator:
         self, func: Any, before: tuple, kwargs: dict, produced: list[torch.Tensor], kind: OpKind
     ) -> None:
         """``before``: the op's inputs as they were before it ran; ``produced``: its unrounded results."""
+        if not any(t.dtype == torch.float64 for t in produced):
+            return
         name = op_name(func)
         worst = self.worst.get(name, 0.0)
         for prof in self.profiles:
