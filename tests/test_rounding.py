@@ -146,3 +146,48 @@ def test_logged_entries_are_sparse_for_a_matmul():
     n = sum(len(e.indices) for e in step.recorded)
     assert n < 0.001 * 128 * 128
     assert all(isinstance(e.indices, np.ndarray) for e in step.recorded)
+
+
+def test_fused_updates_are_split_into_exact_steps_and_need_no_log():
+    torch.manual_seed(2)
+    w = torch.randn(100_000).float().double() * 0.03
+    g = torch.randn(100_000).float().double()
+    d = torch.rand(100_000).float().double() + 0.5
+    step = StepRounding()
+    mode = _mode()
+    mode.step = step
+    sgd, adam, lerped = w.clone(), w.clone(), w.clone()
+    with mode:
+        sgd.add_(g, alpha=-0.01)  # SGD: 0.5 % of these land exactly on a midpoint in one fused kernel
+        adam.addcdiv_(g, d, value=-1e-3)
+        lerped.lerp_(g, 0.1)
+    assert step.recorded == []  # no log entries: every machine computes these bits
+    assert torch.equal(sgd, (w + g * -0.01).float().double())
+    assert torch.equal(adam, (w + (g / d) * -1e-3).float().double())
+    assert torch.equal(lerped, (w + (g - w) * 0.1).float().double())
+
+
+def test_calibration_sets_thresholds_as_it_goes_and_keeps_the_first_step_small(tmp_path):
+    import torch.nn.functional as F
+
+    from detrl import Session, Sources
+    from detrl.calibrate import TAU_FLOOR
+    from detrl.supervised import data
+    from detrl.supervised.models import DigitsCNN
+
+    x, y = data.digits()
+    with Session(tmp_path / "run", sources=Sources(seed=0)) as s:
+        model = s.init(lambda: DigitsCNN(channels=8))
+        opt = s.track(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        for batch in s.loader((x, y), batch_size=32, steps=3):
+            with s.step():
+                F.cross_entropy(model(batch.x), batch.y).backward()
+                opt.step()
+                opt.zero_grad()
+    per_op = s.thresholds.per_op
+    assert {"convolution", "convolution_backward", "native_batch_norm", "native_batch_norm_backward"} <= set(
+        per_op
+    )
+    assert all(TAU_FLOOR <= tau <= 2.0**-4 for tau in per_op.values())
+    first, later = s.step_stats[0].logged, max(st.logged for st in s.step_stats[1:])
+    assert first <= 3 * later + 100
