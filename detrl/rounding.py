@@ -8,14 +8,13 @@ midpoint lies between them. Elements within the op's threshold of a midpoint are
 neighbour chosen; a replayer rounds those as logged and everything else to nearest.
 
 An element is within T of a midpoint exactly when ``x - T`` and ``x + T`` round to different FP32 values
-(see :func:`near_midpoint` and docs/verifiable.md). Infinities and NaN are never logged.
+(see :func:`near_midpoint` and docs/verifiable.md). Infinities are never logged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -106,13 +105,11 @@ def near_midpoint(x: torch.Tensor, tau: float, scale_relative: bool) -> torch.Te
     if scale_relative:
         t = scale_spacing(x).mul_(tau)
     else:
-        t = x.abs().mul_(2.0**-23).clamp_(min=2.0**-149).mul_(tau)
-    lo, hi = (x - t).to(torch.float32), (x + t).to(torch.float32)
-    near = lo != hi
-    # Exact zeros are on the grid (often structurally: untouched gradient slots); inf and NaN are never logged.
-    mag = x.abs()
-    near &= (mag > 0) & (mag < math.inf)
-    return near
+        t = x.abs().mul_(tau * 2.0**-23).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)  # finite for inf
+    near = (x - t).to(torch.float32) != (x + t).to(torch.float32)
+    # Exact zeros are on the grid (often structurally: untouched gradient slots), never near. (A NaN
+    # compares unequal and is logged, harmlessly: its entry changes nothing on replay.)
+    return near.logical_and_(x != 0)
 
 
 @dataclasses.dataclass
