@@ -6,7 +6,10 @@ in the op kind's units (FP32 spacings at the element, or at the output's largest
 reductions). It keeps the live :class:`~detrl.rounding.Thresholds` up to date as it goes, so each op call
 of the calibration step is logged with a threshold covering its own measured disagreement:
 
-    tau(op kind) = clamp(margin x largest disagreement so far, TAU_FLOOR, TAU_CAP)
+    tau(op kind) = clamp(margin x largest disagreement so far, floor, TAU_CAP)
+
+where the floor is TAU_FLOOR_MEASURED for reductions whose disagreement the profiles produce, and
+TAU_FLOOR for everything else.
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ from detrl.oprules import OpKind, op_name
 from detrl.rounding import Thresholds, scale_spacing, spacing32, written_tensors
 
 DEFAULT_MARGIN = 16.0
-TAU_FLOOR = 2.0**-22  # 128 FP64 ulps: libm and FMA differences of elementwise ops the profiles don't make
+#: 128 FP64 ulps: libm and FMA differences of elementwise ops, and every op whose disagreement the emulated
+#: profiles cannot show (they compute it natively): there tau cannot come from a measurement.
+TAU_FLOOR = 2.0**-22
+#: For reductions the profiles do reorder, the measurement (x margin) is the threshold, down to 8 FP64
+#: ulps at the output's scale: an FMA-contracted epilogue differs by an ulp or two of terms at that scale.
+TAU_FLOOR_MEASURED = 2.0**-26
 TAU_CAP = 2.0**-4
 PROFILES = ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic")
 
@@ -52,7 +60,8 @@ class Calibrator:
                 if a.dtype == torch.float64 and b.dtype == torch.float64 and a.shape == b.shape and a.numel():
                     worst = max(worst, _disagreement(a, b, kind))
         self.worst[name] = worst
-        self.thresholds.per_op[name] = min(TAU_CAP, max(TAU_FLOOR, self.margin * worst))
+        floor = TAU_FLOOR_MEASURED if kind is OpKind.REDUCTION and worst > 0 else TAU_FLOOR
+        self.thresholds.per_op[name] = min(TAU_CAP, max(floor, self.margin * worst))
 
 
 def _fresh(a: Any) -> Any:

@@ -31,8 +31,8 @@ from torch.utils.module_tracker import ModuleTracker
 
 from detrl import bundle as bundle_mod
 from detrl import commit
-from detrl.calibrate import DEFAULT_MARGIN, TAU_FLOOR, Calibrator
-from detrl.hardware import HardwareMode, get_profile
+from detrl.calibrate import DEFAULT_MARGIN, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
+from detrl.hardware import HardwareMode, Profile, get_profile
 from detrl.precision import Precision
 from detrl.randomness import StreamRandomMode
 from detrl.rounding import (
@@ -101,7 +101,8 @@ class Session:
         mode: ``"record"``, ``"replay"`` or ``"off"`` (train without a bundle, e.g. for ablations).
         precision: ``fp32``, ``fp64`` or ``verifiable``. Replay takes it from the bundle.
         sources: the switchboard. Replay takes it from the bundle.
-        hardware: profile name (``native``, ``emulated:splitk``, ...); see :mod:`detrl.hardware`.
+        hardware: profile name (``native``, ``emulated:splitk``, ...; see :mod:`detrl.hardware`) or a
+            :class:`~detrl.hardware.Profile` instance (a machine of your own).
         checkpoint_every: save a safetensors checkpoint every this many steps (0: only the last).
         thresholds: a :class:`Thresholds`, or ``"calibrate"`` to measure them during the first step.
         config: the run's config, stored in the manifest so ``detrl audit`` can rebuild the run.
@@ -116,7 +117,7 @@ class Session:
         mode: str = "record",
         precision: Precision | str = "verifiable",
         sources: Sources | None = None,
-        hardware: str = "native",
+        hardware: str | Profile = "native",
         checkpoint_every: int = 10,
         thresholds: Thresholds | str = "calibrate",
         margin: float = DEFAULT_MARGIN,
@@ -129,8 +130,8 @@ class Session:
             raise ValueError(f"mode must be record, replay or off, not {mode!r}")
         self.mode = mode
         self.dir = Path(run_dir) if run_dir is not None else None
-        self.hardware = hardware
-        self.profile = get_profile(hardware)
+        self.profile = hardware if isinstance(hardware, Profile) else get_profile(hardware)
+        self.hardware = self.profile.name
         self.device = torch.device(device)
         self.checkpoint_every = int(checkpoint_every)
         self.config = dict(config or {})
@@ -300,9 +301,9 @@ class Session:
                 in_calibration = step <= self.calibration_steps
                 self.rounding.calibrate = self._calibrator if in_calibration else None
                 if in_calibration and self.mode == "replay":
-                    # The recorder's thresholds grew during this step; every one was at least the floor,
+                    # The recorder's thresholds grew during this step; every one was at least the lowest floor,
                     # so the floor is the sound threshold for counting unlogged near-midpoint elements.
-                    self.rounding.thresholds = Thresholds(default=TAU_FLOOR)
+                    self.rounding.thresholds = Thresholds(default=TAU_FLOOR_MEASURED)
                 modes.enter_context(self.rounding)
             modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             try:

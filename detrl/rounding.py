@@ -23,9 +23,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from detrl import decompose
 from detrl.fused import run_split, split_needed
 from detrl.oprules import OpKind, classify, op_name
 from detrl.roundlog import OpEntries
+
+_EXPONENT_BITS = 0x7FF0000000000000
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
 REPLAY_CHECK_FRACTION = 0.5
@@ -78,19 +81,18 @@ def spacing32(x: torch.Tensor) -> torch.Tensor:
 
 
 def scale_spacing(x: torch.Tensor) -> torch.Tensor:
-    """FP32 spacing at an output's scale: its largest finite magnitude per channel (dim 1) for tensors of
+    """FP32 spacing at an output's scale: its largest magnitude per channel (dim 1) for tensors of
     rank >= 2 (a convolution's output channel, a linear layer's feature), per tensor otherwise.
 
     Reduction errors grow with the magnitude of the terms summed, which varies by channel far more than
-    within one; the shape of the result broadcasts against ``x``.
+    within one; the shape of the result broadcasts against ``x``. A channel holding inf or NaN gets an
+    infinite spacing (all its elements are then logged, harmlessly).
     """
     dims = [d for d in range(x.dim()) if d != 1] if x.dim() >= 2 else list(range(x.dim()))
-    if not dims:  # a 1-D tensor of rank >= 2 cannot happen; a 0-d tensor is its own scale
-        return spacing32(x.detach().clone())
-    hi, lo = x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True)
-    amax = torch.maximum(hi, -lo)
-    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-    return spacing32(amax)
+    amax = torch.maximum(x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True).neg_())
+    # 2**floor(log2(amax)) by clearing the mantissa bits, times 2**-23: the FP32 spacing there.
+    power = (amax.view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
+    return power.mul_(2.0**-23).clamp_(min=2.0**-149)
 
 
 def near_midpoint(x: torch.Tensor, tau: float, scale_relative: bool) -> torch.Tensor:
@@ -103,7 +105,7 @@ def near_midpoint(x: torch.Tensor, tau: float, scale_relative: bool) -> torch.Te
     tau spacings at the element (over-estimated by at most 2x: ``|x| * 2**-23`` bounds the spacing).
     """
     if scale_relative:
-        t = scale_spacing(x).mul_(tau)
+        t = scale_spacing(x).mul_(tau)  # a (1, C, 1, ...) tensor: cheap
     else:
         t = x.abs().mul_(tau * 2.0**-23).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)  # finite for inf
     near = (x - t).to(torch.float32) != (x + t).to(torch.float32)
@@ -167,10 +169,23 @@ class RoundingMode(TorchDispatchMode):
         self.thresholds = thresholds
         self.module_path = module_path
         self.step: StepRounding | None = None
+        self._nested = 0  # depth inside decompositions (detrl/decompose.py)
         self.calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if decompose.applies(func, args):
+            self._nested += 1
+            try:
+                with self:  # re-entered: each step of the decomposition is rounded (and logged) on its own
+                    out = decompose.DECOMPOSITIONS[func](*args, **kwargs)
+            finally:
+                self._nested -= 1
+            if self.step is not None and not self._nested:  # count the op's outputs, as if undecomposed
+                self.step.stats.rounded_elements += sum(
+                    t.numel() for t in written_tensors(func, args, kwargs, out)
+                )
+            return out
         split = split_needed(func, kwargs)
         kind = OpKind.EXACT if split else classify(func, kwargs)
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
@@ -186,7 +201,7 @@ class RoundingMode(TorchDispatchMode):
                 continue
             if kind is OpKind.EXACT or self.step is None:
                 round_to_fp32_(t)
-                if self.step is not None:
+                if self.step is not None and not self._nested:
                     self.step.stats.rounded_elements += t.numel()
             else:
                 self._round_logged(func, t, kind)
@@ -200,7 +215,8 @@ class RoundingMode(TorchDispatchMode):
         step.seq += 1
         name = op_name(func)
         step.op_names.append(name)
-        step.stats.rounded_elements += x.numel()
+        if not self._nested:
+            step.stats.rounded_elements += x.numel()
         tau = self.thresholds.tau(name)
         if step.replay is not None:
             # The replayer's value differs from the recorder's by at most tau/margin (calibration), so any

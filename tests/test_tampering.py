@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shutil
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import yaml
 from detrl import Divergence, Session, Sources
 from detrl import config as config_mod
 from detrl.cli import main
+from detrl.hardware import Profile
 from detrl.roundlog import OpEntries, RoundLogReader, rewrite
 from detrl.supervised import data
 from detrl.supervised.models import DigitsCNN
@@ -49,10 +51,25 @@ FINGERPRINT = data.fingerprint(X, Y)
 # --- the (possibly dishonest) trainer ------------------------------------------------------------
 
 
+class NudgedHardware(Profile):
+    """A synthetic machine whose convolutions' FP64 results lie one ulp further from zero than native
+    ones (real devices differ by that much): the exact ties in the log then round the other way here."""
+
+    def __init__(self) -> None:
+        super().__init__("test:nudged", "convolutions one FP64 ulp off native")
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        if func is torch.ops.aten.convolution.default and out.dtype == torch.float64:
+            away = torch.nextafter(out, torch.copysign(torch.full_like(out, math.inf), out))
+            out = torch.where(out == 0, out, away)  # exact zeros stay zero (cancellation is not modelled)
+        return out
+
+
 def train(
     run_dir: Path,
     mode: str,
-    hardware: str = "native",
+    hardware: str | Profile = "native",
     *,
     x: torch.Tensor = X,
     y: torch.Tensor = Y,
@@ -97,7 +114,7 @@ def train(
     return s
 
 
-def replay(run_dir: Path, hardware: str = "native", **kw: Any) -> Divergence | None:
+def replay(run_dir: Path, hardware: str | Profile = "native", **kw: Any) -> Divergence | None:
     """Replay with the honest data; the Divergence raised, or None when every commitment matched."""
     try:
         train(run_dir, "replay", hardware, **kw)
@@ -330,12 +347,12 @@ def test_cli_audit_of_forged_log(
 @pytest.fixture(scope="module")
 def corrections(honest: Path) -> tuple[list[tuple[str, int, Any]], dict[str, int]]:
     """Log entries that matter: (profile, step, anomaly) where a profile's own nearest differs from the log."""
-    found: list[tuple[str, int, Any]] = []
+    found: list[tuple[Any, int, Any]] = []
     counts: dict[str, int] = {}
-    for hw in EMULATED:
+    for hw in [*EMULATED, NudgedHardware()]:
         seen: list[tuple[int, Any]] = []
         s = train(honest, "replay", hw, anomalies=seen)
-        counts[hw] = s.totals.corrected
+        counts[str(getattr(hw, "name", hw))] = s.totals.corrected
         found += [(hw, step, a) for step, a in seen if a.kind == "logged-direction-differs"]
         if found:
             break
@@ -346,8 +363,8 @@ def test_removed_entry_that_matters(
     corrections: tuple[list[tuple[str, int, Any]], dict[str, int]], bundle: Path
 ) -> None:
     found, counts = corrections
-    if not found:
-        pytest.skip(f"no logged entry matters on any emulated profile in {STEPS} steps (corrected: {counts})")
+    # The emulated profiles rarely cross a midpoint on this small model; the nudged machine always does.
+    assert found, f"no logged entry matters on any profile in {STEPS} steps (corrected: {counts})"
     hw, step, a = found[0]
     forge_log(bundle, remove_one(step, a.op, a.index))
     d = replay(bundle, hw)

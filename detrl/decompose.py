@@ -1,0 +1,90 @@
+"""Normalisation ops as small reductions plus exact elementwise steps, for verifiable precision.
+
+Batch norm's forward and backward kernels each hide a per-channel reduction inside a full-size
+elementwise epilogue. As single ops, every element of their output inherits the reduction's machine
+dependence, and the elements that cancel to almost nothing must all be logged: batch norm backward was half
+of ResNet-50's rounding log. Written out as separate ops, the machine-dependent parts are the per-channel
+sums — C elements each, logged like any reduction — and everything else is correctly rounded IEEE
+arithmetic on FP32-grid values (EXACT: the same bits everywhere, no log). The rounding mode runs these
+decompositions with itself re-entered, so every step is rounded, logged where needed, and reordered by the
+hardware profile (the sums go through ``aten.sum``, which the emulated profiles reorder).
+
+The formulas are the textbook ones; results are mathematically equal to torch's kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
+
+
+def _decomposes(op: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if op in DECOMPOSITIONS:
+            raise RuntimeError(f"duplicate decomposition for {op}")
+        DECOMPOSITIONS[op] = fn
+        return fn
+
+    return register
+
+
+def _channels(x: torch.Tensor) -> tuple[list[int], list[int], int]:
+    """For ``x: (N, C, *S)``: reduced dims, per-channel broadcast shape, terms per channel."""
+    return [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2), x.numel() // x.shape[1]
+
+
+def applies(func: Any, args: tuple) -> bool:
+    """Whether ``func(*args)`` has a decomposition here (batch norm in training mode, rank >= 2)."""
+    if func not in DECOMPOSITIONS or len(args) < 8:
+        return False
+    x, training = args[0], args[5] if func is aten.native_batch_norm.default else args[7]
+    return bool(training) and x.dim() >= 2 and x.shape[1] > 0 and x.numel() > x.shape[1]
+
+
+@_decomposes(aten.native_batch_norm.default)
+def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):  # noqa: ANN001, ANN201
+    """``(N, C, *S)`` -> ``(out, save_mean: (C,), save_invstd: (C,))``; updates running statistics."""
+    dims, shape, n = _channels(x)
+    mean = x.sum(dims) / n
+    centred = x - mean.view(shape)
+    var = (centred * centred).sum(dims) / n
+    invstd = (var + eps).rsqrt()
+    out = centred * invstd.view(shape)
+    if weight is not None:
+        out = out * weight.view(shape)
+    if bias is not None:
+        out = out + bias.view(shape)
+    if running_mean is not None and running_var is not None:
+        running_mean.mul_(1 - momentum).add_(mean * momentum)
+        running_var.mul_(1 - momentum).add_(var * (n / max(n - 1, 1)) * momentum)
+    return out, mean, invstd
+
+
+@_decomposes(aten.native_batch_norm_backward.default)
+def batch_norm_backward(  # noqa: ANN201
+    grad_out,
+    x,
+    weight,
+    running_mean,
+    running_var,
+    save_mean,
+    save_invstd,
+    train,
+    eps,
+    output_mask,  # noqa: ANN001
+):
+    """Gradients of :func:`batch_norm` for ``(grad_x, grad_weight, grad_bias)`` (None where masked)."""
+    dims, shape, n = _channels(x)
+    xhat = (x - save_mean.view(shape)) * save_invstd.view(shape)
+    sum_g = grad_out.sum(dims)
+    sum_gx = (grad_out * xhat).sum(dims)
+    grad_x = None
+    if output_mask[0]:
+        scale = save_invstd if weight is None else save_invstd * weight
+        grad_x = (grad_out - (sum_g / n).view(shape) - xhat * (sum_gx / n).view(shape)) * scale.view(shape)
+    return grad_x, sum_gx if output_mask[1] else None, sum_g if output_mask[2] else None
