@@ -1,15 +1,15 @@
-"""Normalisation ops as small reductions plus exact elementwise steps, for verifiable precision.
+"""Batch norm as per-channel sums plus plain IEEE arithmetic.
 
 Batch norm's forward and backward kernels each hide a per-channel reduction inside a full-size
 elementwise epilogue. As single ops, every element of their output inherits the reduction's machine
 dependence, and the elements that cancel to almost nothing must all be logged: batch norm backward was half
-of ResNet-50's rounding log. Written out as separate ops, the machine-dependent parts are the per-channel
-sums — C elements each, logged like any reduction — and everything else is correctly rounded IEEE
-arithmetic on FP32-grid values (EXACT: the same bits everywhere, no log). The rounding mode runs these
-decompositions with itself re-entered, so every step is rounded, logged where needed, and reordered by the
-hardware profile (the sums go through ``aten.sum``, which the emulated profiles reorder).
+of ResNet-50's rounding log. Written out, the only machine-dependent parts are the per-channel sums; the
+rest is a fixed sequence of add, sub, mul, div and sqrt, each correctly rounded in FP64 by every IEEE-754
+machine, so the final outputs are the same bits everywhere once rounded to FP32.
 
-The formulas are the textbook ones; results are mathematically equal to torch's kernels.
+Each function takes ``channel_sum(t, dims)``: the rounding mode passes one that runs the sum under itself
+(rounded, logged, reordered by the hardware profile) and rounds the final outputs as exact; the emulated
+hardware profiles pass their own reordered sum. Results are mathematically equal to torch's kernels.
 """
 
 from __future__ import annotations
@@ -33,9 +33,12 @@ def _decomposes(op: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return register
 
 
-def _channels(x: torch.Tensor) -> tuple[list[int], list[int], int]:
+def channels(x: torch.Tensor) -> tuple[list[int], list[int], int]:
     """For ``x: (N, C, *S)``: reduced dims, per-channel broadcast shape, terms per channel."""
     return [0, *range(2, x.dim())], [1, -1] + [1] * (x.dim() - 2), x.numel() // x.shape[1]
+
+
+ChannelSum = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 
 def applies(func: Any, args: tuple) -> bool:
@@ -47,13 +50,13 @@ def applies(func: Any, args: tuple) -> bool:
 
 
 @_decomposes(aten.native_batch_norm.default)
-def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):  # noqa: ANN001, ANN201
-    """``(N, C, *S)`` -> ``(out, save_mean: (C,), save_invstd: (C,))``; updates running statistics."""
-    dims, shape, n = _channels(x)
-    mean = x.sum(dims) / n
+def batch_norm(channel_sum: ChannelSum, x, weight, bias, running_mean, running_var, training, momentum, eps):  # noqa: ANN001, ANN201
+    """``(N, C, *S)`` -> ``(out, save_mean: (C,), save_invstd: (C,))``; updates running statistics in place."""
+    dims, shape, n = channels(x)
+    mean = channel_sum(x, dims) / n
     centred = x - mean.view(shape)
-    var = (centred * centred).sum(dims) / n
-    invstd = (var + eps).rsqrt()
+    var = channel_sum(centred * centred, dims) / n
+    invstd = 1.0 / (var + eps).sqrt()  # not rsqrt: sqrt and division are correctly rounded everywhere
     out = centred * invstd.view(shape)
     if weight is not None:
         out = out * weight.view(shape)
@@ -67,6 +70,7 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
 
 @_decomposes(aten.native_batch_norm_backward.default)
 def batch_norm_backward(  # noqa: ANN201
+    channel_sum: ChannelSum,
     grad_out,
     x,
     weight,
@@ -78,11 +82,11 @@ def batch_norm_backward(  # noqa: ANN201
     eps,
     output_mask,  # noqa: ANN001
 ):
-    """Gradients of :func:`batch_norm` for ``(grad_x, grad_weight, grad_bias)`` (None where masked)."""
-    dims, shape, n = _channels(x)
+    """Gradients of :func:`batch_norm`: ``(grad_x, grad_weight, grad_bias)``, None where masked."""
+    dims, shape, n = channels(x)
     xhat = (x - save_mean.view(shape)) * save_invstd.view(shape)
-    sum_g = grad_out.sum(dims)
-    sum_gx = (grad_out * xhat).sum(dims)
+    sum_g = channel_sum(grad_out, dims)
+    sum_gx = channel_sum(grad_out * xhat, dims)
     grad_x = None
     if output_mask[0]:
         scale = save_invstd if weight is None else save_invstd * weight

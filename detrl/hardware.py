@@ -53,6 +53,8 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from detrl import decompose
+
 __all__ = ["HardwareMode", "MAX_PIECES", "Profile", "EmulatedProfile", "get_profile", "profile_names"]
 
 aten = torch.ops.aten
@@ -490,56 +492,15 @@ def _mean_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) ->
     return out.div_(n).to(dtype or x.dtype)
 
 
-def _channel_shape(x: Tensor) -> tuple[list[int], list[int], int]:
-    """For ``x: (N, C, *S)``: the reduced dims (all but 1), the per-channel broadcast shape, terms per channel."""
-    dims = [0, *range(2, x.dim())]
-    return dims, [1, -1] + [1] * (x.dim() - 2), x.numel() // x.shape[1]
-
-
-@_register(aten.native_batch_norm.default)
+@_register(aten.native_batch_norm.default, aten.native_batch_norm_backward.default)
 def _batch_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
-    """``native_batch_norm(x: (N, C, *S), w, b, running_mean, running_var, training, momentum, eps)``
-    -> ``(out, save_mean: (C,), save_invstd: (C,))``. In training, mean and variance come from
-    profile-ordered sums; running statistics are updated in place, as the native kernel does."""
-    x, w, b, rm, rv, training, momentum, eps = _bind(func, args, kwargs)
-    if not training or x.dim() < 2 or not _emulable(x):
+    """Batch norm forward and backward in training mode, with per-channel statistics from profile-ordered
+    sums (the formulas live in :mod:`detrl.decompose`); inference mode runs natively."""
+    if not decompose.applies(func, args) or not _emulable(args[0]):
         return func(*args, **kwargs)
-    dims, shape, n = _channel_shape(x)
-    total = _sum(p, x, dims, False, None)
-    if total is None:
-        return func(*args, **kwargs)
-    mean = (total / n).to(x.dtype)
-    centred = x - mean.view(shape)
-    var = (_sum(p, centred * centred, dims, False, None) / n).to(x.dtype)
-    invstd = torch.rsqrt(var + eps)
-    out = centred * invstd.view(shape)
-    if w is not None:
-        out = out * w.view(shape)
-    if b is not None:
-        out = out + b.view(shape)
-    if rm is not None and rv is not None:
-        rm.mul_(1 - momentum).add_(mean * momentum)
-        rv.mul_(1 - momentum).add_(var * (n / max(n - 1, 1)) * momentum)
-    return out, mean, invstd
 
+    def channel_sum(t: Tensor, dims: list[int]) -> Tensor:
+        total = _sum(p, t, dims, False, None)
+        return t.sum(dims) if total is None else total.to(t.dtype)
 
-@_register(aten.native_batch_norm_backward.default)
-def _batch_norm_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
-    """``native_batch_norm_backward(grad_out, x, w, running_mean, running_var, save_mean, save_invstd,
-    train, eps, output_mask)`` -> ``(grad_x, grad_w: (C,), grad_b: (C,))`` from profile-ordered sums of
-    ``grad_out`` and ``grad_out * x_hat``."""
-    go, x, w, _rm, _rv, save_mean, save_invstd, train, _eps, mask = _bind(func, args, kwargs)
-    if not train or save_mean is None or save_invstd is None or x.dim() < 2 or not _emulable(go, x):
-        return func(*args, **kwargs)
-    dims, shape, n = _channel_shape(x)
-    xhat = (x - save_mean.view(shape)) * save_invstd.view(shape)
-    sum_g = _sum(p, go, dims, False, None)
-    sum_gx = _sum(p, go * xhat, dims, False, None)
-    if sum_g is None or sum_gx is None:
-        return func(*args, **kwargs)
-    sum_g, sum_gx = sum_g.to(x.dtype), sum_gx.to(x.dtype)
-    grad_x = None
-    if mask[0]:
-        scale = save_invstd.view(shape) if w is None else save_invstd.view(shape) * w.view(shape)
-        grad_x = (go - (sum_g / n).view(shape) - xhat * (sum_gx / n).view(shape)) * scale
-    return grad_x, sum_gx if mask[1] else None, sum_g if mask[2] else None
+    return decompose.DECOMPOSITIONS[func](channel_sum, *args, **kwargs)

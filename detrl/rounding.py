@@ -175,16 +175,11 @@ class RoundingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if decompose.applies(func, args):
-            self._nested += 1
-            try:
-                with self:  # re-entered: each step of the decomposition is rounded (and logged) on its own
-                    out = decompose.DECOMPOSITIONS[func](*args, **kwargs)
-            finally:
-                self._nested -= 1
-            if self.step is not None and not self._nested:  # count the op's outputs, as if undecomposed
-                self.step.stats.rounded_elements += sum(
-                    t.numel() for t in written_tensors(func, args, kwargs, out)
-                )
+            # Only the per-channel sums are machine dependent: they run under this mode (rounded, logged,
+            # reordered by the profile); the rest is plain IEEE arithmetic, so the outputs are exact.
+            out = decompose.DECOMPOSITIONS[func](self._logged_sum, *args, **kwargs)
+            for t in written_tensors(func, args, kwargs, out):
+                self._round_exact(t)
             return out
         split = split_needed(func, kwargs)
         kind = OpKind.EXACT if split else classify(func, kwargs)
@@ -197,15 +192,27 @@ class RoundingMode(TorchDispatchMode):
         if calibrating:
             self.calibrate(func, before, kwargs, targets, kind)
         for t in targets:
-            if t.dtype != torch.float64 or t.numel() == 0:
-                continue
             if kind is OpKind.EXACT or self.step is None:
-                round_to_fp32_(t)
-                if self.step is not None and not self._nested:
-                    self.step.stats.rounded_elements += t.numel()
-            else:
+                self._round_exact(t)
+            elif t.dtype == torch.float64 and t.numel():
                 self._round_logged(func, t, kind)
         return out
+
+    def _round_exact(self, t: torch.Tensor) -> None:
+        if t.dtype != torch.float64 or t.numel() == 0:
+            return
+        round_to_fp32_(t)
+        if self.step is not None and not self._nested:
+            self.step.stats.rounded_elements += t.numel()
+
+    def _logged_sum(self, t: torch.Tensor, dims: list[int]) -> torch.Tensor:
+        """``t.sum(dims)`` dispatched through this mode, for decompositions (not counted as rounded output)."""
+        self._nested += 1
+        try:
+            with self:
+                return t.sum(dims)
+        finally:
+            self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
     def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind) -> None:
