@@ -49,9 +49,10 @@ def as_dict(ops: list[OpEntries]) -> dict[int, OpEntries]:
 
 
 def record(op: int, deltas: list[int], bits: bytes, width: int = 4) -> bytes:
-    """One raw op record, per the spec."""
-    fmt = f"<{len(deltas)}{'I' if width == 4 else 'Q'}"
-    return struct.pack("<IIB", op, len(deltas), width) + struct.pack(fmt, *deltas) + bits
+    """One raw op record, per the spec: header, deltas in byte planes (all byte 0s, then all byte 1s, ...)."""
+    words = [d.to_bytes(width, "little") for d in deltas]
+    planes = bytes(w[b] for b in range(width) for w in words)
+    return struct.pack("<IIB", op, len(deltas), width) + planes + bits
 
 
 def segment(
