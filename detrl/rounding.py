@@ -81,37 +81,69 @@ def spacing32(x: torch.Tensor) -> torch.Tensor:
 
 
 def scale_spacing(x: torch.Tensor) -> torch.Tensor:
-    """FP32 spacing at an output's scale: its largest magnitude per channel (dim 1) for tensors of
+    """FP32 spacing at an output's scale, as FP64: its largest magnitude per channel (dim 1) for tensors of
     rank >= 2 (a convolution's output channel, a linear layer's feature), per tensor otherwise.
 
     Reduction errors grow with the magnitude of the terms summed, which varies by channel far more than
-    within one; the shape of the result broadcasts against ``x``. A channel holding inf or NaN gets an
-    infinite spacing (all its elements are then logged, harmlessly).
+    within one; the result broadcasts against ``x``. ``x`` may be the FP32 rounding of the output (half
+    the bytes to read; its binade is the same or, at a binade edge, one higher: a larger, safe spacing). A
+    channel holding inf or NaN gets an infinite spacing (all its elements are logged, harmlessly).
     """
     dims = [d for d in range(x.dim()) if d != 1] if x.dim() >= 2 else list(range(x.dim()))
-    amax = torch.maximum(x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True).neg_())
+    amax = torch.maximum(x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True).neg_()).double()
     # 2**floor(log2(amax)) by clearing the mantissa bits, times 2**-23: the FP32 spacing there.
     power = (amax.view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
     return power.mul_(2.0**-23).clamp_(min=2.0**-149)
 
 
-def near_midpoint(x: torch.Tensor, tau: float, scale_relative: bool) -> torch.Tensor:
-    """Bool mask of FP64 elements within ``tau`` FP32 spacings of an FP32 rounding midpoint.
+class Scratch:
+    """Grow-only flat buffers, reused across ops: allocating (and page-faulting) fresh full-size
+    temporaries for every op cost more than the arithmetic done in them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, slot: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (slot, dtype, like.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < like.numel():
+            buf = self._buffers[key] = torch.empty(like.numel(), dtype=dtype, device=like.device)
+        return buf[: like.numel()].view(like.shape)
+
+
+def near_midpoint(
+    x: torch.Tensor,
+    tau: float,
+    scale_relative: bool,
+    rounded: torch.Tensor | None = None,
+    scratch: Scratch | None = None,
+) -> torch.Tensor:
+    """Bool mask (logical shape of ``x``) of FP64 elements within ``tau`` FP32 spacings of an FP32 midpoint.
 
     An element is within T of a midpoint exactly when ``x - T`` and ``x + T`` round to different FP32
     values, which costs two adds and two casts instead of a dozen integer passes, and handles the FP32
     subnormal range, the binade edges and overflow by the cast's own rules. With ``scale_relative`` T is
     tau spacings at the output's scale (:func:`scale_spacing`: how reduction errors behave); otherwise it is
     tau spacings at the element (over-estimated by at most 2x: ``|x| * 2**-23`` bounds the spacing).
+    ``rounded`` (``x`` rounded to FP32) and ``scratch`` are reused when given. With ``scratch`` the mask
+    lives in a scratch buffer: read it before the next call.
     """
+    scratch = scratch or Scratch()
+    if rounded is None:
+        rounded = x.to(torch.float32)
+    work = scratch.get("work", x, torch.float64)
     if scale_relative:
-        t = scale_spacing(x).mul_(tau)  # a (1, C, 1, ...) tensor: cheap
-    else:
-        t = x.abs().mul_(tau * 2.0**-23).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)  # finite for inf
-    near = (x - t).to(torch.float32) != (x + t).to(torch.float32)
+        t: torch.Tensor = scale_spacing(rounded).mul_(tau)  # (1, C, 1, ...): cheap
+    else:  # finite for infinities, at least tau subnormal spacings
+        t = torch.abs(x, out=scratch.get("t", x, torch.float64))
+        t.mul_(tau * 2.0**-23).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
+    lo, hi = scratch.get("lo", x, torch.float32), scratch.get("hi", x, torch.float32)
+    lo.copy_(torch.sub(x, t, out=work))
+    hi.copy_(torch.add(x, t, out=work))
+    near = torch.ne(lo, hi, out=scratch.get("near", x, torch.bool))
     # Exact zeros are on the grid (often structurally: untouched gradient slots), never near. (A NaN
     # compares unequal and is logged, harmlessly: its entry changes nothing on replay.)
-    return near.logical_and_(x != 0)
+    return near.logical_and_(torch.ne(rounded, 0, out=scratch.get("nonzero", x, torch.bool)))
 
 
 @dataclasses.dataclass
@@ -170,6 +202,7 @@ class RoundingMode(TorchDispatchMode):
         self.module_path = module_path
         self.step: StepRounding | None = None
         self._nested = 0  # depth inside decompositions (detrl/decompose.py)
+        self._scratch = Scratch()
         self.calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -201,7 +234,8 @@ class RoundingMode(TorchDispatchMode):
     def _round_exact(self, t: torch.Tensor) -> None:
         if t.dtype != torch.float64 or t.numel() == 0:
             return
-        round_to_fp32_(t)
+        rounded = self._scratch.get("round", t, torch.float32)
+        t.copy_(rounded.copy_(t))  # round to nearest FP32 through a reused buffer
         if self.step is not None and not self._nested:
             self.step.stats.rounded_elements += t.numel()
 
@@ -230,8 +264,8 @@ class RoundingMode(TorchDispatchMode):
             # element it finds within tau/2 of a midpoint was within tau for the recorder and must be logged;
             # between tau/2 and tau it may legitimately not be.
             tau *= REPLAY_CHECK_FRACTION
-        near = near_midpoint(x, tau, kind is OpKind.REDUCTION)
         rounded = x.to(torch.float32)
+        near = near_midpoint(x, tau, kind is OpKind.REDUCTION, rounded=rounded, scratch=self._scratch)
         if step.replay is None:
             idx = near.reshape(-1).nonzero().squeeze(1)
             if idx.numel():
