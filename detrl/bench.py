@@ -397,21 +397,27 @@ def bench_nolog(rest: list[str]) -> int:
     from detrl.audit import audit
 
     p = argparse.ArgumentParser(prog="detrl bench nolog")
-    p.add_argument("--steps", type=int, default=100, help="steps of the recorded digits CNN run")
+    p.add_argument("--model", default="digits_cnn", help="one of " + ",".join(MODEL_CONFIGS))
+    p.add_argument("--steps", type=int, default=100, help="steps of the recorded run")
     p.add_argument("--profiles", default=",".join(EMULATED))
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(rest)
+    if args.model not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model {args.model!r}; known: {', '.join(MODEL_CONFIGS)}")
     torch.set_num_threads(args.threads)
     profiles = [q.strip() for q in args.profiles.split(",") if q.strip()]
     print(machine_line(args.threads))
-    print(f"digits CNN, batch 32, {args.steps} steps, recorded on native; replayed with `detrl.audit.audit`")
+    batch = MODEL_CONFIGS[args.model]["train"]["batch_size"]
+    print(
+        f"{args.model}, batch {batch}, {args.steps} steps, recorded on native; replayed with `detrl.audit.audit`"
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="detrl-bench-") as tmp:
         runs: dict[str, Path] = {}
         for precision in ("verifiable", "fp32"):
             t0 = time.perf_counter()
             runs[precision] = Path(tmp) / precision
-            s = _record(make_config("digits_cnn", precision, args.steps, args.threads), runs[precision])
+            s = _record(make_config(args.model, precision, args.steps, args.threads), runs[precision])
             _log(f"recorded {precision}: {args.steps} steps in {time.perf_counter() - t0:.0f} s")
             if precision == "verifiable":
                 total_logged = s.totals.logged
