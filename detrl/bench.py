@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from detrl.cli import format_bytes
+
 #: The paper's code writes this much rounding log per ResNet-50 step at batch 8 (from the issue).
 PAPER_LOG_BYTES_PER_STEP = 26.2e6
 #: The issue's goal: a log at least this many times smaller than the paper's.
@@ -108,14 +110,6 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     out = [line(headers), line(["-" * w for w in widths])]
     out += [line(r) for r in rows]
     return "\n".join(out)
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 def _status_kb(key: str) -> int:
@@ -364,14 +358,14 @@ def bench_roundlog(rest: list[str]) -> int:
                "dense/log", "26.2MB/log"]  # fmt: skip
     print(_table(headers, rows))
     print(
-        f"paper: its code writes {_bytes(PAPER_LOG_BYTES_PER_STEP)} of log per ResNet-50 step at batch 8; "
-        f"goal >= {LOG_GOAL_FACTOR}x smaller, i.e. <= {_bytes(PAPER_LOG_BYTES_PER_STEP / LOG_GOAL_FACTOR)}/step"
+        f"paper: its code writes {format_bytes(PAPER_LOG_BYTES_PER_STEP)} of log per ResNet-50 step at batch 8; "
+        f"goal >= {LOG_GOAL_FACTOR}x smaller, i.e. <= {format_bytes(PAPER_LOG_BYTES_PER_STEP / LOG_GOAL_FACTOR)}/step"
     )
     if resnet_bytes is not None:
         factor = PAPER_LOG_BYTES_PER_STEP / max(resnet_bytes, 1)
         verdict = "MET" if factor >= LOG_GOAL_FACTOR else "MISSED"
         print(
-            f"ours (resnet50, steps after calibration): {_bytes(resnet_bytes)}/step = {factor:,.1f}x smaller "
+            f"ours (resnet50, steps after calibration): {format_bytes(resnet_bytes)}/step = {factor:,.1f}x smaller "
             f"than the paper's -> goal {verdict}"
             + ("" if factor >= LOG_GOAL_FACTOR else f" by {LOG_GOAL_FACTOR / factor:.1f}x")
         )

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``1234567`` -> ``'1.2 MB'`` (decimal units)."""
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -62,9 +63,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         log_bytes = sum(session.log_bytes)
         dense = dense_reference_bytes(t.rounded_elements)
         print(
-            f"rounding log: {t.logged} elements, {_fmt_bytes(log_bytes)} "
-            f"({_fmt_bytes(log_bytes / max(1, session.step_index))}/step); dense reference encoding "
-            f"{_fmt_bytes(dense)} ({dense / max(1, log_bytes):.0f}x larger)"
+            f"rounding log: {t.logged} elements, {format_bytes(log_bytes)} "
+            f"({format_bytes(log_bytes / max(1, session.step_index))}/step); dense reference encoding "
+            f"{format_bytes(dense)} ({dense / max(1, log_bytes):.0f}x larger)"
         )
     print(f"audit it with: detrl audit {out} --hardware emulated:splitk")
     return 0
@@ -79,8 +80,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if report.verdict == "replicated" or report.per_step:
         ratio = tot["dense_reference_bytes"] / max(1, tot["log_bytes"])
         print(
-            f"rounding log: {tot['logged_elements']} elements, {_fmt_bytes(tot['log_bytes'])} over "
-            f"{len(report.per_step)} steps; dense reference {_fmt_bytes(tot['dense_reference_bytes'])} "
+            f"rounding log: {tot['logged_elements']} elements, {format_bytes(tot['log_bytes'])} over "
+            f"{len(report.per_step)} steps; dense reference {format_bytes(tot['dense_reference_bytes'])} "
             f"({ratio:.0f}x larger); replayer saw {report.unlogged_near} unlogged near-midpoint elements, "
             f"{report.corrected} logged elements rounded against its own nearest"
         )

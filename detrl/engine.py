@@ -108,10 +108,11 @@ class Session:
             :class:`~detrl.hardware.Profile` instance (a machine of your own).
         checkpoint_every: save a safetensors checkpoint every this many steps (0: only the last).
         thresholds: a :class:`Thresholds`, or ``"calibrate"`` to measure them during the first step.
+        margin: calibrated threshold = margin x the largest disagreement measured between profiles.
         config: the run's config, stored in the manifest so ``detrl audit`` can rebuild the run.
         data_fingerprint: SHA-256 hex of the training data, stored in the manifest and checked on replay.
         device: torch device for model and data.
-        writer: optional TensorBoard ``SummaryWriter``.
+        track_modules: name module paths in rounding anomalies (default: when replaying).
     """
 
     def __init__(
