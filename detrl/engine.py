@@ -305,9 +305,9 @@ class Session:
                 in_calibration = step <= self.calibration_steps
                 self.rounding.calibrate = self._calibrator if in_calibration else None
                 if in_calibration and self.mode == "replay":
-                    # The recorder's thresholds grew during this step; every one was at least the lowest floor,
-                    # so the floor is the sound threshold for counting unlogged near-midpoint elements.
-                    self.rounding.thresholds = Thresholds(default=TAU_FLOOR_MEASURED)
+                    # The recorder's thresholds grew during this step, each at least the lowest floor: half
+                    # of that is the sound threshold for counting unlogged near-midpoint elements.
+                    self.rounding.check_thresholds = Thresholds(default=TAU_FLOOR_MEASURED / 2)
                 modes.enter_context(self.rounding)
             modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             try:
@@ -317,7 +317,7 @@ class Session:
             finally:
                 self.rounding.step = None
                 self.rounding.calibrate = None
-                self.rounding.thresholds = self.thresholds
+                self.rounding.check_thresholds = None
         self.step_seconds.append(time.perf_counter() - t0)
         self.step_index = step
         stats = rounding.stats if rounding is not None else StepStats()

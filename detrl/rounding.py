@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -202,6 +203,8 @@ class RoundingMode(TorchDispatchMode):
         self.module_path = module_path
         self.step: StepRounding | None = None
         self._nested = 0  # depth inside decompositions (detrl/decompose.py)
+        #: thresholds for the replayer's unlogged-near check, when not tau/2 (the calibration step)
+        self.check_thresholds: Thresholds | None = None
         self._scratch = Scratch()
         self.calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None
 
@@ -259,51 +262,102 @@ class RoundingMode(TorchDispatchMode):
         if not self._nested:
             step.stats.rounded_elements += x.numel()
         tau = self.thresholds.tau(name)
-        if step.replay is not None:
-            # The replayer's value differs from the recorder's by at most tau/margin (calibration), so any
-            # element it finds within tau/2 of a midpoint was within tau for the recorder and must be logged;
-            # between tau/2 and tau it may legitimately not be.
-            tau *= REPLAY_CHECK_FRACTION
+        scaled = kind is OpKind.REDUCTION
         rounded = x.to(torch.float32)
-        near = near_midpoint(x, tau, kind is OpKind.REDUCTION, rounded=rounded, scratch=self._scratch)
         if step.replay is None:
+            near = near_midpoint(x, tau, scaled, rounded=rounded, scratch=self._scratch)
             idx = near.reshape(-1).nonzero().squeeze(1)
             if idx.numel():
-                xs, rs = _take(x, idx), _take(rounded, idx).to(torch.float64)
-                up = rs.abs() > xs.abs()
-                step.recorded.append(OpEntries(op=seq, indices=idx.cpu().numpy(), up=up.cpu().numpy()))
+                step.recorded.append(self._entries(seq, x, rounded, idx, tau, scaled))
                 step.stats.logged += idx.numel()
             x.copy_(rounded)
             return
-        entries = step.replay.get(seq)
-        flat_near = near.reshape(-1)
-        if entries is not None and len(entries.indices):
-            if int(entries.indices[-1]) >= x.numel():
-                self._anomaly(seq, name, int(entries.indices[-1]), "logged-index-out-of-range")
-                raise _LogOutOfRange(seq, name, int(entries.indices[-1]), x.numel())
-            idx = torch.from_numpy(entries.indices).to(x.device)
-            want_up = torch.from_numpy(entries.up.astype(np.bool_)).to(x.device)
-            xs, rs = _take(x, idx), _take(rounded, idx)
-            is_up = rs.double().abs() > xs.abs()
-            wrong = is_up != want_up
-            n_wrong = int(wrong.sum())
-            if n_wrong:
-                step.stats.corrected += n_wrong
-                toward = torch.where(
-                    want_up, torch.copysign(torch.full_like(rs, float("inf")), xs.float()), 0.0
-                )
-                fixed = torch.where(wrong, torch.nextafter(rs, toward.to(rs.dtype)), rs)
-                _put(rounded, idx, fixed)
-                first = int(idx[wrong.nonzero()[0, 0]])
-                self._anomaly(seq, name, first, "logged-direction-differs")
-            step.stats.logged += idx.numel()
+        self._replay(step, seq, name, x, rounded, tau, scaled)
+        x.copy_(rounded)
+
+    def _entries(
+        self, seq: int, x: torch.Tensor, rounded: torch.Tensor, idx: torch.Tensor, tau: float, scaled: bool
+    ) -> OpEntries:
+        """Log entries for the near-midpoint elements ``idx``: the neighbour chosen, or, where the
+        uncertainty reaches a quarter of the element's own spacing (heavy cancellation), the value."""
+        xs, rs = _take(x, idx), _take(rounded, idx).to(torch.float64)
+        pinned = 4 * _uncertainty(x, rounded, idx, tau, scaled) >= spacing32(rs)
+        keep = ~pinned
+        return OpEntries(
+            op=seq,
+            indices=idx[keep].cpu().numpy(),
+            up=(rs.abs() > xs.abs())[keep].cpu().numpy(),
+            pinned_indices=idx[pinned].cpu().numpy(),
+            pinned_values=rs[pinned].to(torch.float32).cpu().numpy(),
+        )
+
+    def _replay(
+        self,
+        step: StepRounding,
+        seq: int,
+        name: str,
+        x: torch.Tensor,
+        rounded: torch.Tensor,
+        tau: float,
+        scaled: bool,
+    ) -> None:
+        """Apply the log to ``rounded`` and check it: an entry is honoured only where this machine also
+        sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it."""
+        entries = step.replay.get(seq) if step.replay is not None else None
+        check_tau = self.check_thresholds.tau(name) if self.check_thresholds else tau * REPLAY_CHECK_FRACTION
+        flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
+        if entries is not None and (len(entries.indices) or len(entries.pinned_indices)):
+            last = max(int(entries.indices[-1]) if len(entries.indices) else -1,
+                       int(entries.pinned_indices[-1]) if len(entries.pinned_indices) else -1)  # fmt: skip
+            if last >= x.numel():
+                self._anomaly(seq, name, last, "logged-index-out-of-range")
+                raise _LogOutOfRange(seq, name, last, x.numel())
             flat_near = flat_near.clone()
-            flat_near[idx] = False
+            if len(entries.indices):
+                self._apply_directions(step, seq, name, x, rounded, entries, tau, scaled)
+                flat_near[torch.from_numpy(entries.indices).to(x.device)] = False
+            if len(entries.pinned_indices):
+                self._apply_pinned(step, seq, name, x, rounded, entries, tau, scaled)
+                flat_near[torch.from_numpy(entries.pinned_indices).to(x.device)] = False
         n_unlogged = int(flat_near.sum())
         if n_unlogged:
             step.stats.unlogged_near += n_unlogged
             self._anomaly(seq, name, int(flat_near.nonzero()[0, 0]), "unlogged-near")
-        x.copy_(rounded)
+
+    def _apply_directions(self, step, seq, name, x, rounded, entries, tau, scaled) -> None:  # noqa: ANN001
+        idx = torch.from_numpy(entries.indices).to(x.device)
+        want_up = torch.from_numpy(entries.up.astype(np.bool_)).to(x.device)
+        xs, rs = _take(x, idx), _take(rounded, idx)
+        t2 = 2 * _uncertainty(x, rounded, idx, tau, scaled)
+        honoured = (xs - t2).to(torch.float32) != (xs + t2).to(torch.float32)
+        if not bool(honoured.all()):  # a log entry for an element far from any midpoint: refuse it
+            self._anomaly(seq, name, int(idx[(~honoured).nonzero()[0, 0]]), "logged-not-near")
+        wrong = (rs.double().abs() > xs.abs()) != want_up
+        wrong &= honoured
+        n_wrong = int(wrong.sum())
+        step.stats.logged += idx.numel()
+        if n_wrong:
+            step.stats.corrected += n_wrong
+            toward = torch.where(want_up, torch.copysign(torch.full_like(rs, math.inf), xs.float()), 0.0)
+            _put(rounded, idx, torch.where(wrong, torch.nextafter(rs, toward.to(rs.dtype)), rs))
+            self._anomaly(seq, name, int(idx[wrong.nonzero()[0, 0]]), "logged-direction-differs")
+
+    def _apply_pinned(self, step, seq, name, x, rounded, entries, tau, scaled) -> None:  # noqa: ANN001
+        idx = torch.from_numpy(entries.pinned_indices).to(x.device)
+        values = torch.from_numpy(entries.pinned_values).to(x.device)
+        xs, vs = _take(x, idx), values.double()
+        # The recorder's value is within half a spacing of its FP32 rounding and within tau/margin of ours.
+        reach = 2 * _uncertainty(x, rounded, idx, tau, scaled) + spacing32(vs)
+        honoured = (xs - vs).abs() <= reach
+        if not bool(honoured.all()):  # a pinned value this machine cannot have computed: refuse it
+            self._anomaly(seq, name, int(idx[(~honoured).nonzero()[0, 0]]), "pinned-value-far")
+        step.stats.logged += idx.numel()
+        rs = _take(rounded, idx)
+        changed = honoured & (rs != values)
+        if bool(changed.any()):
+            step.stats.corrected += int(changed.sum())
+            _put(rounded, idx, torch.where(honoured, values, rs))
+            self._anomaly(seq, name, int(idx[changed.nonzero()[0, 0]]), "pinned-value-differs")
 
     def _anomaly(self, seq: int, name: str, index: int, kind: str) -> None:
         step = self.step
@@ -319,6 +373,20 @@ class _LogOutOfRange(Exception):
 
 
 LogOutOfRange = _LogOutOfRange
+
+
+def _uncertainty(
+    x: torch.Tensor, rounded: torch.Tensor, idx: torch.Tensor, tau: float, scaled: bool
+) -> torch.Tensor:
+    """T at the elements ``idx`` (FP64, shape (n,)): tau spacings at their channel's scale, or at the
+    element itself (see :func:`near_midpoint`)."""
+    if not scaled:
+        return (_take(x, idx).abs() * (tau * 2.0**-23)).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
+    t = scale_spacing(rounded).mul_(tau).reshape(-1)
+    if t.numel() == 1:
+        return t.expand(idx.numel())
+    inner = math.prod(x.shape[2:])  # channel of a row-major index in (N, C, *S)
+    return t[(idx // inner) % x.shape[1]]
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import os
 import struct
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import numpy as np
@@ -56,6 +56,8 @@ _INDEX_ENTRY = struct.Struct("<QQ")
 # index_offset u64 | n_segments u64 | index_crc32 u32 | reserved u32 | end magic[8]
 _TRAILER = struct.Struct("<QQII8s")
 
+#: Set in a record's width byte: the record holds pinned FP32 values instead of direction bits.
+PINNED_FLAG = 0x80
 _U32_LIMIT = 1 << 32
 _U64_LIMIT = 1 << 64
 _I64_LIMIT = 1 << 63
@@ -75,11 +77,17 @@ class OpEntries:
         op: op position within the step (0 <= op < 2**32).
         indices: int64, shape (n,), strictly increasing logical row-major flat element indices >= 0.
         up: bool, shape (n,); True = the larger-magnitude FP32 neighbour was chosen.
+        pinned_indices: int64, shape (m,), strictly increasing, disjoint from ``indices``: elements whose
+            uncertainty spans more than a fraction of their own FP32 spacing (results of heavy
+            cancellation), for which a direction bit cannot name the value; their FP32 value is stored.
+        pinned_values: float32, shape (m,): the FP32 values chosen for ``pinned_indices``.
     """
 
     op: int
     indices: np.ndarray
     up: np.ndarray
+    pinned_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pinned_values: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
 
     def __eq__(self, other: object) -> bool:
         # The generated dataclass __eq__ would compare arrays with ==, which is ambiguous.
@@ -89,6 +97,11 @@ class OpEntries:
             self.op == other.op
             and np.array_equal(self.indices, other.indices)
             and np.array_equal(self.up, other.up)
+            and np.array_equal(self.pinned_indices, other.pinned_indices)
+            and np.array_equal(
+                np.asarray(self.pinned_values, dtype=np.float32).view(np.uint32),
+                np.asarray(other.pinned_values, dtype=np.float32).view(np.uint32),
+            )
         )
 
 
@@ -141,15 +154,45 @@ def _validated_arrays(e: OpEntries) -> tuple[np.ndarray, np.ndarray]:
     return idx.astype(np.int64, copy=False), up.astype(bool, copy=False)
 
 
-def _encode_record(op: int, idx: np.ndarray, up: np.ndarray) -> bytes:
-    """One payload record: header, delta-coded indices (first absolute), packed direction bits."""
-    deltas = np.diff(idx, prepend=np.int64(0))  # deltas[0] = idx[0]; all >= 0 after validation
-    width = 4 if int(deltas.max()) < _U32_LIMIT else 8
+def _planes(deltas: np.ndarray, width: int) -> bytes:
     # Byte planes: all lowest bytes, then all second bytes, ... The high planes of small deltas are
     # mostly zero, which zstd compresses far better than interleaved words (about 15 % smaller logs).
-    body = deltas.astype("<u4" if width == 4 else "<u8").view(np.uint8).reshape(-1, width).T.tobytes()
-    bits = np.packbits(up).tobytes()  # MSB-first, zero padding bits
-    return _RECORD_HEADER.pack(op, idx.size, width) + body + bits
+    return deltas.astype("<u4" if width == 4 else "<u8").view(np.uint8).reshape(-1, width).T.tobytes()
+
+
+def _validated_pinned(e: OpEntries, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return (pinned indices int64 (m,), values float32 (m,)) of ``e`` after validating them."""
+    pidx = np.asarray(e.pinned_indices)
+    vals = np.asarray(e.pinned_values)
+    if pidx.ndim != 1 or vals.ndim != 1 or pidx.shape != vals.shape:
+        raise ValueError(f"op {e.op}: pinned_indices and pinned_values must be 1-D and of equal length")
+    if pidx.size:
+        if pidx.dtype.kind not in "iu" or vals.dtype != np.float32:
+            raise ValueError(f"op {e.op}: pinned indices must be integers and values float32")
+        if int(pidx.min()) < 0 or int(pidx.max()) >= _I64_LIMIT or pidx.size >= _U32_LIMIT:
+            raise ValueError(f"op {e.op}: pinned indices must be in [0, 2**63)")
+        pidx = pidx.astype(np.int64, copy=False)
+        if pidx.size > 1 and not np.all(pidx[1:] > pidx[:-1]):
+            raise ValueError(f"op {e.op}: pinned indices must be strictly increasing")
+        if np.intersect1d(pidx, idx, assume_unique=True).size:
+            raise ValueError(f"op {e.op}: an element cannot have both a direction and a pinned value")
+    return pidx.astype(np.int64, copy=False), vals.astype(np.float32, copy=False)
+
+
+def _encode_record(op: int, idx: np.ndarray, payload: np.ndarray, pinned: bool) -> bytes:
+    """One payload record: header, delta-coded indices (first absolute), then packed direction bits
+    (a direction record) or FP32 values in byte planes (a pinned record, flagged in the width byte)."""
+    deltas = np.diff(idx, prepend=np.int64(0))  # deltas[0] = idx[0]; all >= 0 after validation
+    width = 4 if int(deltas.max()) < _U32_LIMIT else 8
+    if pinned:
+        tail = np.asarray(payload, dtype="<f4").view(np.uint8).reshape(-1, 4).T.tobytes()
+    else:
+        tail = np.packbits(payload).tobytes()  # MSB-first, zero padding bits
+    return (
+        _RECORD_HEADER.pack(op, idx.size, width | (PINNED_FLAG if pinned else 0))
+        + _planes(deltas, width)
+        + tail
+    )
 
 
 class RoundLogWriter:
@@ -201,8 +244,11 @@ class RoundLogWriter:
                 raise ValueError(f"op positions must be strictly increasing, got {op} after {prev_op}")
             prev_op = op
             idx, up = _validated_arrays(e)
+            pidx, vals = _validated_pinned(e, idx)
             if idx.size:
-                records.append(_encode_record(op, idx, up))
+                records.append(_encode_record(op, idx, up, pinned=False))
+            if pidx.size:
+                records.append(_encode_record(op, pidx, vals, pinned=True))
         raw = b"".join(records)
         comp = self._cctx.compress(raw)
         head = _SEG_HEADER.pack(SEGMENT_TAG, step, len(records), len(raw), len(comp), 0)[:-4]
@@ -397,27 +443,29 @@ class RoundLogReader:
         """Parse ``n_ops`` records that must consume ``raw`` exactly."""
         out: dict[int, OpEntries] = {}
         pos = 0
-        prev_op = -1
+        prev: tuple[int, bool] = (-1, True)  # (op, pinned) of the previous record
         for r in range(n_ops):
             if pos + _RECORD_HEADER.size > len(raw):
                 raise self._err(f"{where}: record {r} header overruns the payload at byte {pos}")
-            op, count, width = _RECORD_HEADER.unpack_from(raw, pos)
+            op, count, width_byte = _RECORD_HEADER.unpack_from(raw, pos)
+            pinned, width = bool(width_byte & PINNED_FLAG), width_byte & ~PINNED_FLAG
             rec = f"{where} record {r} (op {op})"
             pos += _RECORD_HEADER.size
-            if op <= prev_op:
-                raise self._err(f"{rec}: op not greater than previous op {prev_op}")
+            # Ops increase; an op may have a direction record followed by a pinned record.
+            if not (op > prev[0] or (op == prev[0] and pinned and not prev[1])):
+                raise self._err(f"{rec}: op not greater than previous op {prev[0]}")
             if count == 0:
                 raise self._err(f"{rec}: empty record")
             if width not in (4, 8):
                 raise self._err(f"{rec}: index width {width}, expected 4 or 8")
-            n_bits = (count + 7) // 8
-            if pos + count * width + n_bits > len(raw):
+            n_tail = 4 * count if pinned else (count + 7) // 8
+            if pos + count * width + n_tail > len(raw):
                 raise self._err(f"{rec}: {count} entries overrun the payload")
             planes = np.frombuffer(raw, dtype=np.uint8, count=count * width, offset=pos).reshape(width, count)
             deltas = planes.T.copy().view("<u4" if width == 4 else "<u8").ravel()
             pos += count * width
-            bits = np.frombuffer(raw, dtype=np.uint8, count=n_bits, offset=pos)
-            pos += n_bits
+            tail = np.frombuffer(raw, dtype=np.uint8, count=n_tail, offset=pos)
+            pos += n_tail
             if width == 8 and int(deltas.max()) < _U32_LIMIT:
                 raise self._err(f"{rec}: non-canonical index width 8 (all deltas fit in 4 bytes)")
             # uint64 cumsum wraps on overflow; since each delta < 2**64, a wrap shows up as a
@@ -427,11 +475,20 @@ class RoundLogReader:
                 raise self._err(f"{rec}: indices not strictly increasing (zero delta or overflow)")
             if int(idx[-1]) >= _I64_LIMIT:
                 raise self._err(f"{rec}: index {int(idx[-1])} exceeds 2**63 - 1")
-            if count % 8 and int(bits[-1]) & ((1 << (8 - count % 8)) - 1):
-                raise self._err(f"{rec}: nonzero padding bits in direction bytes")
-            up = np.unpackbits(bits, count=count).astype(bool)
-            out[op] = OpEntries(op=op, indices=idx.astype(np.int64), up=up)
-            prev_op = op
+            idx = idx.astype(np.int64)
+            if pinned:
+                values = tail.reshape(4, count).T.copy().view("<f4").ravel().astype(np.float32)
+                entries = out.get(op) or OpEntries(op=op, indices=np.zeros(0, np.int64), up=np.zeros(0, bool))
+                if np.intersect1d(idx, entries.indices, assume_unique=True).size:
+                    raise self._err(f"{rec}: a pinned element also has a direction entry")
+                entries.pinned_indices, entries.pinned_values = idx, values
+                out[op] = entries
+            else:
+                if count % 8 and int(tail[-1]) & ((1 << (8 - count % 8)) - 1):
+                    raise self._err(f"{rec}: nonzero padding bits in direction bytes")
+                up = np.unpackbits(tail, count=count).astype(bool)
+                out[op] = OpEntries(op=op, indices=idx, up=up)
+            prev = (op, pinned)
         if pos != len(raw):
             raise self._err(f"{where}: {len(raw) - pos} trailing bytes after {n_ops} records")
         return out

@@ -190,3 +190,57 @@ def test_calibration_sets_thresholds_as_it_goes_and_keeps_the_first_step_small(t
     assert all(TAU_FLOOR_MEASURED <= tau <= 2.0**-4 for tau in per_op.values())
     first, later = s.step_stats[0].logged, max(st.logged for st in s.step_stats[1:])
     assert first <= 3 * later + 100
+
+
+def test_cancellation_results_are_pinned_and_replayed_by_value():
+    # Column 0 holds 1.0 and a result of heavy cancellation, 1e-12: at that column's scale the FP64
+    # uncertainty spans many of the small element's own spacings, so a direction bit cannot name its
+    # FP32 value; the recorder stores the value itself ("pinned").
+    a = torch.tensor([[1.0, 0.0], [1e-12, 0.0]], dtype=torch.float64)  # (1e-12 is not an FP32 value)
+    eye = torch.eye(2, dtype=torch.float64)
+
+    def compute(step, nudge=0.0):
+        def profile(func, args, kwargs):
+            out = func(*args, **kwargs)
+            if func is torch.ops.aten.mm.default and nudge:
+                out[1, 0] -= 1.0  # cancellation: another machine's sum lands a few small spacings away
+                out[1, 0] += 1.0 + nudge
+            return out
+
+        mode = RoundingMode(profile, Thresholds(default=2.0**-20))
+        mode.step = step
+        with mode:
+            return torch.mm(a, eye)
+
+    rec = StepRounding()
+    out = compute(rec)
+    pinned = [e for e in rec.recorded if len(e.pinned_indices)]
+    assert pinned, rec.recorded
+    entry = pinned[-1]
+    assert 2 in entry.pinned_indices.tolist()  # element (1, 0)
+    want = out[1, 0].item()
+    rep = StepRounding(replay={e.op: e for e in rec.recorded})
+    out2 = compute(rep, nudge=5e-19)  # several FP32 spacings of 1e-12 (about 1e-19 each)
+    assert out2[1, 0].item() == want and rep.stats.corrected >= 1
+    # a forged pinned value far from anything this machine could compute is refused
+    forged = OpEntries(
+        op=entry.op, indices=entry.indices, up=entry.up, pinned_indices=entry.pinned_indices,
+        pinned_values=np.full_like(entry.pinned_values, 0.5),
+    )  # fmt: skip
+    rep3 = StepRounding(replay={**{e.op: e for e in rec.recorded}, entry.op: forged})
+    out3 = compute(rep3)
+    assert out3[1, 0].item() == want
+    assert any(an.kind == "pinned-value-far" for an in rep3.anomalies)
+
+
+def test_log_entries_for_elements_far_from_a_midpoint_are_refused():
+    x = torch.tensor([[1.0, 3.0]], dtype=torch.float64)  # exact FP32 values: nowhere near a midpoint
+    eye = torch.eye(2, dtype=torch.float64)
+    forged = OpEntries(op=0, indices=np.array([0, 1]), up=np.array([True, True]))
+    step = StepRounding(replay={0: forged})
+    mode = _mode(2.0**-20)
+    mode.step = step
+    with mode:
+        out = torch.mm(x, eye)
+    assert torch.equal(out, x)  # not moved to the next float
+    assert step.anomalies[0].kind == "logged-not-near"

@@ -387,3 +387,44 @@ def test_bad_segment_header(tmp_path: Path) -> None:
     head = SEG.pack(b"RSEG", 2, 0, 0, 1 << 40, 0)
     forge(p, [(2, head + b"\x00" * 9)])
     assert_rejected(p, "overruns the index")
+
+
+def _pinned_entries() -> OpEntries:
+    return OpEntries(
+        op=3,
+        indices=np.array([1, 5, 9], dtype=np.int64),
+        up=np.array([True, False, True]),
+        pinned_indices=np.array([2, 7, 2**40], dtype=np.int64),
+        pinned_values=np.array([1.5e-30, -2.0, np.inf], dtype=np.float32),
+    )
+
+
+def test_pinned_values_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    only_pinned = OpEntries(
+        op=4, indices=np.zeros(0, np.int64), up=np.zeros(0, bool),
+        pinned_indices=np.array([0], np.int64), pinned_values=np.array([3.25], np.float32),
+    )  # fmt: skip
+    with RoundLogWriter(path) as w:
+        w.write_step(1, [_pinned_entries(), only_pinned])
+    with RoundLogReader(path) as r:
+        got = r.read_step(1)
+    assert got[3] == _pinned_entries() and got[4] == only_pinned
+
+
+def test_pinned_values_are_validated(tmp_path: Path) -> None:
+    bad = _pinned_entries()
+    bad.pinned_indices = np.array([1, 7, 2**40], dtype=np.int64)  # element 1 also has a direction
+    with (
+        RoundLogWriter(tmp_path / "log") as w,
+        pytest.raises(ValueError, match="both a direction and a pinned"),
+    ):
+        w.write_step(1, [bad])
+    # a forged pinned record overlapping a direction record, with a valid checksum
+    planes = bytes([1]) + bytes(3)  # one delta = 1, byte planes
+    pinned = struct.pack("<IIB", 0, 1, 4 | 0x80) + planes + np.array([1.0], "<f4").tobytes()
+    raw = record(0, [1], bytes([0x80])) + pinned
+    path = tmp_path / "forged"
+    forge(path, [(1, segment(1, 2, raw))])
+    with RoundLogReader(path) as r, pytest.raises(RoundLogError, match="also has a direction entry"):
+        r.read_step(1)
