@@ -75,8 +75,10 @@ _ELEMENTWISE = _packets(
     "addcmul_", "addcdiv", "addcdiv_", "lerp", "lerp_", "_foreach_addcmul", "_foreach_addcmul_",
     "_foreach_addcdiv", "_foreach_addcdiv_", "_foreach_lerp", "_foreach_lerp_", "_foreach_pow",
     "_foreach_pow_", "_foreach_exp", "_foreach_exp_", "_softmax", "elu", "elu_backward", "leaky_relu",
-    "leaky_relu_backward", "hardswish", "log_sigmoid_forward", "_foreach_addcdiv_",
+    "leaky_relu_backward", "hardswish", "log_sigmoid_forward",
 )  # fmt: skip
+# (addcmul, addcdiv, lerp and add/sub with alpha are computed step by step by detrl/fused.py, which
+# makes them EXACT; they are listed above for the overloads it does not cover, e.g. ``out=`` variants.)
 
 # Ops in _EXACT that become fused (FMA-able) when a scaling argument is not 1.
 _ALPHA_FUSED = _packets(

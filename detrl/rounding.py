@@ -70,11 +70,6 @@ class Thresholds:
         return cls(per_op=per_op, default=default)
 
 
-def round_to_fp32_(x: torch.Tensor) -> None:
-    """Round an FP64 tensor in place to the nearest FP32 value (ties to even), keeping it FP64."""
-    x.copy_(x.to(torch.float32))
-
-
 def spacing32(x: torch.Tensor) -> torch.Tensor:
     """FP32 spacing (ulp) at |x|, as FP64; at least the subnormal spacing 2**-149."""
     _, e = torch.frexp(x.abs())
