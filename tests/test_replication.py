@@ -106,3 +106,19 @@ def test_thread_count_changes_fp32_bits_but_not_verifiable_ones(tmp_path):
     assert roots["verifiable", 1] == roots["verifiable", 2]
     # oneDNN's FP32 convolutions on this CPU split work by thread count
     assert roots["fp32", 1] != roots["fp32", 2]
+
+
+@pytest.mark.slow
+def test_resnet50_step_replicates_on_other_profiles(tmp_path):
+    # A ResNet-50 step has results of heavy cancellation that a direction bit cannot name (pinned
+    # values): before they existed, this replay diverged at step 1 on pairwise and atomic.
+    cfg = validate({
+        "name": "resnet50", "precision": "verifiable", "data": {"name": "synthetic_images", "n": 16},
+        "model": {"name": "resnet50"}, "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "train": {"steps": 1, "batch_size": 8}, "verify": {"checkpoint_every": 0},
+    })  # fmt: skip
+    rec = record(cfg, tmp_path / "run")
+    assert rec.totals.logged > 0
+    for hw in ("emulated:pairwise", "emulated:atomic"):
+        rep = replay(cfg, tmp_path / "run", hw)
+        assert rep.step_index == 1 and rep.totals.unlogged_near == 0, hw
