@@ -102,6 +102,15 @@ def make_config(model: str, precision: str, steps: int, threads: int = 1, **trai
     return config_mod.validate(raw)
 
 
+def _model_list(text: str) -> list[str]:
+    """Comma-separated model names, each checked against MODEL_CONFIGS (ValueError: exit 2 in the CLI)."""
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    for m in models:
+        if m not in MODEL_CONFIGS:
+            raise ValueError(f"unknown model {m!r}; known: {', '.join(MODEL_CONFIGS)}")
+    return models
+
+
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(
@@ -226,10 +235,7 @@ def bench_overhead(rest: list[str]) -> int:
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(rest)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in MODEL_CONFIGS:
-            raise ValueError(f"unknown model {m!r}; known: {', '.join(MODEL_CONFIGS)}")
+    models = _model_list(args.models)
     print(machine_line(args.threads))
     print(
         "step time: wall time of a whole loop iteration (batch, forward, backward, optimizer, commit, log "
@@ -321,10 +327,7 @@ def bench_roundlog(rest: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(rest)
     torch.set_num_threads(args.threads)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    for m in models:
-        if m not in MODEL_CONFIGS:
-            raise ValueError(f"unknown model {m!r}; known: {', '.join(MODEL_CONFIGS)}")
+    models = _model_list(args.models)
     print(machine_line(args.threads))
     print(
         "step 1 calibrates the thresholds (every logged op reruns under the emulated profiles), so it is "
@@ -396,8 +399,7 @@ def bench_nolog(rest: list[str]) -> int:
     p.add_argument("--profiles", default=",".join(EMULATED))
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(rest)
-    if args.model not in MODEL_CONFIGS:
-        raise ValueError(f"unknown model {args.model!r}; known: {', '.join(MODEL_CONFIGS)}")
+    _model_list(args.model)
     torch.set_num_threads(args.threads)
     profiles = [q.strip() for q in args.profiles.split(",") if q.strip()]
     print(machine_line(args.threads))
