@@ -21,7 +21,7 @@ import torch
 
 from detrl.hardware import get_profile
 from detrl.oprules import OpKind, op_name
-from detrl.rounding import Thresholds, scale_spacing, spacing32, written_tensors
+from detrl.rounding import Thresholds, scale_spacing, snapshot, spacing32, written_tensors
 
 DEFAULT_MARGIN = 16.0
 #: 128 FP64 ulps: libm and FMA differences of elementwise ops, and every op whose disagreement the emulated
@@ -54,7 +54,7 @@ class Calibrator:
         name = op_name(func)
         worst = self.worst.get(name, 0.0)
         for prof in self.profiles:
-            fresh = tuple(_fresh(a) for a in before)  # in-place ops must not touch the snapshot
+            fresh = snapshot(func, before)  # in-place ops must not touch the snapshot
             alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
             for a, b in zip(produced, alt):
                 if a.dtype == torch.float64 and b.dtype == torch.float64 and a.shape == b.shape and a.numel():
@@ -62,14 +62,6 @@ class Calibrator:
         self.worst[name] = worst
         floor = TAU_FLOOR_MEASURED if kind is OpKind.REDUCTION and worst > 0 else TAU_FLOOR
         self.thresholds.per_op[name] = min(TAU_CAP, max(floor, self.margin * worst))
-
-
-def _fresh(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return a.clone()
-    if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-        return type(a)(t.clone() for t in a)
-    return a
 
 
 def _disagreement(a: torch.Tensor, b: torch.Tensor, kind: OpKind) -> float:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,7 +43,7 @@ from detrl.rounding import (
     Thresholds,
 )
 from detrl.roundlog import RoundLogWriter
-from detrl.sources import Sources
+from detrl.sources import Sources, state_bytes
 
 #: zstd level of the rounding log: 9 costs well under a millisecond per step and is a few % smaller than 3.
 LOG_ZSTD_LEVEL = 9
@@ -398,7 +397,7 @@ class Session:
             if step >= len(self.bundle.leaves):
                 raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: step beyond the run")
             tensors, meta = self.bundle.load_checkpoint(step)
-            src = json.dumps(meta.get("sources", {}), sort_keys=True, separators=(",", ":")).encode()
+            src = state_bytes(meta.get("sources", {}))
             got = commit.hash_tensors(tensors, [("sources", src)])
             if got != self.bundle.leaves[step][0]:
                 raise Divergence(

@@ -215,7 +215,7 @@ class RoundingMode(TorchDispatchMode):
         split = split_needed(func, kwargs)
         kind = OpKind.EXACT if split else classify(func, kwargs)
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
-        before = _snapshot(func, args) if calibrating else args
+        before = snapshot(func, args) if calibrating else args
         out = run_split(func, args, kwargs) if split else self.profile(func, args, kwargs)
         if func.is_view or kind is OpKind.KEEP:
             return out
@@ -306,7 +306,7 @@ class RoundingMode(TorchDispatchMode):
                        int(entries.pinned_indices[-1]) if len(entries.pinned_indices) else -1)  # fmt: skip
             if last >= x.numel():
                 self._anomaly(seq, name, last, "logged-index-out-of-range")
-                raise _LogOutOfRange(seq, name, last, x.numel())
+                raise LogOutOfRange(seq, name, last, x.numel())
             flat_near = flat_near.clone()
             if len(entries.indices):
                 self._apply_directions(step, seq, name, x, rounded, entries, tau, scaled)
@@ -362,12 +362,9 @@ class RoundingMode(TorchDispatchMode):
             step.anomalies.append(Anomaly(op=seq, name=name, module=module, index=index, kind=kind))
 
 
-class _LogOutOfRange(Exception):
+class LogOutOfRange(Exception):
     def __init__(self, seq: int, name: str, index: int, numel: int) -> None:
         super().__init__(f"rounding log entry for op #{seq} ({name}) has index {index} >= {numel} elements")
-
-
-LogOutOfRange = _LogOutOfRange
 
 
 def _uncertainty(
@@ -403,8 +400,11 @@ HIDDEN_WRITES: dict[Any, tuple[int, ...]] = {
 
 
 @functools.cache
-def _mutates(func: Any) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+def _schema_writes(func: Any) -> tuple[int, ...]:
+    """Positions of the arguments ``func``'s schema marks as written (in-place, ``out=``, foreach lists)."""
+    return tuple(
+        i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
 
 
 def _hidden_writes(func: Any, args: tuple) -> list[torch.Tensor]:
@@ -413,12 +413,9 @@ def _hidden_writes(func: Any, args: tuple) -> list[torch.Tensor]:
     ]
 
 
-def _snapshot(func: Any, args: tuple) -> tuple:
-    """The op's arguments, with copies of those it will write (so a calibration rerun sees the inputs)."""
-    schema_written = {
-        i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-    }
-    written = schema_written | set(HIDDEN_WRITES.get(func, ()))
+def snapshot(func: Any, args: tuple) -> tuple:
+    """The op's arguments, with copies of those it will write (so a rerun sees the inputs, untouched)."""
+    written = set(_schema_writes(func)) | set(HIDDEN_WRITES.get(func, ()))
     out = []
     for i, a in enumerate(args):
         if i in written and isinstance(a, torch.Tensor):
@@ -431,13 +428,10 @@ def _snapshot(func: Any, args: tuple) -> tuple:
 
 def written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
     """The tensors an op produced: its mutated arguments if it has any, else its outputs."""
-    schema = func._schema
     written: list[torch.Tensor] = []
-    if _mutates(func):
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
+    if _schema_writes(func):
+        for i in _schema_writes(func):
+            value = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
             flat, _ = tree_flatten(value)
             written.extend(t for t in flat if isinstance(t, torch.Tensor))
         return written

@@ -46,6 +46,11 @@ def derive_seed(base_seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def state_bytes(state: Mapping[str, Any]) -> bytes:
+    """Canonical bytes of a switchboard state dict (what commitments hash)."""
+    return json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+
+
 class Sources:
     """The switchboard of a run.
 
@@ -197,7 +202,7 @@ class Sources:
 
     def digest_bytes(self) -> bytes:
         """Canonical bytes of the switchboard state, for commitments."""
-        return json.dumps(self.state_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return state_bytes(self.state_dict())
 
     def _check(self, name: str) -> None:
         if name not in STREAMS:
