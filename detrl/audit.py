@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +12,6 @@ from detrl import bundle as bundle_mod
 from detrl import config as config_mod
 from detrl.engine import Divergence, Session
 from detrl.roundlog import dense_reference_bytes
-
-#: Task name -> module with ``run(cfg, session, progress)`` and ``fingerprint(cfg)``. Imported lazily so
-#: that detrl never imports agents or envs at module level (layers point one way).
-TASKS = {"supervised": "detrl.supervised.train"}
-
-
-def recipe(task: str) -> Any:
-    if task not in TASKS:
-        raise config_mod.ConfigError(f"config error: task: unknown task {task!r}; known: {', '.join(TASKS)}")
-    return importlib.import_module(TASKS[task])
 
 
 @dataclasses.dataclass
@@ -77,7 +66,7 @@ def audit(run_dir: str | Path, hardware: str = "native", progress: bool = False)
     probe = bundle_mod.Bundle(run_dir)  # validate everything before doing any work
     try:
         cfg = config_mod.validate(probe.config)
-        task = recipe(cfg.task)
+        task = config_mod.recipe(cfg.task)
         claimed = probe.manifest.get("data_fingerprint")
     except config_mod.ConfigError as e:
         raise bundle_mod.BundleError(f"{bundle_mod.MANIFEST}: {e}") from None

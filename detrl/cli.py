@@ -27,12 +27,11 @@ def format_bytes(n: float) -> str:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from detrl import config as config_mod
-    from detrl.audit import recipe
     from detrl.engine import Session
     from detrl.sources import Sources
 
     cfg = config_mod.load(args.config, args.set)
-    task = recipe(cfg.task)
+    task = config_mod.recipe(cfg.task)
     torch.set_num_threads(cfg.threads)
     out = Path(args.out or f"runs/{cfg.name}")
     writer = None

@@ -30,17 +30,53 @@ def _tensor_buffer(t: torch.Tensor) -> np.ndarray:
     return t.numpy().reshape(-1).view(np.uint8)
 
 
-def hash_tensors(tensors: Mapping[str, torch.Tensor], extra: Iterable[tuple[str, bytes]] = ()) -> bytes:
-    """SHA-256 over name-sorted ``(name, dtype, shape, bytes)`` records, then name-sorted extra blobs."""
+def tensor_digest(name: str, t: torch.Tensor) -> bytes:
+    """SHA-256 of one named tensor's canonical record ``name, dtype, shape, raw bytes``."""
+    h = hashlib.sha256()
+    header = f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode()
+    h.update(struct.pack("<I", len(header)))
+    h.update(header)
+    data = _tensor_buffer(t)
+    h.update(struct.pack("<Q", data.nbytes))
+    h.update(data)
+    return h.digest()
+
+
+class DigestCache:
+    """Per-tensor digests reused while a tensor is unchanged: the same object at the same version counter.
+
+    A DQN commits after every environment step, but its weights change only every few steps; rehashing
+    them each time cost as much as the step. The cache holds the tensor itself, so an entry can never
+    match a different tensor that happens to reuse a freed one's id or memory. Writes that bypass the
+    version counter (``tensor.data[...] = ...``, a numpy view) are invisible to it: the trainer then
+    commits a stale hash, which the auditor (who never caches) reports as a divergence.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[torch.Tensor, int, bytes]] = {}
+
+    def digest(self, name: str, t: torch.Tensor) -> bytes:
+        if name.startswith("buffer."):  # see Session(cache_digests=...): written out of the counter's sight
+            return tensor_digest(name, t)
+        hit = self._entries.get(name)
+        version = t._version
+        if hit is not None and hit[0] is t and hit[1] == version:
+            return hit[2]
+        d = tensor_digest(name, t)
+        self._entries[name] = (t, version, d)
+        return d
+
+
+def hash_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    extra: Iterable[tuple[str, bytes]] = (),
+    cache: DigestCache | None = None,
+) -> bytes:
+    """SHA-256 over name-sorted per-tensor digests (see :func:`tensor_digest`), then name-sorted extra blobs."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name]
-        header = f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode()
-        h.update(struct.pack("<I", len(header)))
-        h.update(header)
-        data = _tensor_buffer(t)
-        h.update(struct.pack("<Q", data.nbytes))
-        h.update(data)
+        h.update(cache.digest(name, t) if cache is not None else tensor_digest(name, t))
     for name, blob in sorted(extra):
         h.update(struct.pack("<I", len(name)) + name.encode())
         h.update(struct.pack("<Q", len(blob)))

@@ -6,6 +6,7 @@ Every user mistake (unknown key, wrong type, missing file) becomes one :class:`C
 from __future__ import annotations
 
 import copy
+import importlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,19 +63,14 @@ class VerifyConfig(_Strict):
     margin: float = Field(16.0, ge=1.0, description="threshold = margin x largest calibrated disagreement")
 
 
-class RunConfig(_Strict):
-    """A supervised run: what ``detrl train`` records and ``detrl audit`` rebuilds from the manifest."""
+class _RunBase(_Strict):
+    """What every run config has: name, task, precision, hardware profile, threads, the switchboard."""
 
     name: str = "run"
-    task: Literal["supervised"] = "supervised"
     precision: Literal["verifiable", "fp64", "fp32"] = "verifiable"
     hardware: str = "native"
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     sources: dict[str, Any] = Field(default_factory=lambda: {"seed": 0})
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
 
     @field_validator("hardware")
@@ -88,6 +84,29 @@ class RunConfig(_Strict):
     def _valid_sources(cls, v: dict[str, Any]) -> dict[str, Any]:
         Sources.from_config(v)
         return v
+
+
+class RunConfig(_RunBase):
+    """A supervised run: what ``detrl train`` records and ``detrl audit`` rebuilds from the manifest."""
+
+    task: Literal["supervised"] = "supervised"
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+
+#: Task name -> module with ``Config`` (its pydantic schema), ``run(cfg, session, progress, writer)`` and
+#: ``fingerprint(cfg)``. Imported lazily by name, so detrl never imports agents or envs at module level
+#: (layers point one way) and a bundle's config is validated by the task's own schema.
+TASKS = {"supervised": "detrl.supervised.train", "dqn": "agents.dqn"}
+
+
+def recipe(task: str) -> Any:
+    """The module implementing ``task``."""
+    if task not in TASKS:
+        raise ConfigError(f"config error: task: unknown task {task!r}; known: {', '.join(TASKS)}")
+    return importlib.import_module(TASKS[task])
 
 
 def _set_path(cfg: dict[str, Any], dotted: str, value: Any) -> None:
@@ -115,12 +134,14 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def validate(raw: dict[str, Any]) -> RunConfig:
+def validate(raw: dict[str, Any]) -> _RunBase:
     """Validate a raw config dict; the first problem becomes one ConfigError line."""
     if not isinstance(raw, dict):
         raise ConfigError("config must be a mapping")
+    task = raw.get("task", "supervised")
+    schema = recipe(task if isinstance(task, str) else repr(task)).Config
     try:
-        return RunConfig.model_validate(raw)
+        return schema.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "config"
@@ -130,7 +151,7 @@ def validate(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(f"config error: {where}: {msg}") from None
 
 
-def load(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+def load(path: str | Path, overrides: list[str] | None = None) -> _RunBase:
     """Read, override and validate a YAML run config."""
     p = Path(path)
     if not p.is_file():

@@ -23,8 +23,9 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
@@ -78,6 +79,26 @@ class Divergence(Exception):
         return "; ".join(parts)
 
 
+class StatePart(Protocol):
+    """State beyond the model and optimizers that a run commits to and resumes from (see :meth:`Session.attach`).
+
+    ``digest()`` is hashed into every step's commitment, so it must be cheap (a DQN's replay buffer keeps a
+    running hash chain of what was added). ``state()``/``load_state()`` go into checkpoints for resuming.
+    """
+
+    def digest(self) -> bytes: ...
+
+    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(arrays, meta)``: numpy arrays or tensors, and JSON-serialisable metadata."""
+        ...
+
+    def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None: ...
+
+
+#: Checkpoint tensors under this prefix are resume state of attached parts, outside the state commitment.
+RESUME_PREFIX = "resume/"
+
+
 @dataclasses.dataclass
 class Batch:
     """One minibatch: ``x`` inputs, ``y`` targets (shape ``(batch, ...)``), ``index`` dataset rows used."""
@@ -112,6 +133,18 @@ class Session:
         data_fingerprint: SHA-256 hex of the training data, stored in the manifest and checked on replay.
         device: torch device for model and data.
         track_modules: name module paths in rounding anomalies (default: when replaying).
+        calibration_steps: with ``thresholds="calibrate"``, measure thresholds during this many first steps
+            (a DQN's first update comes after thousands of acting-only steps; its ops must be calibrated).
+        route_random_ops: route random aten ops (dropout) inside steps to the ``dropout`` stream. A run
+            whose model draws nothing at random may switch this off to save the dispatch-mode overhead;
+            torch's global RNG is then seeded from the ``dropout`` stream, so a stray random op is still
+            deterministic.
+        cache_digests: while recording, reuse a tensor's digest while its version counter is unchanged
+            (see :class:`detrl.commit.DigestCache`); for runs that commit far more often than their weights
+            change (a DQN commits every environment step). Module buffers are always rehashed: batch
+            norm's running statistics are written inside the rounding mode, out of the counter's sight.
+        resume: with ``mode="record"``, continue the finished bundle in ``run_dir`` from its last
+            checkpoint instead of starting over (see :meth:`restore`).
     """
 
     def __init__(
@@ -128,6 +161,10 @@ class Session:
         data_fingerprint: str | None = None,
         device: str | torch.device = "cpu",
         track_modules: bool | None = None,
+        calibration_steps: int = 1,
+        route_random_ops: bool = True,
+        cache_digests: bool = False,
+        resume: bool = False,
     ) -> None:
         if mode not in ("record", "replay", "off"):
             raise ValueError(f"mode must be record, replay or off, not {mode!r}")
@@ -174,10 +211,27 @@ class Session:
                 self.thresholds = Thresholds(default=TAU_FLOOR * 64)
                 if self.precision.is_verifiable:
                     self._calibrator = Calibrator(self.thresholds, margin)
-                    self.calibration_steps = 1
+                    self.calibration_steps = max(1, int(calibration_steps))
             else:
                 raise ValueError(f"thresholds must be a Thresholds or 'calibrate', not {thresholds!r}")
+        self._resume: _ResumePoint | None = None
+        if resume:
+            if mode != "record" or self.dir is None:
+                raise ValueError("resume needs mode='record' and the bundle directory")
+            self._resume = _ResumePoint.read(self.dir)
+            self.precision = Precision(self._resume.bundle_precision)
+            self.thresholds = self._resume.thresholds
+            self.calibration_steps = self._resume.calibration_steps
+            self._calibrator = None
+            if self.calibration_steps > self._resume.step:
+                raise bundle_mod.BundleError(
+                    f"{self.dir}: cannot resume at step {self._resume.step}, inside the calibration "
+                    f"steps 1..{self.calibration_steps}"
+                )
         self._initial_sources = self.sources.state_dict()
+        self.route_random_ops = route_random_ops
+        self.parts: dict[str, StatePart] = {}
+        self._digests = commit.DigestCache() if mode == "record" and cache_digests else None
         self._tracker: ModuleTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":
             self._tracker = ModuleTracker()
@@ -202,10 +256,16 @@ class Session:
             self.dir.mkdir(parents=True, exist_ok=True)
             for stale in [bundle_mod.MANIFEST, bundle_mod.COMMITMENTS, bundle_mod.ROUNDLOG]:
                 (self.dir / stale).unlink(missing_ok=True)
+            keep = self._resume.step if self._resume is not None else -1
             for old in (self.dir / bundle_mod.CHECKPOINTS).glob("step_*.safetensors"):
-                old.unlink()
+                if int(old.stem.removeprefix("step_")) > keep:
+                    old.unlink()
             if self.precision.is_verifiable:
                 self._writer = RoundLogWriter(self.dir / bundle_mod.ROUNDLOG, level=LOG_ZSTD_LEVEL)
+                for step, ops in self._resume.log_segments if self._resume is not None else []:
+                    self.log_bytes.append(self._writer.write_step(step, ops))
+        if not self.route_random_ops:
+            torch.manual_seed(self.sources.seed_of("dropout"))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -243,6 +303,55 @@ class Session:
         """Include ``optimizer``'s state in commitments and checkpoints; returns it."""
         self.optimizers.append(optimizer)
         return optimizer
+
+    def attach(self, name: str, part: StatePart) -> StatePart:
+        """Commit ``part.digest()`` with every step and checkpoint its state (a replay buffer, an env)."""
+        if not name.isidentifier():
+            raise ValueError(f"part name must be an identifier, not {name!r}")
+        self.parts[name] = part
+        return part
+
+    def restore(self) -> int:
+        """Resume: load the last checkpoint into the model, optimizers, switchboard and attached parts.
+
+        Call after :meth:`init`, :meth:`track` and :meth:`attach`. Returns the number of steps already done
+        (0 when not resuming). The model built by ``init`` must commit to the bundle's step 0, so a resumed
+        run is the run it continues.
+        """
+        r = self._resume
+        if r is None:
+            return 0
+        assert self.model is not None, "call init() before restore()"
+        if self.leaves[0][0] != r.leaves[0][0]:
+            raise bundle_mod.BundleError(
+                f"{self.dir}: the config builds a different initial model than the bundle it would resume"
+            )
+        tensors, meta = r.tensors, r.meta
+        committed = {k: v for k, v in tensors.items() if not k.startswith(RESUME_PREFIX)}
+        _load_state_tensors(self.model, self.optimizers, committed)
+        try:
+            self.sources.load_state_dict(meta["sources"])
+            parts = dict(meta.get("parts", {}))
+            for name, part in self.parts.items():
+                if name not in parts:
+                    raise ValueError(f"the checkpoint has no state for {name!r}")
+                prefix = f"{RESUME_PREFIX}{name}/"
+                arrays = {k[len(prefix) :]: v.numpy() for k, v in tensors.items() if k.startswith(prefix)}
+                part.load_state(arrays, dict(parts[name]["meta"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(r.step)}: cannot resume: {e}") from None
+        self.leaves = list(r.leaves[: r.step + 1])
+        self.step_index = r.step
+        # The restored state must be the state the bundle committed to at this step.
+        if self._state_hash(commit.state_tensors(self.model, self.optimizers)) != r.leaves[r.step][0]:
+            raise bundle_mod.BundleError(
+                f"{bundle_mod.checkpoint_name(r.step)}: restored state differs from the step commitment"
+            )
+        return r.step
+
+    def observe(self, *data: Any) -> None:
+        """Bind the data this step consumes (arrays, tensors) into its commitment: an RL transition."""
+        self._batch_hash = commit.hash_batch(*data)
 
     def loader(
         self,
@@ -286,10 +395,8 @@ class Session:
         if self.model is None:
             raise RuntimeError("call Session.init(build_model) before the first step")
         step = self.step_index + 1
-        batch_hash = (
-            commit.hash_batch(*_as_tuple(batch)) if batch is not None else (self._batch_hash or bytes(32))
-        )
-        self._batch_hash = None
+        if batch is not None:
+            self._batch_hash = commit.hash_batch(*_as_tuple(batch))
         rounding = None
         t0 = time.perf_counter()
         with contextlib.ExitStack() as modes:
@@ -308,7 +415,8 @@ class Session:
                     # of that is the sound threshold for counting unlogged near-midpoint elements.
                     self.rounding.check_thresholds = Thresholds(default=TAU_FLOOR_MEASURED / 2)
                 modes.enter_context(self.rounding)
-            modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
+            if self.route_random_ops:
+                modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             try:
                 yield rounding
             except LogOutOfRange as e:
@@ -325,6 +433,7 @@ class Session:
             setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(stats, f.name))
         if self._writer is not None and rounding is not None:
             self.log_bytes.append(self._writer.write_step(step, rounding.recorded))
+        batch_hash, self._batch_hash = self._batch_hash or bytes(32), None
         self._commit(step, batch_hash, rounding)
 
     def _commit(self, step: int, batch_hash: bytes, rounding: StepRounding | None = None) -> None:
@@ -332,7 +441,7 @@ class Session:
         if self.mode == "off":  # no bundle: nobody reads a commitment, so don't pay for hashing
             return
         tensors = commit.state_tensors(self.model, self.optimizers)
-        state_hash = commit.hash_tensors(tensors, [("sources", self.sources.digest_bytes())])
+        state_hash = self._state_hash(tensors)
         if self.mode == "replay":
             assert self.bundle is not None
             if step >= len(self.bundle.leaves):
@@ -345,10 +454,22 @@ class Session:
         if self.mode == "record" and self.checkpoint_every and step and step % self.checkpoint_every == 0:
             self._checkpoint(step, tensors)
 
+    def _state_hash(self, tensors: dict[str, torch.Tensor]) -> bytes:
+        extra = [("sources", self.sources.digest_bytes())]
+        extra += [(f"part/{name}", part.digest()) for name, part in self.parts.items()]
+        return commit.hash_tensors(tensors, extra, cache=self._digests)
+
     def _checkpoint(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         assert self.dir is not None
-        meta = {"step": step, "sources": self.sources.state_dict()}
-        bundle_mod.save_checkpoint(self.dir, step, tensors, meta)
+        parts: dict[str, Any] = {}
+        out = dict(tensors)
+        for name, part in self.parts.items():
+            arrays, meta = part.state()
+            for key, value in arrays.items():
+                out[f"{RESUME_PREFIX}{name}/{key}"] = torch.as_tensor(np.ascontiguousarray(value))
+            parts[name] = {"digest": part.digest().hex(), "meta": meta}
+        meta = {"step": step, "sources": self.sources.state_dict(), "parts": parts}
+        bundle_mod.save_checkpoint(self.dir, step, out, meta)
 
     def _finish_record(self) -> None:
         assert self.dir is not None
@@ -397,12 +518,82 @@ class Session:
             if step >= len(self.bundle.leaves):
                 raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: step beyond the run")
             tensors, meta = self.bundle.load_checkpoint(step)
-            src = state_bytes(meta.get("sources", {}))
-            got = commit.hash_tensors(tensors, [("sources", src)])
+            committed = {k: v for k, v in tensors.items() if not k.startswith(RESUME_PREFIX)}
+            extra = [("sources", state_bytes(meta.get("sources", {})))]
+            parts = meta.get("parts", {})
+            try:
+                extra += [(f"part/{n}", bytes.fromhex(p["digest"])) for n, p in dict(parts).items()]
+            except (TypeError, ValueError, KeyError):
+                raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: bad part digests") from None
+            got = commit.hash_tensors(committed, extra)
             if got != self.bundle.leaves[step][0]:
                 raise Divergence(
                     step, True, [], f"{bundle_mod.checkpoint_name(step)} differs from the commitment"
                 )
+
+
+def _load_state_tensors(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], tensors: dict[str, torch.Tensor]
+) -> None:
+    """Inverse of :func:`commit.state_tensors`: copy parameters, buffers and optimizer state back in."""
+    expected = commit.state_tensors(model, optimizers)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if name.startswith("param.") or name.startswith("buffer."):
+                if name not in expected:
+                    raise bundle_mod.BundleError(f"checkpoint tensor {name!r} is not in the model")
+                target = expected[name]
+                if target.shape != t.shape or target.dtype != t.dtype:
+                    raise bundle_mod.BundleError(f"checkpoint tensor {name!r}: shape or dtype differs")
+                target.copy_(t)
+                continue
+            i, _, rest = name.partition(".opt.")
+            pname, _, key = rest.rpartition(".")
+            if not i.isdigit() or int(i) >= len(optimizers) or pname not in params:
+                raise bundle_mod.BundleError(f"checkpoint tensor {name!r} is not model or optimizer state")
+            optimizers[int(i)].state[params[pname]][key] = t.clone()
+
+
+@dataclasses.dataclass
+class _ResumePoint:
+    """What resuming a finished bundle needs: its last checkpoint, commitments and log up to that step."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    leaves: list[tuple[bytes, bytes]]
+    bundle_precision: str
+    thresholds: Thresholds
+    calibration_steps: int
+    log_segments: list[tuple[int, list]]
+
+    @classmethod
+    def read(cls, run_dir: Path) -> _ResumePoint:
+        b = bundle_mod.Bundle(run_dir)
+        try:
+            if not b.checkpoint_steps:
+                raise bundle_mod.BundleError(f"{run_dir}: no checkpoint to resume from")
+            step = b.checkpoint_steps[-1]
+            tensors, meta = b.load_checkpoint(step)
+            if not isinstance(meta.get("sources"), dict) or not isinstance(meta.get("parts", {}), dict):
+                raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: no resume state")
+            try:
+                thresholds = Thresholds.from_json(b.thresholds)
+            except ValueError as e:
+                raise bundle_mod.BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
+            segments = []
+            if b.roundlog is not None:
+                for s in b.roundlog.steps:
+                    if s <= step:
+                        ops = b.read_log_step(s)
+                        segments.append((s, [ops[k] for k in sorted(ops)]))
+            return cls(
+                step, tensors, meta, list(b.leaves), b.precision, thresholds,
+                int(b.thresholds.get("calibration_steps", 0)), segments,
+            )  # fmt: skip
+        finally:
+            b.close()
 
 
 def _as_tuple(batch: Any) -> tuple:

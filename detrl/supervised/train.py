@@ -15,6 +15,8 @@ from detrl.engine import Session
 from detrl.supervised import data as datasets
 from detrl.supervised.models import MODELS
 
+Config = RunConfig  # this task's config schema (see detrl.config.TASKS)
+
 
 def load_data(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The training set ``(x, y)`` named by ``cfg.data``."""
