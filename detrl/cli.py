@@ -26,28 +26,55 @@ def format_bytes(n: float) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import signal
+
+    from detrl import bundle as bundle_mod
     from detrl import config as config_mod
     from detrl.engine import Session
     from detrl.sources import Sources
 
-    cfg = config_mod.load(args.config, args.set)
+    if args.resume:
+        out = Path(args.resume)
+        if args.config:
+            cfg = config_mod.load(args.config, args.set)
+        else:  # the bundle's own config, with --set overrides (e.g. more train.steps)
+            probe = bundle_mod.Bundle(out)
+            probe.close()
+            cfg = config_mod.validate(config_mod.apply_overrides(probe.config, args.set))
+    elif args.config:
+        cfg = config_mod.load(args.config, args.set)
+        out = Path(args.out or f"runs/{cfg.name}")
+    else:
+        raise config_mod.ConfigError("train needs a CONFIG file or --resume RUN_DIR")
     task = config_mod.recipe(cfg.task)
     torch.set_num_threads(cfg.threads)
-    out = Path(args.out or f"runs/{cfg.name}")
     writer = None
     if not args.no_tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(str(out / "tb"))
         writer.add_text("config", "```yaml\n" + json.dumps(cfg.model_dump(), indent=1) + "\n```")
+    options = task.session_options(cfg) if hasattr(task, "session_options") else {}
     session = Session(
         out, mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
         hardware=cfg.hardware, checkpoint_every=cfg.verify.checkpoint_every, margin=cfg.verify.margin,
         config=cfg.model_dump(mode="json"), data_fingerprint=task.fingerprint(cfg),
+        resume=bool(args.resume), **options,
     )  # fmt: skip
+
+    def request_stop(signum: int, frame: object) -> None:  # Ctrl-C: finish the step, then a resumable bundle
+        if session.stop_requested:
+            raise KeyboardInterrupt
+        session.stop_requested = True
+        print("\ndetrl: stopping after this step (Ctrl-C again to abort)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, request_stop)
     t0 = time.perf_counter()
-    with session:
-        metrics = task.run(cfg, session, progress=not args.quiet, writer=writer)
+    try:
+        with session:
+            metrics = task.run(cfg, session, progress=not args.quiet, writer=writer)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     seconds = time.perf_counter() - t0
     if writer is not None:
         writer.close()
@@ -55,6 +82,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(
         f"trained {cfg.name}: {session.step_index} steps in {seconds:.1f} s, final loss {metrics['loss']:.4f}"
     )
+    if "eval_returns" in metrics:
+        r = metrics["eval_returns"]
+        print(f"greedy evaluation: mean return {sum(r) / max(1, len(r)):.1f} over {len(r)} episodes")
     print(f"bundle: {out}  (precision {cfg.precision}, hardware {cfg.hardware})")
     if cfg.precision == "verifiable":
         from detrl.roundlog import dense_reference_bytes
@@ -66,6 +96,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"({format_bytes(log_bytes / max(1, session.step_index))}/step); dense reference encoding "
             f"{format_bytes(dense)} ({dense / max(1, log_bytes):.0f}x larger)"
         )
+    if session.stop_requested:
+        print(f"stopped early; continue with: detrl train --resume {out} --set train.steps=N")
     print(f"audit it with: detrl audit {out} --hardware emulated:splitk")
     return 0
 
@@ -111,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="detrl", description="deterministic and verifiable training")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a config (records a bundle)")
-    t.add_argument("config")
+    t.add_argument("config", nargs="?", help="YAML config (optional with --resume: the bundle's own)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     t.add_argument("--out", help="bundle directory (default runs/NAME)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a bundle from its last checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true")
     t.set_defaults(func=cmd_train)

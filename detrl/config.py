@@ -21,11 +21,11 @@ class ConfigError(ValueError):
     """A config file or override is invalid."""
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     name: Literal["digits", "synthetic_text", "text_file", "synthetic_images"] = "digits"
     path: str | None = None  # for text_file
     seq_len: int = Field(32, ge=2, description="tokens per example (text data)")
@@ -33,7 +33,7 @@ class DataConfig(_Strict):
     vocab: int = Field(65, ge=2, description="vocabulary size of synthetic_text")
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     name: Literal["cnn_bn", "mlp_dropout", "tiny_transformer", "resnet50"] = "cnn_bn"
     channels: int = Field(16, ge=1, description="cnn_bn: channels of the first conv")
     hidden: int = Field(128, ge=1, description="mlp_dropout: hidden units")
@@ -43,7 +43,7 @@ class ModelConfig(_Strict):
     layers: int = Field(1, ge=1)
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Strict):
     name: Literal["sgd", "adamw"] = "sgd"
     lr: float = Field(0.05, gt=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="sgd only")
@@ -52,18 +52,18 @@ class OptimizerConfig(_Strict):
     eps: float = Field(1e-8, gt=0.0)
 
 
-class TrainConfig(_Strict):
+class TrainConfig(Strict):
     steps: int = Field(30, ge=1, description="optimizer steps")
     batch_size: int = Field(32, ge=1, description="examples per step")
     log_every: int = Field(5, ge=1, description="steps between TensorBoard scalars")
 
 
-class VerifyConfig(_Strict):
+class VerifyConfig(Strict):
     checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints (0: only the last)")
     margin: float = Field(16.0, ge=1.0, description="threshold = margin x largest calibrated disagreement")
 
 
-class _RunBase(_Strict):
+class RunBase(Strict):
     """What every run config has: name, task, precision, hardware profile, threads, the switchboard."""
 
     name: str = "run"
@@ -86,7 +86,7 @@ class _RunBase(_Strict):
         return v
 
 
-class RunConfig(_RunBase):
+class RunConfig(RunBase):
     """A supervised run: what ``detrl train`` records and ``detrl audit`` rebuilds from the manifest."""
 
     task: Literal["supervised"] = "supervised"
@@ -134,7 +134,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
-def validate(raw: dict[str, Any]) -> _RunBase:
+def validate(raw: dict[str, Any]) -> RunBase:
     """Validate a raw config dict; the first problem becomes one ConfigError line."""
     if not isinstance(raw, dict):
         raise ConfigError("config must be a mapping")
@@ -151,7 +151,7 @@ def validate(raw: dict[str, Any]) -> _RunBase:
         raise ConfigError(f"config error: {where}: {msg}") from None
 
 
-def load(path: str | Path, overrides: list[str] | None = None) -> _RunBase:
+def load(path: str | Path, overrides: list[str] | None = None) -> RunBase:
     """Read, override and validate a YAML run config."""
     p = Path(path)
     if not p.is_file():

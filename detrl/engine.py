@@ -228,7 +228,10 @@ class Session:
                     f"{self.dir}: cannot resume at step {self._resume.step}, inside the calibration "
                     f"steps 1..{self.calibration_steps}"
                 )
-        self._initial_sources = self.sources.state_dict()
+        self._initial_sources = (
+            self._resume.initial_sources if self._resume is not None else self.sources.state_dict()
+        )
+        self.stop_requested = False  # set from outside (Ctrl-C): a loop may end early after a whole step
         self.route_random_ops = route_random_ops
         self.parts: dict[str, StatePart] = {}
         self._digests = commit.DigestCache() if mode == "record" and cache_digests else None
@@ -339,7 +342,9 @@ class Session:
                 arrays = {k[len(prefix) :]: v.numpy() for k, v in tensors.items() if k.startswith(prefix)}
                 part.load_state(arrays, dict(parts[name]["meta"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(r.step)}: cannot resume: {e}") from None
+            raise bundle_mod.BundleError(
+                f"{bundle_mod.checkpoint_name(r.step)}: cannot resume: {e}"
+            ) from None
         self.leaves = list(r.leaves[: r.step + 1])
         self.step_index = r.step
         # The restored state must be the state the bundle committed to at this step.
@@ -524,7 +529,9 @@ class Session:
             try:
                 extra += [(f"part/{n}", bytes.fromhex(p["digest"])) for n, p in dict(parts).items()]
             except (TypeError, ValueError, KeyError):
-                raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: bad part digests") from None
+                raise bundle_mod.BundleError(
+                    f"{bundle_mod.checkpoint_name(step)}: bad part digests"
+                ) from None
             got = commit.hash_tensors(committed, extra)
             if got != self.bundle.leaves[step][0]:
                 raise Divergence(
@@ -567,6 +574,7 @@ class _ResumePoint:
     thresholds: Thresholds
     calibration_steps: int
     log_segments: list[tuple[int, list]]
+    initial_sources: dict[str, Any]
 
     @classmethod
     def read(cls, run_dir: Path) -> _ResumePoint:
@@ -590,7 +598,7 @@ class _ResumePoint:
                         segments.append((s, [ops[k] for k in sorted(ops)]))
             return cls(
                 step, tensors, meta, list(b.leaves), b.precision, thresholds,
-                int(b.thresholds.get("calibration_steps", 0)), segments,
+                int(b.thresholds.get("calibration_steps", 0)), segments, b.sources,
             )  # fmt: skip
         finally:
             b.close()

@@ -1,0 +1,354 @@
+"""Deterministic DQN (Mnih et al. 2015), readable top to bottom, every random decision from a named stream.
+
+The switchboard (:class:`detrl.Sources`) makes each source of randomness visible and separately seeded,
+following Nagarajan, Warnell & Stone (2018):
+
+=========  ==================================================================================
+stream     what it decides here
+=========  ==================================================================================
+init       the Q-network's initial weights (the target starts as an exact copy)
+explore    epsilon-greedy: one uniform and one random action drawn every step, used or not
+replay     the minibatch rows of every update (``batch_size`` draws per update)
+env        each training episode's reset seed (see :mod:`envs`)
+noop       the number of no-op actions at each Atari episode's start
+sticky     whether each emulator frame repeats the previous action (sticky actions)
+bitflip    (if on) one initial weight moved to its neighbouring float
+hardware   the accumulation order of reductions: the ``hardware`` profile in the config
+=========  ==================================================================================
+
+Each stream advances by the same amount every step whatever the others do, so varying one source never
+shifts another. With ``precision: verifiable`` every step — action selection, environment step, update —
+runs inside a :class:`detrl.Session` step: the rounding mode makes the run replayable bit for bit on other
+hardware, and each step's commitment binds the transition and the replay buffer's hash chain.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, field_validator
+from torch.nn import functional as F
+
+import envs
+from agents.buffers import FrameReplayBuffer, ReplayBuffer
+from agents.networks import QNetworks, build_q_network
+from detrl.config import RunBase, Strict, VerifyConfig
+from detrl.engine import Session
+from detrl.sources import Sources
+
+
+# ---------------------------------------------------------------------------------------------- config
+class EnvConfig(Strict):
+    id: str = Field(
+        "CartPole-v1", description="gymnasium id: CartPole-v1, Acrobot-v1, MountainCar-v0, ALE/<Game>-v5"
+    )
+    sticky_prob: float | None = Field(
+        None, ge=0.0, lt=1.0, description="sticky actions (default: 0.25 Atari, 0 else)"
+    )
+    noop_max: int | None = Field(None, ge=0, description="max no-ops at an Atari episode start (default 30)")
+    frame_skip: int = Field(4, ge=1, description="Atari: emulator frames per agent step")
+    frame_stack: int = Field(4, ge=1, description="Atari: frames per observation")
+    screen_size: int = Field(84, ge=8, description="Atari: square grayscale frame side in pixels")
+    episodic_life: bool = Field(True, description="Atari: a lost life ends the learner's episode")
+    clip_rewards: bool = Field(True, description="Atari: rewards clipped to their sign")
+    max_episode_steps: int | None = Field(
+        None, ge=1, description="override the env's time limit (agent steps)"
+    )
+
+    @field_validator("id")
+    @classmethod
+    def _known_env(cls, v: str) -> str:
+        envs.check_env_id(v)
+        return v
+
+
+class AgentConfig(Strict):
+    network: Literal["mlp", "nature_cnn"] = "mlp"
+    hidden: list[int] = Field([120, 84], description="mlp: hidden layer widths")
+    buffer_size: int = Field(10_000, ge=1, description="replay capacity in transitions")
+    batch_size: int = Field(128, ge=1, description="transitions per update")
+    gamma: float = Field(0.99, ge=0.0, le=1.0, description="discount per agent step")
+    learning_rate: float = Field(2.5e-4, gt=0.0, description="Adam step size")
+    final_learning_rate: float | None = Field(
+        None, ge=0.0, description="if set, decay linearly to it by the end"
+    )
+    adam_eps: float = Field(1e-8, gt=0.0)
+    learning_starts: int = Field(10_000, ge=0, description="env steps before the first update")
+    train_frequency: int = Field(10, ge=1, description="env steps between updates")
+    gradient_steps: int = Field(1, ge=1, description="updates each time")
+    target_update_period: int = Field(500, ge=1, description="env steps between target updates")
+    tau: float = Field(1.0, gt=0.0, le=1.0, description="target update weight (1: hard copy)")
+    start_e: float = Field(1.0, ge=0.0, le=1.0, description="initial exploration epsilon")
+    end_e: float = Field(0.05, ge=0.0, le=1.0, description="final exploration epsilon")
+    exploration_fraction: float = Field(0.5, gt=0.0, le=1.0, description="fraction of steps to reach end_e")
+    max_grad_norm: float | None = Field(10.0, gt=0.0, description="gradient clipping (None: off)")
+    double_dqn: bool = Field(False, description="target actions from the online network (van Hasselt 2016)")
+    loss: Literal["huber", "mse"] = "huber"
+
+
+class DQNTrainConfig(Strict):
+    steps: int = Field(50_000, ge=1, description="environment steps")
+    log_every: int = Field(1000, ge=1, description="env steps between TensorBoard scalars")
+
+
+class EvalConfig(Strict):
+    episodes: int = Field(10, ge=0, description="greedy evaluation episodes after training")
+    seed: int = Field(
+        1_000_000, ge=0, description="episode k resets with seed + k: never the training streams"
+    )
+    epsilon: float = Field(0.0, ge=0.0, le=1.0, description="evaluation epsilon (0.05 is usual for Atari)")
+
+
+class Config(RunBase):
+    """A DQN run (``task: dqn``). Steps are environment steps; a Session step is one environment step."""
+
+    task: Literal["dqn"] = "dqn"
+    precision: Literal["verifiable", "fp64", "fp32"] = "fp32"
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    train: DQNTrainConfig = Field(default_factory=DQNTrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    verify: VerifyConfig = Field(default_factory=lambda: VerifyConfig(checkpoint_every=10_000))
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def first_update_step(cfg: Config) -> int:
+    """The first environment step that runs a TD update."""
+    a = cfg.agent
+    return (a.learning_starts // a.train_frequency + 1) * a.train_frequency
+
+
+def session_options(cfg: Config) -> dict[str, Any]:
+    """How ``detrl train``/``audit`` set up the Session for a DQN run.
+
+    Calibration runs until the first update has been measured (acting-only steps use only the forward
+    ops); DQN draws nothing random inside torch ops, so random-op routing is off; weights change only
+    every ``train_frequency`` steps, so their digests are cached between commitments.
+    """
+    return {"calibration_steps": first_update_step(cfg), "route_random_ops": False, "cache_digests": True}
+
+
+def make_env(cfg: Config, sources: Sources) -> Any:
+    e = cfg.env
+    return envs.make(
+        e.id, sources, sticky_prob=e.sticky_prob, noop_max=e.noop_max, frame_skip=e.frame_skip,
+        frame_stack=e.frame_stack, screen_size=e.screen_size, episodic_life=e.episodic_life,
+        clip_rewards=e.clip_rewards, max_episode_steps=e.max_episode_steps,
+    )  # fmt: skip
+
+
+def linear_schedule(start: float, end: float, duration: float, t: int) -> float:
+    """``start`` at step 0, ``end`` from step ``duration`` on, linear in between."""
+    return start + min(1.0, t / max(duration, 1.0)) * (end - start)
+
+
+class EnvPart:
+    """The environment and the loop's episode bookkeeping, as Session resume state (not committed: the
+    transitions it produces are, through the replay buffer's hash chain)."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.obs: np.ndarray | None = None
+        self.first = True  # obs is an episode's first observation
+        self.returns: list[float] = []
+        self.lengths: list[int] = []
+
+    def digest(self) -> bytes:
+        return b""
+
+    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        arrays, meta = envs.get_state(self.env)
+        arrays = {f"env.{k}": v for k, v in arrays.items()}
+        arrays["obs"] = np.asarray(self.obs)
+        return arrays, {"env": meta, "first": self.first, "returns": self.returns, "lengths": self.lengths}
+
+    def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        envs.set_state(self.env, {k[4:]: v for k, v in arrays.items() if k.startswith("env.")}, meta["env"])
+        self.obs = np.array(arrays["obs"])
+        self.first = bool(meta["first"])
+        self.returns = [float(r) for r in meta["returns"]]
+        self.lengths = [int(n) for n in meta["lengths"]]
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def run(
+    cfg: Config, session: Session, progress: bool = False, writer: Any = None, wrap_env: Any = None
+) -> dict[str, Any]:
+    """Train ``cfg.train.steps`` environment steps inside ``session`` (recording, replaying or off).
+
+    ``wrap_env``: an optional callable applied to the training env (a test uses it to tamper with rewards).
+    Returns ``returns``/``lengths`` of finished training episodes, the final ``loss``, ``steps_per_second``
+    and, unless replaying, ``eval_returns`` of the greedy evaluation.
+    """
+    a, sources = cfg.agent, session.sources
+    env = make_env(cfg, sources)
+    if wrap_env is not None:
+        env = wrap_env(env)
+    obs_shape, n_actions = env.observation_space.shape, int(env.action_space.n)
+    precision = session.precision
+
+    # Networks from the `init` stream; Adam; the replay buffer and env as committed/resumable state.
+    qnets: QNetworks = session.init(
+        lambda: QNetworks(build_q_network(a.network, obs_shape, n_actions, a.hidden))
+    )
+    q, target = qnets.online, qnets.target
+    optimizer = session.track(torch.optim.Adam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps))
+    frames = a.network == "nature_cnn"
+    buffer = FrameReplayBuffer(a.buffer_size, obs_shape) if frames else ReplayBuffer(a.buffer_size, obs_shape)
+    session.attach("replay", buffer)
+    episodes = session.attach("env", EnvPart(env))
+    start = session.restore()
+    if start == 0:
+        episodes.obs, _ = env.reset()  # the first episode's seed comes from the `env` stream
+    total = cfg.train.steps
+
+    def as_input(x: np.ndarray) -> torch.Tensor:  # observations as network input, in the run's precision
+        t = torch.from_numpy(x)
+        return precision.cast(t) if t.is_floating_point() else t
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=start, desc=f"{session.mode} {cfg.name}", unit="step", disable=None)
+    loss_value = q_mean = float("nan")
+    t_start, steps_at_start = time.perf_counter(), start
+    for step in range(start + 1, total + 1):
+        if step > total:
+            break
+        with session.step():
+            # Act: epsilon-greedy. Both draws happen every step, so `explore` moves the same whatever else varies.
+            epsilon = linear_schedule(a.start_e, a.end_e, a.exploration_fraction * total, step - 1)
+            rng = sources.numpy("explore")
+            u, random_action = rng.random(), int(rng.integers(n_actions))
+            if u < epsilon:
+                action = random_action
+            else:
+                with torch.no_grad():
+                    action = int(q(as_input(episodes.obs)[None]).argmax(dim=1)[0])
+            next_obs, reward, terminated, truncated, info = env.step(action)
+            buffer.add(episodes.obs, action, float(reward), next_obs, terminated, episodes.first)
+            session.observe(
+                episodes.obs,
+                np.int64(action),
+                np.float32(reward),
+                next_obs,
+                np.bool_(terminated),
+                np.bool_(truncated),
+            )
+            episodes.obs, episodes.first = next_obs, False
+            if "episode" in info:  # a real game ended (an Atari life loss ends only the learner's episode)
+                episodes.returns.append(float(info["episode"]["r"]))
+                episodes.lengths.append(int(info["episode"]["l"]))
+                if writer is not None:
+                    writer.add_scalar("charts/episodic_return", episodes.returns[-1], step)
+                    writer.add_scalar("charts/episodic_length", episodes.lengths[-1], step)
+            if terminated or truncated:
+                episodes.obs, _ = env.reset()
+                episodes.first = True
+
+            # Learn: the TD update, every train_frequency steps once the buffer has learning_starts steps.
+            if step > a.learning_starts and step % a.train_frequency == 0:
+                if a.final_learning_rate is not None:
+                    frac = (step - a.learning_starts) / max(1, total - a.learning_starts)
+                    optimizer.param_groups[0]["lr"] = a.learning_rate + frac * (
+                        a.final_learning_rate - a.learning_rate
+                    )
+                for _ in range(a.gradient_steps):
+                    batch = buffer.sample(sources.numpy("replay"), a.batch_size)
+                    obs_b, next_b = as_input(batch.obs), as_input(batch.next_obs)
+                    rewards = precision.cast(torch.from_numpy(batch.rewards))
+                    not_done = precision.cast(1.0 - torch.from_numpy(batch.terminated))
+                    with torch.no_grad():
+                        next_q = target(next_b)
+                        if a.double_dqn:
+                            best = q(next_b).argmax(dim=1, keepdim=True)
+                            next_value = next_q.gather(1, best).squeeze(1)
+                        else:
+                            next_value = next_q.max(dim=1).values
+                        td_target = rewards + a.gamma * next_value * not_done
+                    q_taken = q(obs_b).gather(1, torch.from_numpy(batch.actions)[:, None]).squeeze(1)
+                    loss = (
+                        F.smooth_l1_loss(q_taken, td_target)
+                        if a.loss == "huber"
+                        else F.mse_loss(q_taken, td_target)
+                    )
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if a.max_grad_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(q.parameters(), a.max_grad_norm)
+                    optimizer.step()
+                loss_value, q_mean = float(loss.detach()), float(q_taken.detach().mean())
+            if step % a.target_update_period == 0:
+                qnets.update_target(a.tau)
+
+        if bar is not None:
+            bar.update(1)
+        if session.stop_requested and step < total:  # Ctrl-C in `detrl train`: end here, resumable
+            session.config.setdefault("train", {})["steps"] = total = step
+        if step % cfg.train.log_every == 0 or step == total:
+            sps = (step - steps_at_start) / max(1e-9, time.perf_counter() - t_start)
+            if writer is not None:
+                writer.add_scalar("losses/td_loss", loss_value, step)
+                writer.add_scalar("losses/q_values", q_mean, step)
+                writer.add_scalar("charts/epsilon", epsilon, step)
+                writer.add_scalar("charts/SPS", sps, step)
+            if bar is not None:
+                recent = episodes.returns[-10:]
+                bar.set_postfix(
+                    ret=f"{np.mean(recent):.1f}" if recent else "-",
+                    eps=f"{epsilon:.2f}",
+                    loss=f"{loss_value:.3g}",
+                )
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t_start
+    result: dict[str, Any] = {
+        "returns": episodes.returns,
+        "lengths": episodes.lengths,
+        "loss": loss_value,
+        "steps": session.step_index,
+        "steps_per_second": (total - start) / max(seconds, 1e-9),
+    }
+    if session.mode != "replay" and cfg.eval.episodes:
+        result["eval_returns"] = evaluate(cfg, q, precision)
+        if writer is not None:
+            writer.add_scalar("eval/mean_return", float(np.mean(result["eval_returns"])), total)
+    env.close()
+    return result
+
+
+def evaluate(cfg: Config, q: torch.nn.Module, precision: Any) -> list[float]:
+    """Greedy episodes (``cfg.eval``) on a fresh env whose streams are seeded apart from training's."""
+    ev = cfg.eval
+    env_sources = Sources(seed=ev.seed)  # the eval env's own sticky/noop streams; episode seeds are explicit
+    env = make_env(cfg, env_sources)
+    rng = np.random.Generator(np.random.PCG64(ev.seed))
+    returns = []
+    for k in range(ev.episodes):
+        obs, _ = env.reset(seed=ev.seed + k)
+        while True:
+            if rng.random() < ev.epsilon:
+                action = int(rng.integers(env.action_space.n))
+            else:
+                with torch.no_grad():
+                    x = torch.from_numpy(obs)
+                    action = int(
+                        q(precision.cast(x)[None] if x.is_floating_point() else x[None]).argmax(dim=1)[0]
+                    )
+            obs, _, terminated, truncated, info = env.step(action)
+            if "episode" in info:
+                returns.append(float(info["episode"]["r"]))
+                break
+            if terminated or truncated:  # an Atari life lost: keep playing the same game
+                obs, _ = env.reset()
+    env.close()
+    return returns
+
+
+def fingerprint(cfg: Config) -> str | None:
+    """DQN generates its data: there is no dataset to fingerprint (the env id and options are in the config)."""
+    return None

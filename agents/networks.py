@@ -1,0 +1,86 @@
+"""Q-networks: an MLP for vector observations and the Nature CNN (Mnih et al. 2015) for Atari frames.
+
+:class:`QNetworks` holds the online and the target network in one module, so the run's commitments and
+checkpoints cover both, and the target starts as an exact copy of the online network.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class MLPQNetwork(nn.Module):
+    """``obs (N, obs_dim) -> Q (N, n_actions)`` through ReLU hidden layers of the given widths."""
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: Sequence[int] = (120, 84)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = obs_dim
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, n_actions))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs.to(self.net[0].weight.dtype))
+
+
+class NatureCNN(nn.Module):
+    """``frames (N, stack, 84, 84) uint8 -> Q (N, n_actions)``: the Nature DQN's three convolutions and
+    a 512-unit layer. Pixels are scaled to [0, 1] inside, so the replay buffer can keep uint8 frames."""
+
+    def __init__(self, n_actions: int, stack: int = 4, screen: int = 84) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(stack, 32, 8, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 4, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        with torch.no_grad():
+            n_flat = self.features(torch.zeros(1, stack, screen, screen)).shape[1]
+        self.head = nn.Sequential(nn.Linear(n_flat, 512), nn.ReLU(), nn.Linear(512, n_actions))
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        x = frames.to(self.head[0].weight.dtype) / 255.0
+        return self.head(self.features(x))
+
+
+class QNetworks(nn.Module):
+    """The online network and its target (a frozen copy, refreshed by :meth:`update_target`)."""
+
+    def __init__(self, online: nn.Module) -> None:
+        super().__init__()
+        self.online = online
+        self.target = copy.deepcopy(online)
+        self.target.requires_grad_(False)
+
+    @torch.no_grad()
+    def update_target(self, tau: float) -> None:
+        """``target <- tau * online + (1 - tau) * target`` (tau = 1: a hard copy, as in Nature DQN)."""
+        online, target = list(self.online.parameters()), list(self.target.parameters())
+        if tau == 1.0:
+            torch._foreach_copy_(target, online)
+        else:
+            torch._foreach_lerp_(target, online, tau)
+
+
+def build_q_network(
+    kind: str, obs_shape: tuple[int, ...], n_actions: int, hidden: Sequence[int]
+) -> nn.Module:
+    """``kind`` ``"mlp"`` (flat observations) or ``"nature_cnn"`` (``(stack, H, W)`` frames)."""
+    if kind == "mlp":
+        if len(obs_shape) != 1:
+            raise ValueError(f"agent.network=mlp needs vector observations, got shape {obs_shape}")
+        return MLPQNetwork(obs_shape[0], n_actions, hidden)
+    if len(obs_shape) != 3:
+        raise ValueError(f"agent.network=nature_cnn needs (stack, H, W) frames, got shape {obs_shape}")
+    return NatureCNN(n_actions, stack=obs_shape[0], screen=obs_shape[1])

@@ -1,0 +1,356 @@
+"""The deterministic DQN: bitwise determinism, one switch at a time, exact resume, the hardware switch,
+verifiable runs audited on every profile, tampering caught at its step, and config errors.
+
+Runs use ``configs/dqn/tiny.yaml`` (CartPole, small networks) through :func:`agents.dqn.run` inside a
+:class:`detrl.Session`, exactly as ``detrl train`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from agents import dqn
+from detrl import Session, Sources, commit
+from detrl import config as config_mod
+from detrl.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "dqn" / "tiny.yaml"
+EMULATED = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
+
+
+def tiny(**overrides: Any) -> dqn.Config:
+    """tiny.yaml with dotted-key overrides, e.g. ``tiny(**{"precision": "fp32", "train.steps": 500})``."""
+    raw = yaml.safe_load(TINY.read_text())
+    return config_mod.validate(config_mod.apply_overrides(raw, [f"{k}={v}" for k, v in overrides.items()]))
+
+
+class Probe(Session):
+    """A Session that also keeps the initial weights (for the one-switch-at-a-time tests)."""
+
+    def init(self, build):  # type: ignore[override]
+        model = super().init(build)
+        self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return model
+
+
+class RecordingSources(Sources):
+    """Records every value drawn from each numpy stream (explore, replay, env, noop, sticky)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.draws: dict[str, list] = {}
+
+    def numpy(self, name: str) -> Any:
+        gen, log = super().numpy(name), self.draws.setdefault(name, [])
+
+        class Recorder:
+            def random(self, *a: Any, **kw: Any) -> Any:
+                v = gen.random(*a, **kw)
+                log.append(np.asarray(v).tolist())
+                return v
+
+            def integers(self, *a: Any, **kw: Any) -> Any:
+                v = gen.integers(*a, **kw)
+                log.append(np.asarray(v).tolist())
+                return v
+
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(gen, attr)
+
+        return Recorder()
+
+
+class ResetRecorder(gym.Wrapper):
+    """Keeps each episode's first observation."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.firsts: list[np.ndarray] = []
+
+    def reset(self, **kw: Any) -> Any:
+        obs, info = self.env.reset(**kw)
+        self.firsts.append(np.array(obs))
+        return obs, info
+
+
+def run(cfg: dqn.Config, mode: str = "off", run_dir: Path | None = None, sources: Sources | None = None,
+        wrap_env: Any = None, **session_kw: Any) -> tuple[Session, dict[str, Any]]:  # fmt: skip
+    torch.set_num_threads(cfg.threads)
+    src = sources if sources is not None else Sources.from_config(cfg.sources)
+    options = {**dqn.session_options(cfg), **session_kw}
+    s = Probe(run_dir, mode=mode, precision=cfg.precision, sources=src, hardware=cfg.hardware,
+              checkpoint_every=cfg.verify.checkpoint_every, config=cfg.model_dump(mode="json"), **options)  # fmt: skip
+    with s:
+        result = dqn.run(cfg, s, wrap_env=wrap_env)
+    return s, result
+
+
+def state(s: Session) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in commit.state_tensors(s.model, s.optimizers).items()}
+
+
+def assert_same_state(a: Session, b: Session) -> None:
+    sa, sb = state(a), state(b)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def differs(a: Session, b: Session) -> bool:
+    sa, sb = state(a), state(b)
+    return any(not torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --- bitwise determinism ------------------------------------------------------------------------
+
+
+def test_two_fp32_runs_of_5000_steps_are_bitwise_equal():
+    cfg = tiny(**{"precision": "fp32", "train.steps": 5000})
+    a, ra = run(cfg)
+    b, rb = run(cfg)
+    assert_same_state(a, b)  # parameters (online and target) and Adam's state
+    assert len(ra["returns"]) > 20 and ra["returns"] == rb["returns"] and ra["lengths"] == rb["lengths"]
+    assert ra["eval_returns"] == rb["eval_returns"]
+
+
+@pytest.mark.slow
+def test_verifiable_runs_match_across_thread_counts():
+    cfg = tiny(**{"train.steps": 1000})
+    a, ra = run(cfg.model_copy(update={"threads": 1}))
+    b, rb = run(cfg.model_copy(update={"threads": 2}))
+    assert_same_state(a, b)
+    assert ra["returns"] == rb["returns"]
+
+
+# --- one switch at a time -----------------------------------------------------------------------
+
+CARTPOLE_STREAMS = ["init", "explore", "replay", "env"]
+
+
+def _probe_run(cfg: dqn.Config, sources_cfg: dict) -> tuple[Session, RecordingSources, ResetRecorder]:
+    src = RecordingSources(**_sources_kwargs(sources_cfg))
+    holder: dict[str, ResetRecorder] = {}
+
+    def wrap(env: gym.Env) -> gym.Env:
+        holder["env"] = ResetRecorder(env)
+        return holder["env"]
+
+    s, _ = run(cfg, sources=src, wrap_env=wrap)
+    return s, src, holder["env"]
+
+
+def _sources_kwargs(c: dict) -> dict:
+    c = dict(c)
+    streams = {k: v for k, v in c.items() if k not in ("seed", "bitflip")}
+    return {"seed": c.get("seed", 0), "bitflip": c.get("bitflip", False), "streams": streams}
+
+
+def _same_prefix(a: list, b: list) -> bool:
+    n = min(len(a), len(b))
+    return n > 0 and all(np.array_equal(x, y) for x, y in zip(a[:n], b[:n]))
+
+
+@pytest.mark.parametrize("varied", [*CARTPOLE_STREAMS, "bitflip"])
+def test_each_switch_alone_changes_the_run_and_nothing_else(varied):
+    cfg = tiny(**{"precision": "fp32", "train.steps": 1200, "agent.learning_starts": 300})
+    base, base_src, base_env = _probe_run(cfg, {"seed": 0})
+    change = {"seed": 0, "bitflip": True} if varied == "bitflip" else {"seed": 0, varied: {"seed": 12345}}
+    other, other_src, other_env = _probe_run(cfg, change)
+    assert differs(base, other), f"varying {varied} did not change the run"
+    # Initial weights: changed by init and bitflip only (bitflip: exactly one element).
+    moved = [k for k in base.initial if not torch.equal(base.initial[k], other.initial[k])]
+    if varied == "init":
+        assert moved
+    elif varied == "bitflip":
+        assert len(moved) >= 1 and sum(int((base.initial[k] != other.initial[k]).sum()) for k in moved) <= 2
+    else:
+        assert moved == []
+    # Every other stream drew the same values (streams consumed per step: the same count too).
+    for name in ("explore", "replay", "env"):
+        a, b = base_src.draws.get(name, []), other_src.draws.get(name, [])
+        if name == varied:
+            assert not _same_prefix(a, b)
+        elif name in ("explore", "replay"):
+            assert a == b, f"varying {varied} moved the {name} stream"
+        else:
+            assert _same_prefix(a, b), f"varying {varied} moved the {name} stream"
+    # The environment's initial states: unchanged unless the env stream varied.
+    assert _same_prefix(base_env.firsts, other_env.firsts) == (varied != "env")
+
+
+# --- resume -------------------------------------------------------------------------------------
+
+
+class StopAt(gym.Wrapper):
+    """Asks the session to stop after ``k`` environment steps (what Ctrl-C does in `detrl train`)."""
+
+    def __init__(self, env: gym.Env, session_ref: dict, k: int) -> None:
+        super().__init__(env)
+        self.ref, self.k, self.n = session_ref, k, 0
+
+    def step(self, action: Any) -> Any:
+        self.n += 1
+        if self.n == self.k:
+            self.ref["session"].stop_requested = True
+        return self.env.step(action)
+
+
+def _record_stopped(cfg: dqn.Config, run_dir: Path, k: int) -> None:
+    ref: dict = {}
+
+    class Stoppable(Probe):
+        def __enter__(self):  # noqa: D401
+            ref["session"] = self
+            return super().__enter__()
+
+    torch.set_num_threads(cfg.threads)
+    s = Stoppable(run_dir, mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
+                  checkpoint_every=cfg.verify.checkpoint_every, config=cfg.model_dump(mode="json"),
+                  **dqn.session_options(cfg))  # fmt: skip
+    with s:
+        dqn.run(cfg, s, wrap_env=lambda env: StopAt(env, ref, k))
+    assert s.step_index == k
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("verifiable", marks=pytest.mark.slow)])
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, precision, capsys):
+    steps, k = (3000, 1700) if precision == "fp32" else (1200, 700)
+    cfg = tiny(**{"precision": precision, "train.steps": steps, "verify.checkpoint_every": 0})
+    full, full_result = run(cfg, mode="record", run_dir=tmp_path / "full")
+    _record_stopped(cfg, tmp_path / "resumed", k)
+    manifest = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert manifest["steps"] == k and manifest["config"]["train"]["steps"] == k
+    rc = main(["train", "--resume", str(tmp_path / "resumed"), "--set", f"train.steps={steps}", "--quiet",
+               "--no-tensorboard"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    a = json.loads((tmp_path / "full" / "manifest.json").read_text())
+    b = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert b["steps"] == steps and a["merkle_root"] == b["merkle_root"]  # every step's state, same bits
+    assert (tmp_path / "full" / "commitments.json").read_bytes() == (
+        tmp_path / "resumed" / "commitments.json"
+    ).read_bytes()
+    if precision == "verifiable":
+        assert (tmp_path / "full" / "roundlog").read_bytes() == (
+            tmp_path / "resumed" / "roundlog"
+        ).read_bytes()
+        assert main(["audit", str(tmp_path / "resumed"), "--hardware", "emulated:splitk", "--quiet"]) == 0
+
+
+def test_resume_refuses_a_different_initial_model(tmp_path, capsys):
+    cfg = tiny(**{"precision": "fp32", "train.steps": 400, "verify.checkpoint_every": 0})
+    run(cfg, mode="record", run_dir=tmp_path / "r")
+    capsys.readouterr()
+    rc = main(["train", "--resume", str(tmp_path / "r"), "--set", "train.steps=800", "--set",
+               "sources.init.seed=5", "--quiet", "--no-tensorboard"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "different initial model" in err and err.count("\n") == 1
+
+
+# --- the hardware switch ------------------------------------------------------------------------
+
+
+def test_atomic_hardware_makes_runs_differ_native_does_not():
+    # Widths and batch above the atomic profile's 64-element chunks, so its reductions really reorder.
+    cfg = tiny(**{"precision": "fp32", "train.steps": 600, "agent.learning_starts": 100,
+                  "agent.hidden": "[128,128]", "agent.batch_size": 128})  # fmt: skip
+    a, _ = run(cfg)
+    b, _ = run(cfg)
+    assert not differs(a, b)
+    atomic = cfg.model_copy(update={"hardware": "emulated:atomic"})
+    c, _ = run(atomic)
+    d, _ = run(atomic)
+    assert differs(c, d)
+
+
+# --- verifiable runs, audits and tampering ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    """tiny.yaml as is: a verifiable CartPole run of 2,000 steps."""
+    out = tmp_path_factory.mktemp("dqn") / "tiny"
+    assert main(["train", str(TINY), "--out", str(out), "--quiet", "--no-tensorboard"]) == 0
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hardware", EMULATED)
+def test_verifiable_dqn_replicates_on_every_profile(recorded, hardware, capsys):
+    rc = main(["audit", str(recorded), "--hardware", hardware, "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.startswith(f"REPLICATED on {hardware}") and "2000 step commitments" in out
+
+
+class Tamper(gym.Wrapper):
+    """A dishonest trainer's env: changes the reward (or the observation) returned at env step ``s``."""
+
+    def __init__(self, env: gym.Env, s: int, what: str) -> None:
+        super().__init__(env)
+        self.s, self.what, self.n = s, what, 0
+
+    def step(self, action: Any) -> Any:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.n += 1
+        if self.n == self.s:
+            if self.what == "reward":
+                reward = reward + 1.0
+            else:
+                obs = obs.copy()
+                obs[0] += np.float32(1e-3)
+        return obs, reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("what", ["reward", "observation"])
+def test_tampered_transition_is_caught_at_its_step(tmp_path, what, capsys):
+    s = 137
+    cfg = tiny(**{"train.steps": 300, "agent.learning_starts": 100})
+    run(cfg, mode="record", run_dir=tmp_path / "run", wrap_env=lambda env: Tamper(env, s, what))
+    rc = main(["audit", str(tmp_path / "run"), "--hardware", "emulated:pairwise", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert f"diverged at step {s}" in out and "batch the trainer committed differs" in out
+
+
+# --- config errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("agent.learnin_rate=0.1", "agent.learnin_rate: unknown key"),
+        ("agent.batch_size=lots", "agent.batch_size"),
+        ("env.id=Pong-v77", "unknown env id"),
+        ("sources.explor.seed=3", "sources"),
+    ],
+)
+def test_bad_config_is_one_line_and_exit_2(tmp_path, override, message, capsys):
+    rc = main(["train", str(TINY), "--out", str(tmp_path / "x"), "--set", override, "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_train_cli_writes_tensorboard_scalars_and_evaluates(tmp_path, capsys):
+    out = tmp_path / "cp"
+    rc = main(["train", str(REPO / "configs" / "dqn" / "cartpole.yaml"), "--out", str(out), "--quiet",
+               "--set", "train.steps=1500", "--set", "agent.learning_starts=500", "--set", "eval.episodes=2"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0 and "greedy evaluation: mean return" in text
+    events = list((out / "tb").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 1000
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"charts/episodic_return", "charts/episodic_length", "losses/td_loss", "losses/q_values",
+            "charts/epsilon", "charts/SPS"} <= tags  # fmt: skip
