@@ -7,7 +7,7 @@ its contents — at the cost of hashing one transition per step.
 :class:`ReplayBuffer` stores vector observations as they are. :class:`FrameReplayBuffer` stores Atari
 frame stacks as single uint8 frames: the newest frame of ``obs`` and of ``next_obs`` per transition, and
 rebuilds the ``(stack, H, W)`` stacks when sampling (older frames are the previous transitions' newest
-ones; at an episode's start the first frame repeats, as the frame-stack wrapper does). That is 2 frames per
+ones; before an episode's first frame they are zeros, as the frame-stack wrapper leaves them). That is 2 frames per
 transition instead of the 2 x stack frames of storing both stacks.
 """
 
@@ -35,7 +35,7 @@ class Transitions:
 class _Base:
     """Ring storage of actions, rewards, termination flags, with the hash chain and (re)storing."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, chain: bool = True) -> None:
         if capacity < 1:
             raise ValueError("buffer capacity must be at least 1")
         self.capacity = capacity
@@ -45,20 +45,23 @@ class _Base:
         self.pos = 0  # next slot to write
         self.size = 0
         self._chain = bytes(32)
+        self.chain = chain  # off when nothing is committed (Session mode "off"): saves a hash per step
 
     def __len__(self) -> int:
         return self.size
 
-    def _record(self, parts: list[bytes], action: int, reward: float, terminated: bool) -> None:
+    def _record(self, action: int, reward: float, terminated: bool, *stored: np.ndarray) -> None:
+        """Write the scalars at ``pos``, extend the hash chain with them and the ``stored`` arrays, advance."""
         i = self.pos
         self.actions[i] = action
         self.rewards[i] = reward
         self.terminated[i] = float(terminated)
-        h = hashlib.sha256(self._chain)
-        for p in parts:
-            h.update(p)
-        h.update(struct.pack("<qf?", int(action), float(self.rewards[i]), bool(terminated)))
-        self._chain = h.digest()
+        if self.chain:
+            h = hashlib.sha256(self._chain)
+            for a in stored:
+                h.update(a)  # contiguous rows of the storage arrays: hashed without a copy
+            h.update(struct.pack("<qf?", int(action), float(self.rewards[i]), bool(terminated)))
+            self._chain = h.digest()
         self.pos = (i + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
 
@@ -106,8 +109,10 @@ class _Base:
 class ReplayBuffer(_Base):
     """Transitions with vector observations of ``obs_shape`` (stored as ``obs_dtype``)."""
 
-    def __init__(self, capacity: int, obs_shape: tuple[int, ...], obs_dtype: Any = np.float32) -> None:
-        super().__init__(capacity)
+    def __init__(
+        self, capacity: int, obs_shape: tuple[int, ...], obs_dtype: Any = np.float32, chain: bool = True
+    ) -> None:
+        super().__init__(capacity, chain)
         self.obs = np.zeros((capacity, *obs_shape), obs_dtype)
         self.next_obs = np.zeros((capacity, *obs_shape), obs_dtype)
 
@@ -117,9 +122,7 @@ class ReplayBuffer(_Base):
         """Store one transition. ``first``: ``obs`` is the first observation of an episode (unused here)."""
         self.obs[self.pos] = obs
         self.next_obs[self.pos] = next_obs
-        self._record(
-            [self.obs[self.pos].tobytes(), self.next_obs[self.pos].tobytes()], action, reward, terminated
-        )
+        self._record(action, reward, terminated, self.obs[self.pos], self.next_obs[self.pos])
 
     def sample(self, rng: np.random.Generator, batch_size: int) -> Transitions:
         i = self._draw(rng, batch_size)
@@ -134,10 +137,10 @@ class ReplayBuffer(_Base):
 class FrameReplayBuffer(_Base):
     """Transitions of uint8 frame stacks ``(stack, H, W)``, stored as single frames (see module docstring)."""
 
-    def __init__(self, capacity: int, obs_shape: tuple[int, ...]) -> None:
+    def __init__(self, capacity: int, obs_shape: tuple[int, ...], chain: bool = True) -> None:
         if capacity <= obs_shape[0]:
             raise ValueError(f"a frame buffer needs more than {obs_shape[0]} slots")
-        super().__init__(capacity)
+        super().__init__(capacity, chain)
         self.stack = obs_shape[0]
         self.frames = np.zeros((capacity, *obs_shape[1:]), np.uint8)  # newest frame of obs
         self.next_frames = np.zeros((capacity, *obs_shape[1:]), np.uint8)  # newest frame of next_obs
@@ -153,12 +156,7 @@ class FrameReplayBuffer(_Base):
         self.frames[i] = obs[-1]
         self.next_frames[i] = next_obs[-1]
         self.age[i] = self._age
-        self._record(
-            [self.frames[i].tobytes(), self.next_frames[i].tobytes(), bytes([first])],
-            action,
-            reward,
-            terminated,
-        )
+        self._record(action, reward, terminated, self.frames[i], self.next_frames[i], self.age[i : i + 1])
 
     def sample(self, rng: np.random.Generator, batch_size: int) -> Transitions:
         # When full, the oldest stack-1 slots may need frames already overwritten: they are not drawn.
@@ -168,19 +166,17 @@ class FrameReplayBuffer(_Base):
         )
 
     def _stack(self, i: np.ndarray, nxt: bool) -> np.ndarray:
-        """Rebuild ``(batch, stack, H, W)``: column ``k`` counted back from the newest frame."""
+        """Rebuild ``(batch, stack, H, W)``, column ``k`` counted back from the newest frame; columns from
+        before the episode's first frame are zeros, as the frame-stack wrapper leaves them."""
         age = self.age[i]
-        out = np.empty((len(i), self.stack, *self.frames.shape[1:]), np.uint8)
+        out = np.zeros((len(i), self.stack, *self.frames.shape[1:]), np.uint8)
         for k in range(self.stack):  # k = 0 is the newest frame
-            if nxt:
-                src = (
-                    self.next_frames[i]
-                    if k == 0
-                    else self.frames[(i - np.minimum(k - 1, age)) % self.capacity]
-                )
-            else:
-                src = self.frames[(i - np.minimum(k, age)) % self.capacity]
-            out[:, self.stack - 1 - k] = src
+            if nxt and k == 0:
+                out[:, -1] = self.next_frames[i]
+                continue
+            back = k - 1 if nxt else k  # how many transitions back the frame was the newest of obs
+            rows = np.nonzero(back <= age)[0]
+            out[rows, self.stack - 1 - k] = self.frames[(i[rows] - back) % self.capacity]
         return out
 
     def _arrays(self) -> dict[str, np.ndarray]:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 class MLPQNetwork(nn.Module):
@@ -18,16 +19,18 @@ class MLPQNetwork(nn.Module):
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: Sequence[int] = (120, 84)) -> None:
         super().__init__()
-        layers: list[nn.Module] = []
-        width = obs_dim
-        for h in hidden:
-            layers += [nn.Linear(width, h), nn.ReLU()]
-            width = h
-        layers.append(nn.Linear(width, n_actions))
-        self.net = nn.Sequential(*layers)
+        widths = [obs_dim, *hidden, n_actions]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs.to(self.net[0].weight.dtype))
+        # Parameters read straight from each layer's dict and functional calls, no module calls: a DQN acts
+        # on one observation per env step, where module-call overhead cost as much as the arithmetic.
+        params = [layer._parameters for layer in self.layers._modules.values()]
+        w0 = params[0]["weight"]
+        x = obs if obs.dtype == w0.dtype else obs.to(w0.dtype)
+        for p in params[:-1]:
+            x = torch.relu(F.linear(x, p["weight"], p["bias"]))
+        return F.linear(x, params[-1]["weight"], params[-1]["bias"])
 
 
 class NatureCNN(nn.Module):

@@ -11,6 +11,9 @@ because a shared CPU is noisy.
 ``roundlog``
     Rounding-log size per step against the dense reference encoding, and against the 26.2 MB per
     ResNet-50 step written by the paper's code.
+``dqn``
+    detrl's DQN against Stable-Baselines3 (speed, learning, cost of the switches and of verifiable mode,
+    Breakout speed and memory); see :mod:`agents.bench`.
 ``nolog``
     Replays a recorded verifiable run on every emulated profile with its log and with the log emptied,
     to show how soon FP64 + rounding *without* the log diverges; plain FP32 as a control.
@@ -446,6 +449,8 @@ BENCHMARKS: dict[str, Callable[[list[str]], int]] = {
     "overhead": bench_overhead,
     "roundlog": bench_roundlog,
     "nolog": bench_nolog,
+    # Lives with the agent (layers point one way: detrl never imports agents at module level).
+    "dqn": lambda rest: __import__("agents.bench", fromlist=["main"]).main(rest),
 }
 
 

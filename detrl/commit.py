@@ -43,27 +43,21 @@ def tensor_digest(name: str, t: torch.Tensor) -> bytes:
 
 
 class DigestCache:
-    """Per-tensor digests reused while a tensor is unchanged: the same object at the same version counter.
+    """The per-tensor digests of the last commitment, reused for a step declared not to write the state.
 
     A DQN commits after every environment step, but its weights change only every few steps; rehashing
-    them each time cost as much as the step. The cache holds the tensor itself, so an entry can never
-    match a different tensor that happens to reuse a freed one's id or memory. Writes that bypass the
-    version counter (``tensor.data[...] = ...``, a numpy view) are invisible to it: the trainer then
-    commits a stale hash, which the auditor (who never caches) reports as a divergence.
+    them each time cost as much as the step. Reuse is the recorder's claim (``Session.step(frozen=True)``),
+    never inferred: torch's version counters miss fused and foreach writes. The auditor never reuses, so a
+    false claim shows up as a divergence at that step.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[torch.Tensor, int, bytes]] = {}
+        self._digests: dict[str, bytes] = {}
 
-    def digest(self, name: str, t: torch.Tensor) -> bytes:
-        if name.startswith("buffer."):  # see Session(cache_digests=...): written out of the counter's sight
-            return tensor_digest(name, t)
-        hit = self._entries.get(name)
-        version = t._version
-        if hit is not None and hit[0] is t and hit[1] == version:
-            return hit[2]
-        d = tensor_digest(name, t)
-        self._entries[name] = (t, version, d)
+    def digest(self, name: str, t: torch.Tensor, reuse: bool) -> bytes:
+        d = self._digests.get(name) if reuse else None
+        if d is None:
+            d = self._digests[name] = tensor_digest(name, t)
         return d
 
 
@@ -71,12 +65,16 @@ def hash_tensors(
     tensors: Mapping[str, torch.Tensor],
     extra: Iterable[tuple[str, bytes]] = (),
     cache: DigestCache | None = None,
+    reuse: bool = False,
 ) -> bytes:
-    """SHA-256 over name-sorted per-tensor digests (see :func:`tensor_digest`), then name-sorted extra blobs."""
+    """SHA-256 over name-sorted per-tensor digests (see :func:`tensor_digest`), then name-sorted extra blobs.
+
+    ``cache``/``reuse``: take the tensors' digests from ``cache`` when ``reuse`` (see :class:`DigestCache`).
+    """
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name]
-        h.update(cache.digest(name, t) if cache is not None else tensor_digest(name, t))
+        h.update(cache.digest(name, t, reuse) if cache is not None else tensor_digest(name, t))
     for name, blob in sorted(extra):
         h.update(struct.pack("<I", len(name)) + name.encode())
         h.update(struct.pack("<Q", len(blob)))

@@ -139,10 +139,6 @@ class Session:
             whose model draws nothing at random may switch this off to save the dispatch-mode overhead;
             torch's global RNG is then seeded from the ``dropout`` stream, so a stray random op is still
             deterministic.
-        cache_digests: while recording, reuse a tensor's digest while its version counter is unchanged
-            (see :class:`detrl.commit.DigestCache`); for runs that commit far more often than their weights
-            change (a DQN commits every environment step). Module buffers are always rehashed: batch
-            norm's running statistics are written inside the rounding mode, out of the counter's sight.
         resume: with ``mode="record"``, continue the finished bundle in ``run_dir`` from its last
             checkpoint instead of starting over (see :meth:`restore`).
     """
@@ -163,7 +159,6 @@ class Session:
         track_modules: bool | None = None,
         calibration_steps: int = 1,
         route_random_ops: bool = True,
-        cache_digests: bool = False,
         resume: bool = False,
     ) -> None:
         if mode not in ("record", "replay", "off"):
@@ -234,7 +229,7 @@ class Session:
         self.stop_requested = False  # set from outside (Ctrl-C): a loop may end early after a whole step
         self.route_random_ops = route_random_ops
         self.parts: dict[str, StatePart] = {}
-        self._digests = commit.DigestCache() if mode == "record" and cache_digests else None
+        self._digests = commit.DigestCache() if mode == "record" else None
         self._tracker: ModuleTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":
             self._tracker = ModuleTracker()
@@ -356,6 +351,8 @@ class Session:
 
     def observe(self, *data: Any) -> None:
         """Bind the data this step consumes (arrays, tensors) into its commitment: an RL transition."""
+        if self.mode == "off":  # nothing is committed
+            return
         self._batch_hash = commit.hash_batch(*data)
 
     def loader(
@@ -391,11 +388,14 @@ class Session:
 
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
-    def step(self, batch: Any = None) -> Iterator[StepRounding | None]:
+    def step(self, batch: Any = None, frozen: bool = False) -> Iterator[StepRounding | None]:
         """One training step: forward, backward and optimizer update go inside. Commits on exit.
 
         ``batch``: the data the step consumes, if it did not come from :meth:`loader` (hashed into the
         step's commitment).
+        ``frozen``: the step writes no model parameter, buffer or optimizer state (a DQN step that only
+        acts): the recorder reuses their digests from the previous commitment instead of rehashing. The
+        auditor always rehashes, so a false claim is a divergence at this step.
         """
         if self.model is None:
             raise RuntimeError("call Session.init(build_model) before the first step")
@@ -432,21 +432,26 @@ class Session:
                 self.rounding.check_thresholds = None
         self.step_seconds.append(time.perf_counter() - t0)
         self.step_index = step
-        stats = rounding.stats if rounding is not None else StepStats()
+        if rounding is not None:
+            stats = rounding.stats
+            for name in _STATS_FIELDS:
+                setattr(self.totals, name, getattr(self.totals, name) + getattr(stats, name))
+        else:
+            stats = _NO_STATS  # shared: a DQN takes a step per env step, and most round nothing
         self.step_stats.append(stats)
-        for f in dataclasses.fields(StepStats):
-            setattr(self.totals, f.name, getattr(self.totals, f.name) + getattr(stats, f.name))
         if self._writer is not None and rounding is not None:
             self.log_bytes.append(self._writer.write_step(step, rounding.recorded))
         batch_hash, self._batch_hash = self._batch_hash or bytes(32), None
-        self._commit(step, batch_hash, rounding)
+        self._commit(step, batch_hash, rounding, frozen)
 
-    def _commit(self, step: int, batch_hash: bytes, rounding: StepRounding | None = None) -> None:
+    def _commit(
+        self, step: int, batch_hash: bytes, rounding: StepRounding | None = None, frozen: bool = False
+    ) -> None:
         assert self.model is not None
         if self.mode == "off":  # no bundle: nobody reads a commitment, so don't pay for hashing
             return
         tensors = commit.state_tensors(self.model, self.optimizers)
-        state_hash = self._state_hash(tensors)
+        state_hash = self._state_hash(tensors, reuse=frozen)
         if self.mode == "replay":
             assert self.bundle is not None
             if step >= len(self.bundle.leaves):
@@ -459,10 +464,10 @@ class Session:
         if self.mode == "record" and self.checkpoint_every and step and step % self.checkpoint_every == 0:
             self._checkpoint(step, tensors)
 
-    def _state_hash(self, tensors: dict[str, torch.Tensor]) -> bytes:
+    def _state_hash(self, tensors: dict[str, torch.Tensor], reuse: bool = False) -> bytes:
         extra = [("sources", self.sources.digest_bytes())]
         extra += [(f"part/{name}", part.digest()) for name, part in self.parts.items()]
-        return commit.hash_tensors(tensors, extra, cache=self._digests)
+        return commit.hash_tensors(tensors, extra, cache=self._digests, reuse=reuse)
 
     def _checkpoint(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         assert self.dir is not None
@@ -537,6 +542,10 @@ class Session:
                 raise Divergence(
                     step, True, [], f"{bundle_mod.checkpoint_name(step)} differs from the commitment"
                 )
+
+
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))
+_NO_STATS = StepStats()
 
 
 def _load_state_tensors(

@@ -354,3 +354,20 @@ def test_train_cli_writes_tensorboard_scalars_and_evaluates(tmp_path, capsys):
     tags = set(acc.Tags()["scalars"])
     assert {"charts/episodic_return", "charts/episodic_length", "losses/td_loss", "losses/q_values",
             "charts/epsilon", "charts/SPS"} <= tags  # fmt: skip
+
+
+def test_a_false_frozen_claim_is_caught_at_its_step(tmp_path, capsys):
+    """The recorder reuses weight digests on steps it declares frozen; the auditor rehashes every step."""
+
+    class Liar(Probe):
+        def step(self, batch=None, frozen=False):  # type: ignore[override]
+            return super().step(batch, frozen=True if self.step_index + 1 == 250 else frozen)
+
+    cfg = tiny(**{"train.steps": 300, "agent.learning_starts": 100})  # step 250 is an update step
+    torch.set_num_threads(cfg.threads)
+    s = Liar(tmp_path / "run", mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
+             config=cfg.model_dump(mode="json"), **dqn.session_options(cfg))  # fmt: skip
+    with s:
+        dqn.run(cfg, s)
+    assert main(["audit", str(tmp_path / "run"), "--quiet"]) == 1
+    assert "diverged at step 250" in capsys.readouterr().out

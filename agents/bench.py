@@ -1,0 +1,270 @@
+"""``detrl bench dqn [--part P] ...``: detrl's DQN beside Stable-Baselines3's, measured in one run.
+
+Parts (``--part all`` runs each in turn):
+
+``speed``
+    CartPole-v1 with CleanRL's hyperparameters (batch 128, train every 10 steps, buffer 10k, 120-84 MLP),
+    ``--steps`` environment steps (default 50k) at one torch thread: env steps/s of detrl (every source
+    seeded, no bundle) and of SB3, interleaved and repeated, and their ratio.
+``switches``
+    The same run with every stream seeded against every stream unseeded (OS seeds): the switchboard's cost.
+``verifiable``
+    ``configs/dqn/cartpole.yaml`` for ``--verifiable-steps`` steps recorded in verifiable precision
+    against plain FP32 (both record a bundle): the cost of verifiability.
+``learning``
+    ``configs/dqn/cartpole.yaml`` (100k steps) for ``--seeds`` seeds; final greedy evaluation of 10
+    episodes for detrl and for SB3 with the same hyperparameters (SB3 has no Double DQN: it runs vanilla).
+``breakout``
+    Breakout (``configs/dqn/breakout.yaml``, buffer 100k, learning from step 1,000) for ``--atari-steps``
+    steps: steps/s and peak resident memory of each, every run in its own process. SB3 runs on the same
+    ``envs.make`` environment (its own Atari wrappers need OpenCV), so only the agents differ.
+
+Small networks run fastest on one thread (with two threads on a busy two-core machine an update was
+several times slower), so every part pins ``torch.set_num_threads(1)`` for both libraries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from detrl import config as config_mod
+from detrl.bench import machine_line
+from detrl.engine import Session
+from detrl.sources import STREAMS, Sources
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: CleanRL's dqn.py CartPole hyperparameters (the issue's reference: SB3 ~1,500 and CleanRL ~1,940 steps/s here).
+CLEANRL_CARTPOLE = {
+    "name": "cleanrl_cartpole", "task": "dqn", "precision": "fp32", "threads": 1,
+    "env": {"id": "CartPole-v1"},
+    "agent": {
+        "network": "mlp", "hidden": [120, 84], "buffer_size": 10000, "batch_size": 128, "gamma": 0.99,
+        "learning_rate": 2.5e-4, "learning_starts": 10000, "train_frequency": 10, "target_update_period": 500,
+        "tau": 1.0, "start_e": 1.0, "end_e": 0.05, "exploration_fraction": 0.5, "max_grad_norm": 10.0,
+        "double_dqn": False, "loss": "huber",
+    },
+    "eval": {"episodes": 0},
+}  # fmt: skip
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load(path_or_raw: Any, **sets: Any) -> Any:
+    raw = (
+        yaml.safe_load(Path(path_or_raw).read_text()) if isinstance(path_or_raw, (str, Path)) else path_or_raw
+    )
+    return config_mod.validate(config_mod.apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
+
+
+def run_detrl(
+    cfg: Any, sources: Sources | None = None, mode: str = "off", run_dir: str | None = None
+) -> dict:
+    """One detrl DQN run; returns its result dict (with ``steps_per_second``)."""
+    from agents import dqn
+
+    torch.set_num_threads(1)
+    src = sources if sources is not None else Sources.from_config(cfg.sources)
+    session = Session(run_dir, mode=mode, precision=cfg.precision, sources=src, hardware=cfg.hardware,
+                      checkpoint_every=0, config=cfg.model_dump(mode="json"), **dqn.session_options(cfg))  # fmt: skip
+    with session:
+        t0 = time.perf_counter()
+        result = dqn.run(cfg, session)
+        result["wall_steps_per_second"] = cfg.train.steps / (time.perf_counter() - t0)
+    return result
+
+
+def run_sb3(cfg: Any, seed: int, env: Any = None) -> dict:
+    """SB3's DQN with ``cfg``'s hyperparameters; env steps/s of ``learn`` and, if asked, greedy returns."""
+    import gymnasium as gym
+
+    from agents.sb3 import sb3_dqn
+
+    torch.set_num_threads(1)
+    model = sb3_dqn(cfg, env if env is not None else gym.make(cfg.env.id), seed, allow_double=True)
+    t0 = time.perf_counter()
+    model.learn(total_timesteps=cfg.train.steps)
+    sps = cfg.train.steps / (time.perf_counter() - t0)
+    out: dict[str, Any] = {"steps_per_second": sps}
+    if cfg.eval.episodes and env is None:
+        ev = gym.make(cfg.env.id)
+        returns = []
+        for k in range(cfg.eval.episodes):
+            obs, _ = ev.reset(seed=cfg.eval.seed + k)
+            total, done = 0.0, False
+            while not done:
+                action, _ = model.predict(obs, deterministic=True)
+                obs, r, term, trunc, _ = ev.step(int(action))
+                total, done = total + float(r), term or trunc
+            returns.append(total)
+        out["eval_returns"] = returns
+    return out
+
+
+# ------------------------------------------------------------------------------------------- parts
+def part_speed(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = load(CLEANRL_CARTPOLE, **{"train.steps": args.steps})
+    ours, theirs = [], []
+    for r in range(args.repeats):  # interleaved: the machine's load hits both alike
+        _log(f"speed: repeat {r + 1}/{args.repeats}: detrl")
+        ours.append(run_detrl(cfg)["steps_per_second"])
+        _log(f"speed: repeat {r + 1}/{args.repeats}: SB3")
+        theirs.append(run_sb3(cfg, seed=0)["steps_per_second"])
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"\nCartPole-v1, CleanRL hyperparameters, {args.steps} env steps, median of {args.repeats}:")
+    print(f"  detrl DQN (all sources seeded)   {a:8.0f} steps/s   {_spread(ours)}")
+    print(f"  Stable-Baselines3 DQN            {b:8.0f} steps/s   {_spread(theirs)}")
+    print(f"  ratio detrl / SB3                {a / b:8.2f}x  (goal >= 1.5x)")
+    return {"detrl_sps": ours, "sb3_sps": theirs, "ratio": a / b}
+
+
+def part_switches(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = load(CLEANRL_CARTPOLE, **{"train.steps": args.steps})
+    seeded, unseeded = [], []
+    for r in range(args.repeats):
+        _log(f"switches: repeat {r + 1}/{args.repeats}")
+        seeded.append(run_detrl(cfg, Sources(seed=0))["steps_per_second"])
+        unseeded.append(
+            run_detrl(cfg, Sources(streams={n: {"seed": None} for n in STREAMS}))["steps_per_second"]
+        )
+    a, b = statistics.median(seeded), statistics.median(unseeded)
+    print(f"\nCost of the switches (same code, {args.steps} steps, median of {args.repeats}):")
+    print(f"  every source seeded      {a:8.0f} steps/s   {_spread(seeded)}")
+    print(f"  every source unseeded    {b:8.0f} steps/s   {_spread(unseeded)}")
+    print(f"  ratio seeded / unseeded  {a / b:8.3f}   (goal: within 5%)")
+    return {"seeded_sps": seeded, "unseeded_sps": unseeded, "ratio": a / b}
+
+
+def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
+    base = yaml.safe_load((REPO / "configs/dqn/cartpole.yaml").read_text())
+    sets = {
+        "train.steps": args.verifiable_steps,
+        "agent.learning_starts": args.verifiable_steps // 4,
+        "eval.episodes": 0,
+    }
+    res: dict[str, list[float]] = {"fp32": [], "verifiable": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for precision in ("fp32", "verifiable"):
+                _log(f"verifiable: repeat {r + 1}/{args.repeats}: {precision}")
+                cfg = load(base, **sets, precision=precision)
+                out = run_detrl(cfg, mode="record", run_dir=f"{tmp}/{precision}{r}")
+                res[precision].append(out["steps_per_second"])
+    a, b = statistics.median(res["fp32"]), statistics.median(res["verifiable"])
+    print(f"\nVerifiable DQN (configs/dqn/cartpole.yaml, {args.verifiable_steps} steps, learning from step "
+          f"{args.verifiable_steps // 4}, both recording a bundle, median of {args.repeats}):")  # fmt: skip
+    print(f"  fp32        {a:8.0f} steps/s   {_spread(res['fp32'])}")
+    print(f"  verifiable  {b:8.0f} steps/s   {_spread(res['verifiable'])}")
+    print(f"  verifiable is {a / b:.1f}x slower")
+    return {**res, "slowdown": a / b}
+
+
+def part_learning(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = load(REPO / "configs/dqn/cartpole.yaml")
+    rows = []
+    for seed in range(args.seeds):
+        _log(f"learning: seed {seed}: detrl")
+        c = cfg.model_copy(update={"sources": {"seed": seed}})
+        ours = run_detrl(c)
+        _log(f"learning: seed {seed}: SB3")
+        theirs = run_sb3(cfg, seed=seed)
+        rows.append((seed, float(np.mean(ours["eval_returns"])), float(np.mean(theirs["eval_returns"])),
+                     ours["steps_per_second"], theirs["steps_per_second"]))  # fmt: skip
+    print(f"\nLearning: configs/dqn/cartpole.yaml, {cfg.train.steps} steps, greedy eval of {cfg.eval.episodes} "
+          "episodes (SB3: same hyperparameters, vanilla DQN):")  # fmt: skip
+    print(f"  {'seed':>4} {'detrl':>8} {'SB3':>8} {'detrl sps':>10} {'SB3 sps':>9}")
+    for seed, a, b, sa, sb in rows:
+        print(f"  {seed:>4} {a:8.1f} {b:8.1f} {sa:10.0f} {sb:9.0f}")
+    ok_a = sum(r[1] >= 475 for r in rows)
+    ok_b = sum(r[2] >= 475 for r in rows)
+    print(f"  seeds with eval >= 475: detrl {ok_a}/{len(rows)}, SB3 {ok_b}/{len(rows)}  (goal: >= 4/5)")
+    return {"rows": rows, "detrl_ok": ok_a, "sb3_ok": ok_b}
+
+
+def _breakout_child(which: str, steps: int) -> None:
+    """Runs in its own process: one Breakout run, then prints JSON with steps/s and peak RSS."""
+    cfg = load(REPO / "configs/dqn/breakout.yaml", **{"train.steps": steps, "agent.buffer_size": 100000,
+               "agent.learning_starts": 1000, "eval.episodes": 0, "threads": 1})  # fmt: skip
+    if which == "detrl":
+        sps = run_detrl(cfg)["steps_per_second"]
+    else:
+        import envs
+
+        sps = run_sb3(cfg, seed=0, env=envs.make(cfg.env.id, Sources(seed=0)))["steps_per_second"]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"steps_per_second": sps, "peak_rss": peak}))
+
+
+def part_breakout(args: argparse.Namespace) -> dict[str, Any]:
+    res: dict[str, dict] = {}
+    for which in ("detrl", "sb3"):
+        _log(f"breakout: {which} ({args.atari_steps} steps, own process)")
+        cmd = [
+            sys.executable,
+            "-m",
+            "agents.bench",
+            "--child-breakout",
+            which,
+            "--atari-steps",
+            str(args.atari_steps),
+        ]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO)
+        res[which] = json.loads(out.stdout.strip().splitlines()[-1])
+    a, b = res["detrl"], res["sb3"]
+    print(
+        f"\nBreakout (Nature CNN, buffer 100k, {args.atari_steps} steps, learning from step 1000, 1 thread):"
+    )
+    print(f"  detrl  {a['steps_per_second']:7.0f} steps/s   peak RSS {a['peak_rss'] / 1e6:7.0f} MB")
+    print(f"  SB3    {b['steps_per_second']:7.0f} steps/s   peak RSS {b['peak_rss'] / 1e6:7.0f} MB")
+    print(f"  ratio detrl / SB3: {a['steps_per_second'] / b['steps_per_second']:.2f}x speed, "
+          f"{a['peak_rss'] / b['peak_rss']:.2f}x memory")  # fmt: skip
+    return res
+
+
+def _spread(xs: list[float]) -> str:
+    return "(" + ", ".join(f"{x:.0f}" for x in xs) + ")"
+
+
+PARTS = {"speed": part_speed, "switches": part_switches, "verifiable": part_verifiable,
+         "learning": part_learning, "breakout": part_breakout}  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="detrl bench dqn", description=__doc__.splitlines()[0])
+    p.add_argument("--part", default="all", choices=[*PARTS, "all"])
+    p.add_argument("--steps", type=int, default=50_000, help="speed/switches: env steps per run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=5, help="learning: seeds 0..N-1")
+    p.add_argument("--verifiable-steps", type=int, default=4000)
+    p.add_argument("--atari-steps", type=int, default=20_000)
+    p.add_argument("--json", help="also write the numbers as JSON")
+    p.add_argument("--child-breakout", choices=["detrl", "sb3"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child_breakout:
+        _breakout_child(args.child_breakout, args.atari_steps)
+        return 0
+    print(machine_line(1))
+    parts = list(PARTS) if args.part == "all" else [args.part]
+    results = {name: PARTS[name](args) for name in parts}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
