@@ -131,6 +131,21 @@ def test_verifiable_runs_match_across_thread_counts():
     assert ra["returns"] == rb["returns"]
 
 
+@pytest.mark.slow
+def test_verifiable_nature_cnn_on_breakout_matches_across_thread_counts():
+    # Convolutions are where FP32 kernels split work by thread count (oneDNN: see test_replication);
+    # in verifiable precision every result is rounded to FP32 from FP64, so the split does not show.
+    raw = yaml.safe_load((REPO / "configs" / "dqn" / "breakout.yaml").read_text())
+    sets = {"precision": "verifiable", "train.steps": 240, "agent.buffer_size": 1000, "agent.learning_starts": 100,
+            "agent.train_frequency": 10, "agent.batch_size": 32, "agent.start_e": 1.0, "agent.end_e": 1.0,
+            "eval.episodes": 0}  # fmt: skip
+    cfg = config_mod.validate(config_mod.apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
+    a, ra = run(cfg.model_copy(update={"threads": 1}))
+    b, rb = run(cfg.model_copy(update={"threads": 2}))
+    assert_same_state(a, b)
+    assert ra["returns"] == rb["returns"]
+
+
 # --- one switch at a time -----------------------------------------------------------------------
 
 CARTPOLE_STREAMS = ["init", "explore", "replay", "env"]
@@ -185,6 +200,29 @@ def test_each_switch_alone_changes_the_run_and_nothing_else(varied):
             assert _same_prefix(a, b), f"varying {varied} moved the {name} stream"
     # The environment's initial states: unchanged unless the env stream varied.
     assert _same_prefix(base_env.firsts, other_env.firsts) == (varied != "env")
+
+
+def _breakout(**sets: Any) -> dqn.Config:
+    raw = yaml.safe_load((REPO / "configs" / "dqn" / "breakout.yaml").read_text())
+    base = {"train.steps": 400, "agent.buffer_size": 1000, "agent.learning_starts": 200, "agent.train_frequency": 20,
+            "agent.batch_size": 8, "agent.exploration_fraction": 0.5, "eval.episodes": 0, "threads": 1}  # fmt: skip
+    return config_mod.validate(
+        config_mod.apply_overrides(raw, [f"{k}={v}" for k, v in {**base, **sets}.items()])
+    )
+
+
+@pytest.mark.parametrize("varied", ["noop", "sticky"])
+def test_atari_noop_and_sticky_switches_each_change_only_their_source(varied):
+    cfg = _breakout()
+    base, base_src, base_env = _probe_run(cfg, {"seed": 0})
+    other, other_src, other_env = _probe_run(cfg, {"seed": 0, varied: {"seed": 999}})
+    assert differs(base, other), f"varying {varied} did not change the run"
+    assert all(torch.equal(base.initial[k], other.initial[k]) for k in base.initial)
+    for name in ("explore", "replay"):
+        assert base_src.draws[name] == other_src.draws[name]
+    for name in ("env", "noop", "sticky"):
+        a, b = base_src.draws[name], other_src.draws[name]
+        assert _same_prefix(a, b) == (name != varied), name
 
 
 # --- resume -------------------------------------------------------------------------------------
