@@ -36,6 +36,7 @@ class AuditReport:
     steps: int
     message: str
     diverged_step: int | None = None
+    precision: str = "verifiable"
     anomalies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     unlogged_near: int = 0
     corrected: int = 0
@@ -85,6 +86,7 @@ def audit(run_dir: str | Path, hardware: str = "native", progress: bool = False)
     report = AuditReport(
         str(run_dir), hardware, "replicated", session.bundle.steps if session.bundle else 0, ""
     )
+    report.precision = session.precision.kind
     try:
         with session:
             task.run(cfg, session, progress=progress)
@@ -93,6 +95,11 @@ def audit(run_dir: str | Path, hardware: str = "native", progress: bool = False)
         report.verdict = "diverged"
         report.diverged_step = d.step
         report.message = d.describe()
+        if not session.precision.is_verifiable and d.batch_matches and not d.detail:
+            report.message = (
+                f"diverged at step {d.step}; a {session.precision.kind} run has no rounding log, so hardware "
+                "whose arithmetic differs from the recorder's diverges at the first step that computes"
+            )
         report.anomalies = [dataclasses.asdict(a) for a in d.anomalies]
     reader = session.bundle.roundlog if session.bundle is not None else None
     for i, st in enumerate(session.step_stats, start=1):

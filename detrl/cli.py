@@ -108,7 +108,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     report = audit(args.run_dir, hardware=args.hardware, progress=not args.quiet)
     tot = report.totals()
     print(f"{report.verdict.upper()} on {report.hardware}: {report.message}")
-    if report.verdict == "replicated" or report.per_step:
+    if report.precision == "verifiable" and (report.verdict == "replicated" or report.per_step):
         ratio = tot["dense_reference_bytes"] / max(1, tot["log_bytes"])
         print(
             f"rounding log: {tot['logged_elements']} elements, {format_bytes(tot['log_bytes'])} over "

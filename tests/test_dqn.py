@@ -124,7 +124,7 @@ def test_two_fp32_runs_of_5000_steps_are_bitwise_equal():
 
 @pytest.mark.slow
 def test_verifiable_runs_match_across_thread_counts():
-    cfg = tiny(**{"train.steps": 1000})
+    cfg = tiny(**{"train.steps": 2000})
     a, ra = run(cfg.model_copy(update={"threads": 1}))
     b, rb = run(cfg.model_copy(update={"threads": 2}))
     assert_same_state(a, b)
