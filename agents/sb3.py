@@ -26,9 +26,8 @@ def sb3_kwargs(cfg: Config) -> dict[str, Any]:
         gradient_steps=a.gradient_steps, target_update_interval=a.target_update_period,
         exploration_fraction=a.exploration_fraction, exploration_initial_eps=a.start_e,
         exploration_final_eps=a.end_e, max_grad_norm=a.max_grad_norm if a.max_grad_norm is not None else 1e30,
-        optimizer_kwargs=None,
+        policy_kwargs={"optimizer_kwargs": {"eps": a.adam_eps}},
     )  # fmt: skip
-    kw["policy_kwargs"] = {"optimizer_kwargs": {"eps": a.adam_eps}}
     if a.network == "mlp":
         kw["policy_kwargs"]["net_arch"] = list(a.hidden)
     return kw
@@ -42,6 +41,5 @@ def sb3_dqn(cfg: Config, env: Any, seed: int, allow_double: bool = False) -> Any
     if cfg.agent.double_dqn and not allow_double:
         raise ValueError("SB3's DQN has no Double DQN (pass allow_double=True to run it as vanilla DQN)")
     kw = sb3_kwargs(cfg)
-    kw.pop("optimizer_kwargs")
     policy = "CnnPolicy" if cfg.agent.network == "nature_cnn" else "MlpPolicy"
     return DQN(policy, env, seed=seed, verbose=0, device="cpu", **kw)

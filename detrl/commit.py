@@ -6,6 +6,7 @@ so two machines that hold the same tensors produce the same hash whatever their 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Iterable, Mapping
@@ -19,25 +20,31 @@ NODE_TAG = b"detrl/node/v1"
 
 
 def _tensor_buffer(t: torch.Tensor) -> np.ndarray:
-    """The tensor's raw little-endian bytes as a flat uint8 array (a view when already on the CPU and
+    """The tensor's raw little-endian bytes as a C-contiguous array (a view when already on the CPU and
     contiguous: hashing a copy of a ResNet-50's state cost as much as the hash)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    if not t.is_contiguous():
+        t = t.contiguous()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: hash the raw 16-bit words
         t = t.view(torch.int16)
-    return t.numpy().reshape(-1).view(np.uint8)
+    return t.numpy()
+
+
+@functools.lru_cache(maxsize=4096)
+def _record_header(name: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
+    header = f"{name}\0{str(dtype).removeprefix('torch.')}\0{shape}\0".encode()
+    return struct.pack("<I", len(header)) + header + struct.pack("<Q", nbytes)
 
 
 def tensor_digest(name: str, t: torch.Tensor) -> bytes:
-    """SHA-256 of one named tensor's canonical record ``name, dtype, shape, raw bytes``."""
-    h = hashlib.sha256()
-    header = f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode()
-    h.update(struct.pack("<I", len(header)))
-    h.update(header)
+    """SHA-256 of one named tensor's canonical record ``name, dtype, shape, raw bytes``.
+
+    A DQN commits every environment step: the per-tensor fixed cost (header, views) mattered more than the
+    bytes, so headers are cached and the array is hashed through the buffer protocol without reshaping."""
     data = _tensor_buffer(t)
-    h.update(struct.pack("<Q", data.nbytes))
+    h = hashlib.sha256(_record_header(name, t.dtype, tuple(t.shape), data.nbytes))
     h.update(data)
     return h.digest()
 

@@ -409,3 +409,17 @@ def test_a_false_frozen_claim_is_caught_at_its_step(tmp_path, capsys):
         dqn.run(cfg, s)
     assert main(["audit", str(tmp_path / "run"), "--quiet"]) == 1
     assert "diverged at step 250" in capsys.readouterr().out
+
+
+def test_sb3_bridge_maps_every_hyperparameter_and_refuses_what_sb3_lacks():
+    from agents.sb3 import sb3_dqn, sb3_kwargs
+
+    cfg = config_mod.load(REPO / "configs" / "dqn" / "cartpole.yaml")
+    kw = sb3_kwargs(cfg)
+    a = cfg.agent
+    assert (kw["train_freq"], kw["batch_size"], kw["tau"], kw["target_update_interval"]) == (
+        a.train_frequency, a.batch_size, a.tau, a.target_update_period)  # fmt: skip
+    assert kw["policy_kwargs"]["net_arch"] == a.hidden
+    assert kw["learning_rate"](1.0) == a.learning_rate and kw["learning_rate"](0.0) == a.final_learning_rate
+    with pytest.raises(ValueError, match="Double DQN"):
+        sb3_dqn(cfg, gym.make("CartPole-v1"), seed=0)
