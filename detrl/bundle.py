@@ -26,7 +26,9 @@ from detrl import commit
 from detrl.roundlog import RoundLogError, RoundLogReader
 
 FORMAT = "detrl-bundle"
-VERSION = 1
+#: 2: state hashes are SHA-256 over per-tensor digests (v1 hashed the records flat); checkpoints carry
+#: attached parts (replay buffer, env) under `resume/`.
+VERSION = 2
 MANIFEST = "manifest.json"
 COMMITMENTS = "commitments.json"
 ROUNDLOG = "roundlog"

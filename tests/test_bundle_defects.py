@@ -199,7 +199,7 @@ def test_manifest_key_wrong_type(
     audit_bad(capsys, bundle, "manifest.json", key)
 
 
-@pytest.mark.parametrize("version", [99, 0, "1", None])
+@pytest.mark.parametrize("version", [99, 0, 1, "2", None])
 def test_manifest_unknown_version(bundle: Path, capsys: pytest.CaptureFixture[str], version: Any) -> None:
     m = read_manifest(bundle)
     m["version"] = version
