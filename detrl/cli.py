@@ -98,7 +98,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     if session.stop_requested:
         print(f"stopped early; continue with: detrl train --resume {out} --set train.steps=N")
-    print(f"audit it with: detrl audit {out} --hardware emulated:splitk")
+    if cfg.precision == "verifiable":
+        print(f"audit it with: detrl audit {out} --hardware emulated:splitk")
+    else:  # without a rounding log only the recorder's own arithmetic reproduces it
+        print(f"audit it with: detrl audit {out}  (other hardware needs precision: verifiable)")
     return 0
 
 
