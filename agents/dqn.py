@@ -236,8 +236,6 @@ def run(
     loss_value = q_mean = float("nan")
     t_start, steps_at_start = time.perf_counter(), start
     for step in range(start + 1, total + 1):
-        if step > total:
-            break
         learn = step > a.learning_starts and step % a.train_frequency == 0
         sync_target = step % a.target_update_period == 0
         with session.step(frozen=not (learn or sync_target)):  # acting-only steps leave the weights alone
@@ -299,7 +297,8 @@ def run(
 
         if bar is not None:
             bar.update(1)
-        if session.stop_requested and step < total:  # Ctrl-C in `detrl train`: end here, resumable
+        stopping = session.stop_requested and step < total  # Ctrl-C in `detrl train`: end here, resumable
+        if stopping:
             session.config.setdefault("train", {})["steps"] = total = step
         if step % cfg.train.log_every == 0 or step == total:
             sps = (step - steps_at_start) / max(1e-9, time.perf_counter() - t_start)
@@ -315,6 +314,8 @@ def run(
                     eps=f"{epsilon:.2f}",
                     loss=f"{loss_value:.3g}",
                 )
+        if stopping:
+            break
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t_start

@@ -81,7 +81,6 @@ def audit(run_dir: str | Path, hardware: str = "native", progress: bool = False)
             "the bundle's data fingerprint differs from the auditor's copy of the data", diverged_step=0,
         )  # fmt: skip
     options = task.session_options(cfg) if hasattr(task, "session_options") else {}
-    options.pop("calibration_steps", None)  # replay takes the recorder's from the bundle
     session = Session(run_dir, mode="replay", hardware=hardware, data_fingerprint=ours, **options)
     report = AuditReport(
         str(run_dir), hardware, "replicated", session.bundle.steps if session.bundle else 0, ""

@@ -89,6 +89,19 @@ def hash_tensors(
     return h.digest()
 
 
+def state_hash(
+    tensors: Mapping[str, torch.Tensor],
+    sources: bytes,
+    parts: Mapping[str, bytes],
+    cache: DigestCache | None = None,
+    reuse: bool = False,
+) -> bytes:
+    """A step's state commitment: the state tensors, the switchboard's canonical bytes (``sources``) and
+    each attached part's digest (``parts``: name -> digest, e.g. a replay buffer's hash chain)."""
+    extra = [("sources", sources), *((f"part/{name}", digest) for name, digest in parts.items())]
+    return hash_tensors(tensors, extra, cache, reuse)
+
+
 def optimizer_tensors(opt: torch.optim.Optimizer, param_names: Mapping[int, str]) -> dict[str, torch.Tensor]:
     """The optimizer's state tensors keyed ``opt.<param name>.<state key>`` (scalars as 0-d tensors)."""
     out: dict[str, torch.Tensor] = {}

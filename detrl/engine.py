@@ -465,9 +465,8 @@ class Session:
             self._checkpoint(step, tensors)
 
     def _state_hash(self, tensors: dict[str, torch.Tensor], reuse: bool = False) -> bytes:
-        extra = [("sources", self.sources.digest_bytes())]
-        extra += [(f"part/{name}", part.digest()) for name, part in self.parts.items()]
-        return commit.hash_tensors(tensors, extra, cache=self._digests, reuse=reuse)
+        parts = {name: part.digest() for name, part in self.parts.items()}
+        return commit.state_hash(tensors, self.sources.digest_bytes(), parts, self._digests, reuse)
 
     def _checkpoint(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         assert self.dir is not None
@@ -529,15 +528,13 @@ class Session:
                 raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: step beyond the run")
             tensors, meta = self.bundle.load_checkpoint(step)
             committed = {k: v for k, v in tensors.items() if not k.startswith(RESUME_PREFIX)}
-            extra = [("sources", state_bytes(meta.get("sources", {})))]
-            parts = meta.get("parts", {})
             try:
-                extra += [(f"part/{n}", bytes.fromhex(p["digest"])) for n, p in dict(parts).items()]
+                parts = {n: bytes.fromhex(p["digest"]) for n, p in dict(meta.get("parts", {})).items()}
             except (TypeError, ValueError, KeyError):
                 raise bundle_mod.BundleError(
                     f"{bundle_mod.checkpoint_name(step)}: bad part digests"
                 ) from None
-            got = commit.hash_tensors(committed, extra)
+            got = commit.state_hash(committed, state_bytes(meta.get("sources", {})), parts)
             if got != self.bundle.leaves[step][0]:
                 raise Divergence(
                     step, True, [], f"{bundle_mod.checkpoint_name(step)} differs from the commitment"
