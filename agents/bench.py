@@ -39,11 +39,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from detrl import config as config_mod
-from detrl.bench import machine_line
-from detrl.engine import Session
+from detrl import tasks
+from detrl.fmt import machine_line
 from detrl.sources import STREAMS, Sources
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,9 +66,7 @@ def _log(msg: str) -> None:
 
 
 def load(path_or_raw: Any, **sets: Any) -> Any:
-    raw = (
-        yaml.safe_load(Path(path_or_raw).read_text()) if isinstance(path_or_raw, (str, Path)) else path_or_raw
-    )
+    raw = config_mod.read_raw(path_or_raw) if isinstance(path_or_raw, (str, Path)) else path_or_raw
     return config_mod.validate(config_mod.apply_overrides(raw, [f"{k}={v}" for k, v in sets.items()]))
 
 
@@ -81,8 +78,7 @@ def run_detrl(
 
     torch.set_num_threads(1)
     src = sources if sources is not None else Sources.from_config(cfg.sources)
-    session = Session(run_dir, mode=mode, precision=cfg.precision, sources=src, hardware=cfg.hardware,
-                      checkpoint_every=0, config=cfg.model_dump(mode="json"), **dqn.session_options(cfg))  # fmt: skip
+    session = tasks.session_for(cfg, run_dir, mode, sources=src, checkpoint_every=0, force=True)
     with session:
         t0 = time.perf_counter()
         result = dqn.run(cfg, session)
@@ -173,7 +169,7 @@ def part_switches(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
-    base = yaml.safe_load((REPO / "configs/dqn/cartpole.yaml").read_text())
+    base = config_mod.read_raw("configs/dqn/cartpole.yaml")
     sets = {
         "train.steps": args.verifiable_steps,
         "agent.learning_starts": args.verifiable_steps // 4,
@@ -197,7 +193,7 @@ def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def part_learning(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = load(REPO / "configs/dqn/cartpole.yaml")
+    cfg = load("configs/dqn/cartpole.yaml")
     rows = []
     for seed in range(args.seeds):
         _log(f"learning: seed {seed}: detrl")
@@ -220,7 +216,7 @@ def part_learning(args: argparse.Namespace) -> dict[str, Any]:
 
 def _breakout_child(which: str, steps: int) -> None:
     """Runs in its own process: one Breakout run, then prints JSON with steps/s and peak RSS."""
-    cfg = load(REPO / "configs/dqn/breakout.yaml", **{"train.steps": steps, "agent.buffer_size": 100000,
+    cfg = load("configs/dqn/breakout.yaml", **{"train.steps": steps, "agent.buffer_size": 100000,
                "agent.learning_starts": 1000, "eval.episodes": 0, "threads": 1})  # fmt: skip
     if which == "detrl":
         sps = run_detrl(cfg)["steps_per_second"]
@@ -286,6 +282,11 @@ def main(argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
+
+
+#: ``detrl bench dqn``: registered with detrl through the ``detrl.benchmarks`` entry point in pyproject.toml
+#: (a ``(one-line description, callable(rest) -> exit code)`` pair, see :mod:`detrl.bench`).
+BENCHMARK = ("detrl's DQN against Stable-Baselines3: speed, switches, verifiable, learning, Breakout", main)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ hardware, and each step's commitment binds the transition and the replay buffer'
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -38,6 +39,7 @@ from agents.networks import QNetworks, build_q_network
 from detrl.config import RunBase, Strict, VerifyConfig
 from detrl.engine import Session
 from detrl.sources import Sources
+from detrl.tasks import Task
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -184,11 +186,18 @@ class EnvPart:
 
 # ---------------------------------------------------------------------------------------------- the loop
 def run(
-    cfg: Config, session: Session, progress: bool = False, writer: Any = None, wrap_env: Any = None
+    cfg: Config,
+    session: Session,
+    progress: bool = False,
+    writer: Any = None,
+    data: Path | None = None,
+    wrap_env: Any = None,
 ) -> dict[str, Any]:
-    """Train ``cfg.train.steps`` environment steps inside ``session`` (recording, replaying or off).
+    """Train ``cfg.train.steps`` environment steps inside ``session`` (recording, replaying or off). Stops
+    after a whole step once ``session.stop_requested`` is set (Ctrl-C, or the end of a replayed bundle).
 
-    ``wrap_env``: an optional callable applied to the training env (a test uses it to tamper with rewards).
+    ``data``: unused (DQN generates its data). ``wrap_env``: an optional callable applied to the training
+    env (a test uses it to tamper with rewards).
     Returns ``returns``/``lengths`` of finished training episodes, the final ``loss``, ``steps_per_second``
     and, unless replaying, ``eval_returns`` of the greedy evaluation.
     """
@@ -297,14 +306,15 @@ def run(
 
         if bar is not None:
             bar.update(1)
-        stopping = session.stop_requested and step < total  # Ctrl-C in `detrl train`: end here, resumable
-        if stopping:
-            session.config.setdefault("train", {})["steps"] = total = step
-        if step % cfg.train.log_every == 0 or step == total:
+        # Ctrl-C in `detrl train` (or the end of a replayed bundle): end after this step. The planned total
+        # stays as it was: the schedules depend on it, and a resume continues to it.
+        stopping = session.stop_requested and step < total
+        if step % cfg.train.log_every == 0 or step == total or stopping:
             sps = (step - steps_at_start) / max(1e-9, time.perf_counter() - t_start)
             if writer is not None:
-                writer.add_scalar("losses/td_loss", loss_value, step)
-                writer.add_scalar("losses/q_values", q_mean, step)
+                if step > a.learning_starts and not np.isnan(loss_value):  # no loss before learning starts
+                    writer.add_scalar("losses/td_loss", loss_value, step)
+                    writer.add_scalar("losses/q_values", q_mean, step)
                 writer.add_scalar("charts/epsilon", epsilon, step)
                 writer.add_scalar("charts/SPS", sps, step)
             if bar is not None:
@@ -324,7 +334,7 @@ def run(
         "lengths": episodes.lengths,
         "loss": loss_value,
         "steps": session.step_index,
-        "steps_per_second": (total - start) / max(seconds, 1e-9),
+        "steps_per_second": (session.step_index - start) / max(seconds, 1e-9),
     }
     if session.mode != "replay" and cfg.eval.episodes:
         result["eval_returns"] = evaluate(cfg, q, precision)
@@ -362,6 +372,28 @@ def evaluate(cfg: Config, q: torch.nn.Module, precision: Any) -> list[float]:
     return returns
 
 
-def fingerprint(cfg: Config) -> str | None:
+def fingerprint(cfg: Config, data: Path | None = None) -> str | None:
     """DQN generates its data: there is no dataset to fingerprint (the env id and options are in the config)."""
     return None
+
+
+#: The auditor's default bounds on a bundle's DQN config (``detrl audit --cap KEY=VALUE``): Breakout's
+#: full run fits; a hostile bundle cannot make the auditor allocate a giant buffer or network.
+CAPS = {
+    "agent.hidden": 4096, "agent.buffer_size": 1_000_000, "agent.batch_size": 4096,
+    "agent.gradient_steps": 64, "train.steps": 10_000_000, "env.screen_size": 256, "env.frame_stack": 16,
+    "env.frame_skip": 16, "env.max_episode_steps": 1_000_000, "eval.episodes": 1000, "threads": 256,
+}  # fmt: skip
+
+TASK = Task(
+    name="dqn",
+    config=Config,
+    run=run,
+    planned_steps=lambda cfg: cfg.train.steps,
+    fingerprint=fingerprint,
+    session_options=session_options,
+    # The epsilon and learning-rate schedules depend on train.steps: changing it would change steps
+    # already recorded, so a DQN bundle resumes only to its planned total.
+    resume_keys=frozenset({"train.log_every", "eval.episodes", "eval.seed", "eval.epsilon"}),
+    caps=CAPS,
+)

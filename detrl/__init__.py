@@ -3,13 +3,35 @@
 The core knows nothing of particular agents or models: :class:`Session` records or replays a training
 loop, :class:`Sources` is the switchboard of random streams, :class:`Precision` picks fp32, fp64 or
 verifiable (FP64 compute, FP32 rounding, sparse rounding log).
+
+The names below are imported on first use, so ``detrl --help`` (and a Ctrl-C during start-up) never waits
+for torch.
 """
 
-from detrl.bundle import BundleError
-from detrl.engine import Batch, Divergence, Session
-from detrl.precision import Precision
-from detrl.rounding import Thresholds
-from detrl.sources import STREAMS, Sources
+from __future__ import annotations
 
-__all__ = ["STREAMS", "Batch", "BundleError", "Divergence", "Precision", "Session", "Sources", "Thresholds"]
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "STREAMS": "detrl.sources",
+    "Sources": "detrl.sources",
+    "Batch": "detrl.engine",
+    "Divergence": "detrl.engine",
+    "Session": "detrl.engine",
+    "BundleError": "detrl.bundle",
+    "Precision": "detrl.precision",
+    "Thresholds": "detrl.rounding",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'detrl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,8 +1,30 @@
-"""Audit a run bundle: rebuild the run from its manifest, replay it on a hardware profile, give a verdict."""
+"""Audit a run bundle: rebuild the run from its manifest, replay it on a hardware profile, give a verdict.
+
+Verdicts and ``detrl audit`` exit codes:
+
+==============  ====  =================================================================================
+verdict         exit  meaning
+==============  ====  =================================================================================
+replicated      0     every durable commitment and checkpoint matched bit for bit, and the rounding log
+                      kept its own thresholds (a run stopped early with Ctrl-C replicates its steps)
+diverged        1     a commitment differs at step s: the report names the step, whether the data
+                      differed, and the decisive log anomaly (op, module, element) where there is one
+bad input       2     the bundle is malformed or asks for more than the auditor's caps: one line naming
+                      the file and the problem (also a script bundle, a missing ``--data``)
+incomplete      3     the recording stopped without finishing (killed, or still running): its durable
+                      prefix, steps 0..s of the planned N, was replayed and matched
+log incomplete  4     the replay matched, but the log omits near-midpoint elements within its own declared
+                      thresholds or carries entries this machine refuses: the bundle breaks its claim
+==============  ====  =================================================================================
+
+A diverged verdict outranks a log that is incomplete, which outranks an incomplete recording.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +32,17 @@ import torch
 
 from detrl import bundle as bundle_mod
 from detrl import config as config_mod
-from detrl.engine import Divergence, Session
+from detrl import tasks
+from detrl.bundle import BundleError
+from detrl.engine import Divergence
 from detrl.roundlog import dense_reference_bytes
+
+EXIT_CODES = {"replicated": 0, "diverged": 1, "bad input": 2, "incomplete": 3, "log incomplete": 4}
+#: Unlogged near-midpoint elements (seen within tau/2 here) and refused entries an honest log may show.
+#: An honest recorder logs every element within tau of a midpoint; the auditor counts those within tau/2
+#: of its own values, which differ from the recorder's by far less than tau/2 (tau is 16x the largest
+#: disagreement calibration measured). So an honest bundle shows none, and the tolerance is zero.
+LOG_TOLERANCE = 0
 
 
 @dataclasses.dataclass
@@ -32,19 +63,22 @@ class AuditReport:
 
     run_dir: str
     hardware: str
-    verdict: str  # "replicated" | "diverged"
-    steps: int
+    verdict: str  # a key of EXIT_CODES
+    steps: int  # durable steps replayed
     message: str
+    planned_steps: int | None = None
+    status: str = "complete"  # the recording's own status: recording | stopped | complete
     diverged_step: int | None = None
     precision: str = "verifiable"
     anomalies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     unlogged_near: int = 0
+    refused: int = 0
     corrected: int = 0
     per_step: list[StepSize] = dataclasses.field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.verdict == "replicated" else 1
+        return EXIT_CODES[self.verdict]
 
     def totals(self) -> dict[str, int]:
         return {
@@ -56,39 +90,109 @@ class AuditReport:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["exit_code"] = self.exit_code
         d["per_step"] = [{**dataclasses.asdict(s), "dense_bytes": s.dense_bytes} for s in self.per_step]
         d["totals"] = self.totals()
         return d
 
 
-def audit(run_dir: str | Path, hardware: str = "native", progress: bool = False) -> AuditReport:
-    """Replay ``run_dir`` on ``hardware``. Bad input raises BundleError/ConfigError; divergence is a verdict."""
+def check_caps(raw: Mapping[str, Any], caps: Mapping[str, float]) -> None:
+    """Refuse a bundle config whose values exceed the auditor's caps (before anything is built)."""
+    for key, cap in caps.items():
+        node: Any = raw
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        values = node if isinstance(node, list) else [node]
+        for v in values:
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > cap:
+                raise BundleError(
+                    f"{bundle_mod.MANIFEST}: config {key}={v} exceeds the auditor's cap {cap:g} "
+                    f"(raise it with --cap {key}=N)"
+                )
+
+
+def parse_caps(items: list[str]) -> dict[str, float]:
+    """``["model.channels=4096"]`` -> ``{"model.channels": 4096.0}`` (``--cap`` options)."""
+    out = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        try:
+            out[key.strip()] = float(text)
+        except ValueError:
+            sep = ""
+        if not sep or not key.strip():
+            raise config_mod.ConfigError(f"--cap expects KEY=NUMBER, got {item!r}")
+    return out
+
+
+def audit(
+    run_dir: str | Path,
+    hardware: str = "native",
+    progress: bool = False,
+    data: Path | None = None,
+    caps: Mapping[str, float] | None = None,
+    require_log: bool = True,
+) -> AuditReport:
+    """Replay ``run_dir`` on ``hardware`` and give a verdict. Bad input raises :class:`BundleError`.
+
+    ``data``: the auditor's copy of the training data where the task reads a file (a bundle never names a
+    path the auditor opens). ``caps``: overrides of the task's default caps on config values.
+    ``require_log=False`` leaves log compliance out of the verdict (the ``nolog`` benchmark measures
+    whether a run replicates with an emptied log).
+    """
     run_dir = Path(run_dir)
     probe = bundle_mod.Bundle(run_dir)  # validate everything before doing any work
+    m = probe.manifest
+    probe.close()
+    if m.task is None or m.config is None:
+        raise BundleError(
+            f"{bundle_mod.MANIFEST}: recorded by a script, not a task config: replay it by running the "
+            "same script with Session(..., mode='replay')"
+        )
     try:
-        cfg = config_mod.validate(probe.config)
-        task = config_mod.recipe(cfg.task)
-        claimed = probe.manifest.get("data_fingerprint")
-    except config_mod.ConfigError as e:
-        raise bundle_mod.BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
-    finally:
-        probe.close()
-    torch.set_num_threads(cfg.threads)
-    ours = task.fingerprint(cfg)
-    if claimed is not None and claimed != ours:
-        return AuditReport(
-            str(run_dir), hardware, "diverged", 0,
-            "the bundle's data fingerprint differs from the auditor's copy of the data", diverged_step=0,
-        )  # fmt: skip
-    options = task.session_options(cfg) if hasattr(task, "session_options") else {}
-    session = Session(run_dir, mode="replay", hardware=hardware, data_fingerprint=ours, **options)
+        task = tasks.get(m.task)
+        check_caps(m.config, {**task.caps, **(caps or {})})
+        cfg = config_mod.validate(m.config)
+    except (config_mod.ConfigError, tasks.UnknownTask) as e:
+        raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
+    if cfg.task != m.task:
+        raise BundleError(f"{bundle_mod.MANIFEST}: task {m.task!r} but a {cfg.task!r} config")
+    # The switchboard the manifest claims is the one its config gives (but for unseeded streams' OS-drawn
+    # seeds): edited seeds are bad input, not a divergence at step 0.
+    from detrl.sources import Sources
+
+    want, got = Sources.from_config(cfg.sources).state_dict(), m.sources.get("seeds")
+    if (
+        m.sources.get("seed") != want["seed"]
+        or not isinstance(got, dict)
+        or any(got.get(n) != s for n, s in want["seeds"].items() if n not in want["unseeded"])
+    ):
+        raise BundleError(f"{bundle_mod.MANIFEST}: sources: seeds other than those its config gives")
+    if getattr(getattr(cfg, "data", None), "name", None) == "text_file" and data is None:
+        raise BundleError(
+            f"{bundle_mod.MANIFEST}: the run trains on a corpus: give the auditor's copy with --data PATH "
+            "(a bundle never names a file the auditor opens)"
+        )
+    torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
     report = AuditReport(
-        str(run_dir), hardware, "replicated", session.bundle.steps if session.bundle else 0, ""
-    )
-    report.precision = session.precision.kind
+        str(run_dir), hardware, "replicated", probe.steps, "", planned_steps=m.planned_steps, status=m.status,
+        precision=m.precision,
+    )  # fmt: skip
+    ours = task.fingerprint(cfg, data)
+    if m.data_fingerprint is not None and m.data_fingerprint != ours:
+        report.verdict, report.diverged_step, report.steps = "diverged", 0, 0
+        report.message = "the bundle's data fingerprint differs from the auditor's copy of the data"
+        return report
+    if probe.steps == 0:
+        report.verdict = "incomplete" if m.status == "recording" else "replicated"
+        report.message = (
+            f"incomplete at step 0 of {m.planned_steps}: nothing after the initial state is durable"
+        )
+        return report
+    session = tasks.session_for(cfg, run_dir, "replay", hardware=hardware, fingerprint=ours)
     try:
         with session:
-            task.run(cfg, session, progress=progress)
+            task.run(cfg, session, progress=progress, data=data)
             session.verify_checkpoints()
     except Divergence as d:
         report.verdict = "diverged"
@@ -99,13 +203,41 @@ def audit(run_dir: str | Path, hardware: str = "native", progress: bool = False)
                 f"diverged at step {d.step}; a {session.precision.kind} run has no rounding log, so hardware "
                 "whose arithmetic differs from the recorder's diverges at the first step that computes"
             )
-        report.anomalies = [dataclasses.asdict(a) for a in d.anomalies]
+        decisive = d.decisive
+        ordered = ([decisive] if decisive else []) + [a for a in d.anomalies if a is not decisive]
+        report.anomalies = [{**dataclasses.asdict(a), "violation": a.violation} for a in ordered]
     reader = session.bundle.roundlog if session.bundle is not None else None
     for i, st in enumerate(session.step_stats, start=1):
-        log_bytes = reader.segment_bytes(i) if reader is not None else 0  # 0 for a step without a segment
+        log_bytes = reader.segment_bytes(i) if reader is not None else 0
         report.per_step.append(StepSize(i, st.rounded_elements, st.logged, log_bytes))
-    report.unlogged_near = session.totals.unlogged_near
-    report.corrected = session.totals.corrected
-    if report.verdict == "replicated":
-        report.message = f"replicated: all {report.steps} step commitments and checkpoints match bit for bit"
+    t = session.totals
+    report.unlogged_near, report.refused, report.corrected = t.unlogged_near, t.refused, t.corrected
+    if report.verdict == "diverged":
+        return report
+    violations = t.unlogged_near + t.refused
+    if require_log and session.precision.is_verifiable and violations > LOG_TOLERANCE:
+        step, a = session.first_violation  # type: ignore[misc]
+        where = f" in {a.module}" if a.module else ""
+        report.verdict = "log incomplete"
+        report.message = (
+            f"the commitments match, but the rounding log breaks its own thresholds: {t.unlogged_near} "
+            f"near-midpoint elements unlogged, {t.refused} entries refused; first at step {step}: "
+            f"{a.kind}, op #{a.op} aten.{a.name}{where}, element {a.index}"
+        )
+        report.anomalies = [{**dataclasses.asdict(a), "violation": True, "step": step}]
+        return report
+    n = report.steps
+    if m.status == "recording":
+        report.verdict = "incomplete"
+        report.message = (
+            f"incomplete at step {n} of {m.planned_steps}: the recording did not finish; its {n} durable "
+            "steps replicated bit for bit"
+        )
+    elif m.status == "stopped":
+        report.message = (
+            f"replicated: all {n} recorded steps match bit for bit (stopped at step {n} of the planned "
+            f"{m.planned_steps}; continue it with detrl train --resume)"
+        )
+    else:
+        report.message = f"replicated: all {n} step commitments and checkpoints match bit for bit"
     return report

@@ -1,4 +1,4 @@
-"""Benchmarks behind BENCHMARKS.md: ``detrl bench overhead | roundlog | nolog [options]``.
+"""Benchmarks behind BENCHMARKS.md: ``detrl bench overhead | roundlog | nolog | dqn [options]``.
 
 Every benchmark prints a header line naming the machine and a small table to stdout; progress goes to
 stderr. Ratios are always measured side by side in one run (variants interleaved, repeated, medians),
@@ -13,19 +13,29 @@ because a shared CPU is noisy.
     ResNet-50 step written by the paper's code.
 ``dqn``
     detrl's DQN against Stable-Baselines3 (speed, learning, cost of the switches and of verifiable mode,
-    Breakout speed and memory); see :mod:`agents.bench`.
+    Breakout speed and memory); contributed by :mod:`agents.bench` through the entry point below.
 ``nolog``
     Replays a recorded verifiable run on every emulated profile with its log and with the log emptied,
     to show how soon FP64 + rounding *without* the log diverges; plain FP32 as a control.
+
+The registry :data:`BENCHMARKS` maps a name to ``(one-line description, callable(rest) -> exit code)``.
+detrl's own benchmarks register with ``@benchmark(name, description)``; other packages contribute theirs
+through the entry-point group ``detrl.benchmarks``, whose every entry point names a module attribute that
+is such a ``(description, callable)`` pair, e.g. in ``pyproject.toml``::
+
+    [project.entry-points."detrl.benchmarks"]
+    dqn = "agents.bench:BENCHMARK"
+
+They are imported only when needed (an unknown name, ``detrl bench --help``), so detrl never imports
+``agents`` by name and running one of detrl's own benchmarks imports no plugin. A name registered twice
+is refused.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -33,12 +43,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from detrl.cli import format_bytes
+from detrl.fmt import format_bytes, machine_line
 
 #: The paper's code writes this much rounding log per ResNet-50 step at batch 8 (from the issue).
 PAPER_LOG_BYTES_PER_STEP = 26.2e6
@@ -75,24 +86,31 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# --------------------------------------------------------------------------------------------- registry
+#: A benchmark: takes its command-line options, returns the exit code.
+BenchFn = Callable[[list[str]], int]
+#: Entry-point group through which other packages contribute benchmarks (see the module docstring).
+ENTRY_POINT_GROUP = "detrl.benchmarks"
+#: Benchmark name -> (one-line description, callable). detrl's own are registered with :func:`benchmark`
+#: at import; the entry points' are added on first use by :func:`benchmarks` or :func:`main`.
+BENCHMARKS: dict[str, tuple[str, BenchFn]] = {}
+
+
+def benchmark(name: str, description: str) -> Callable[[BenchFn], BenchFn]:
+    """Decorator: register ``fn(rest) -> exit code`` as benchmark ``name``; a name taken twice is refused."""
+
+    def register(fn: BenchFn) -> BenchFn:
+        if name in BENCHMARKS:
+            raise ValueError(f"benchmark {name!r} is registered twice")
+        BENCHMARKS[name] = (description, fn)
+        return fn
+
+    return register
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 def _log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def machine_line(threads: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"machine: {cpu} | {os.cpu_count()} cores | torch {torch.__version__} | "
-        f"{threads} thread{'s' if threads != 1 else ''} | python {platform.python_version()}"
-    )
 
 
 def make_config(model: str, precision: str, steps: int, threads: int = 1, **train: Any) -> Any:
@@ -152,9 +170,8 @@ VARIANTS: dict[str, tuple[str, str]] = {
 
 def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``warmup + steps`` training steps of one variant in this (fresh) process; time and measure it."""
-    from detrl.engine import Session
+    from detrl import tasks
     from detrl.rounding import Thresholds
-    from detrl.sources import Sources
     from detrl.supervised import train
 
     torch.set_num_threads(spec["threads"])
@@ -165,10 +182,7 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     thresholds: Any = "calibrate" if spec["tau"] is None else Thresholds(default=spec["tau"])
     tmp = tempfile.mkdtemp(prefix="detrl-bench-") if mode == "record" else None
     baseline_kb = _status_kb("VmRSS")  # torch imported, data loaded, no model yet
-    session = Session(
-        tmp, mode=mode, precision=precision, sources=Sources.from_config(cfg.sources),
-        checkpoint_every=0, thresholds=thresholds,
-    )  # fmt: skip
+    session = tasks.session_for(cfg, tmp, mode, checkpoint_every=0, thresholds=thresholds, force=True)
     times: list[float] = []
     reset_ok, first_peak_kb = False, 0
     try:
@@ -176,7 +190,7 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
             model = session.init(train.model_builder(cfg, x))
             opt = session.track(train.make_optimizer(cfg, model))
             model.train()
-            batches = session.loader((x, y), batch_size=cfg.train.batch_size, steps=warmup + steps)
+            batches = iter(session.loader((x, y), batch_size=cfg.train.batch_size, steps=warmup + steps))
             for i in range(warmup + steps):
                 if i == warmup:
                     first_peak_kb = _status_kb("VmHWM")
@@ -223,6 +237,7 @@ def _spawn_worker(spec: dict[str, Any]) -> dict[str, Any]:
     raise RuntimeError(f"benchmark worker failed ({spec}): {proc.stderr.strip().splitlines()[-1:]}")
 
 
+@benchmark("overhead", "step time and peak memory of verifiable precision against plain FP64 and FP32")
 def bench_overhead(rest: list[str]) -> int:
     p = argparse.ArgumentParser(prog="detrl bench overhead", description=bench_overhead.__doc__)
     p.add_argument("--models", default="digits_cnn,resnet50", help="comma list of " + ",".join(MODEL_CONFIGS))
@@ -306,20 +321,15 @@ def bench_overhead(rest: list[str]) -> int:
 
 # --------------------------------------------------------------------------------------------- roundlog
 def _record(cfg: Any, run_dir: Path) -> Any:
-    from detrl.engine import Session
-    from detrl.sources import Sources
-    from detrl.supervised import train
+    from detrl import tasks
 
-    session = Session(
-        run_dir, mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
-        hardware=cfg.hardware, checkpoint_every=cfg.verify.checkpoint_every, margin=cfg.verify.margin,
-        config=cfg.model_dump(mode="json"), data_fingerprint=train.fingerprint(cfg),
-    )  # fmt: skip
+    session = tasks.session_for(cfg, run_dir, "record", force=True)
     with session:
-        train.run(cfg, session)
+        tasks.get(cfg.task).run(cfg, session)
     return session
 
 
+@benchmark("roundlog", "rounding-log bytes per step against the dense encoding and the paper's 26.2 MB")
 def bench_roundlog(rest: list[str]) -> int:
     from detrl.roundlog import dense_reference_bytes
 
@@ -380,19 +390,16 @@ def bench_roundlog(rest: list[str]) -> int:
 
 # ------------------------------------------------------------------------------------------------ nolog
 def strip_log(src: Path, dst: Path) -> None:
-    """Copy bundle ``src`` to ``dst`` with every step of its rounding log emptied, re-hashed so it validates."""
+    """Copy bundle ``src`` to ``dst`` with every step of its rounding log emptied, resealed so it validates."""
     from detrl import bundle as bundle_mod
     from detrl.roundlog import rewrite
 
     shutil.copytree(src, dst)
     rewrite(src / bundle_mod.ROUNDLOG, dst / bundle_mod.ROUNDLOG, lambda step, ops: {})
-    manifest_path = dst / bundle_mod.MANIFEST
-    manifest = json.loads(manifest_path.read_text())
-    for rel in manifest["files"]:
-        manifest["files"][rel] = hashlib.sha256((dst / rel).read_bytes()).hexdigest()
-    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    bundle_mod.reseal(dst)
 
 
+@benchmark("nolog", "replay a verifiable run on each emulated profile with its log and with it emptied")
 def bench_nolog(rest: list[str]) -> int:
     from detrl.audit import audit
 
@@ -430,7 +437,7 @@ def bench_nolog(rest: list[str]) -> int:
         for prof in profiles:
             for label, run_dir in variants:
                 t0 = time.perf_counter()
-                r = audit(run_dir, prof)
+                r = audit(run_dir, prof, require_log=False)  # measures replication, not compliance
                 _log(f"{prof} {label}: {r.verdict} ({time.perf_counter() - t0:.0f} s)")
                 first = str(r.diverged_step) if r.diverged_step is not None else f"none in {args.steps} steps"
                 rows.append([prof, label, r.verdict, first, str(r.corrected), str(r.unlogged_near)])
@@ -445,17 +452,52 @@ def bench_nolog(rest: list[str]) -> int:
     return 0
 
 
-BENCHMARKS: dict[str, Callable[[list[str]], int]] = {
-    "overhead": bench_overhead,
-    "roundlog": bench_roundlog,
-    "nolog": bench_nolog,
-    # Lives with the agent (layers point one way: detrl never imports agents at module level).
-    "dqn": lambda rest: __import__("agents.bench", fromlist=["main"]).main(rest),
-}
+# ------------------------------------------------------------------------------- contributed benchmarks
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    """Register the benchmarks of the ``detrl.benchmarks`` entry-point group (imported once, on demand)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            value = ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken plugin is one line, not a traceback
+            raise ValueError(
+                f"benchmark {ep.name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}"
+            ) from e
+        if not (
+            isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) and callable(value[1])
+        ):
+            raise ValueError(
+                f"benchmark {ep.name!r} ({ep.value}): an entry point of {ENTRY_POINT_GROUP} must name a "
+                "(description, callable) pair"
+            )
+        if ep.name in BENCHMARKS:
+            raise ValueError(f"benchmark {ep.name!r} ({ep.value}) is registered twice")
+        benchmark(ep.name, value[0])(value[1])
+
+
+def benchmarks() -> dict[str, tuple[str, BenchFn]]:
+    """Every benchmark, name -> (description, callable): detrl's own, then the entry points' (sorted)."""
+    _load_entry_points()
+    return dict(BENCHMARKS)
+
+
+def describe() -> str:
+    """One line per benchmark, ``name  description``, for ``detrl bench --help``."""
+    known = benchmarks()
+    width = max(len(n) for n in known)
+    return "\n".join(f"  {name:<{width}}  {desc}" for name, (desc, _) in known.items())
 
 
 def main(name: str, rest: list[str]) -> int:
     """Run benchmark ``name`` with command-line options ``rest``; returns the exit code."""
+    if name not in BENCHMARKS:  # detrl's own run without importing any plugin
+        _load_entry_points()
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
-    return BENCHMARKS[name](list(rest))
+    return BENCHMARKS[name][1](list(rest))

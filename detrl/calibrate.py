@@ -31,6 +31,8 @@ TAU_FLOOR = 2.0**-22
 #: ulps at the output's scale: an FMA-contracted epilogue differs by an ulp or two of terms at that scale.
 TAU_FLOOR_MEASURED = 2.0**-26
 TAU_CAP = 2.0**-4
+#: Seed of the random accumulation orders calibration measures (emulated:atomic), reseeded every step.
+CALIBRATION_SEED = 0x5EED_CA1B
 PROFILES = ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic")
 
 
@@ -42,8 +44,24 @@ class Calibrator:
     ) -> None:
         self.thresholds = thresholds
         self.margin = margin
-        self.profiles = [get_profile(p) for p in profiles]
+        # Seeded: the thresholds (and so the log's bytes) must be the same in every recording of a config.
+        self.profiles = [get_profile(p, seed=CALIBRATION_SEED) for p in profiles]
         self.worst: dict[str, float] = {}
+
+    def begin_step(self, step: int) -> None:
+        """Reseed the random-order profiles for ``step``: a resumed recording calibrates as an uninterrupted
+        one does."""
+        for prof in self.profiles:
+            reseed = getattr(prof, "reseed", None)
+            if reseed is not None:
+                reseed(CALIBRATION_SEED + step)
+
+    def state(self) -> dict[str, float]:
+        """The largest disagreement measured so far per op (checkpointed inside calibration)."""
+        return dict(sorted(self.worst.items()))
+
+    def load_state(self, worst: dict[str, float]) -> None:
+        self.worst = {str(k): float(v) for k, v in worst.items()}
 
     def __call__(
         self, func: Any, before: tuple, kwargs: dict, produced: list[torch.Tensor], kind: OpKind

@@ -1,7 +1,10 @@
 """``detrl train | audit | profiles | bench``.
 
-Exit codes: 0 success (audit: replicated), 1 audit diverged, 2 bad input (config, bundle, arguments).
-Every error a user can cause is one line on stderr, never a traceback (set DETRL_DEBUG=1 to see one).
+Exit codes: 0 success (audit: replicated), 1 diverged, 2 bad input (config, bundle, arguments, a bundle
+another process writes), 3 incomplete recording, 4 log incomplete, 130 interrupted (Ctrl-C). Every error a
+user can cause is one line on stderr, never a traceback (set DETRL_DEBUG=1 to see one); 70 is left for a
+bug in detrl itself. The module imports only the standard library, so even a Ctrl-C during start-up is one
+line.
 """
 
 from __future__ import annotations
@@ -9,58 +12,93 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import torch
+from detrl.fmt import format_bytes
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+EXIT_INTERNAL = 70
+AUDIT_EPILOG = """exit codes (verdicts):
+  0  replicated      every durable commitment matched and the rounding log kept its thresholds
+  1  diverged        a commitment differs: the step, whether the data differed, the decisive anomaly
+  2  bad input       a malformed bundle, one beyond the auditor's caps, a script bundle, missing --data
+  3  incomplete      the recording did not finish (killed or still running): its durable prefix matched
+  4  log incomplete  the log omits near-midpoint elements within its own thresholds, or has refused entries
+"""
 
 
-def format_bytes(n: float) -> str:
-    """``1234567`` -> ``'1.2 MB'`` (decimal units)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
+def _resume_config(run_dir: Path, overrides: list[str]) -> Any:
+    """The config a ``--resume`` continues: the bundle's own, with only the ``--set`` keys its task allows."""
+    from detrl import bundle as bundle_mod
+    from detrl import config as config_mod
+    from detrl import tasks
+
+    probe = bundle_mod.Bundle(run_dir)
+    m, done = probe.manifest, probe.steps
+    probe.close()
+    if m.task is None or m.config is None:
+        raise config_mod.ConfigError(
+            f"{run_dir}: recorded by a script: resume it by running the script with Session(..., resume=True)"
+        )
+    cfg = config_mod.validate(config_mod.apply_overrides(m.config, overrides))
+    task = tasks.get(cfg.task)
+    changed = sorted(
+        k for k in _changed_keys(m.config, cfg.model_dump(mode="json")) if k not in task.resume_keys
+    )
+    if changed:
+        allowed = ", ".join(sorted(task.resume_keys)) or "none"
+        raise config_mod.ConfigError(
+            f"--resume: --set {changed[0]} would change steps already recorded; a {cfg.task} run may change "
+            f"only: {allowed}"
+        )
+    planned = task.planned_steps(cfg)
+    if planned < done:
+        raise config_mod.ConfigError(f"--resume: the bundle already holds {done} steps, more than {planned}")
+    if m.status == "complete" and planned == done:
+        raise config_mod.ConfigError(
+            f"{run_dir}: complete: all {done} planned steps are recorded; nothing to resume"
+        )
+    return cfg
+
+
+def _changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = set(old) | set(new)
+        return [
+            k for key in sorted(keys) for k in _changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")
+        ]
+    return [] if old == new else [prefix[:-1]]
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     import signal
 
-    from detrl import bundle as bundle_mod
+    import torch
+
     from detrl import config as config_mod
-    from detrl.engine import Session
-    from detrl.sources import Sources
+    from detrl import tasks
 
     if args.resume:
+        for given, what in ((args.out, "--out"), (args.config, "a CONFIG file"), (args.force, "--force")):
+            if given:
+                raise config_mod.ConfigError(
+                    f"--resume continues RUN_DIR in place with its own config: {what} is not allowed with it"
+                )
         out = Path(args.resume)
-        if args.config:
-            cfg = config_mod.load(args.config, args.set)
-        else:  # the bundle's own config, with --set overrides (e.g. more train.steps)
-            probe = bundle_mod.Bundle(out)
-            probe.close()
-            cfg = config_mod.validate(config_mod.apply_overrides(probe.config, args.set))
+        cfg = _resume_config(out, args.set)
     elif args.config:
         cfg = config_mod.load(args.config, args.set)
         out = Path(args.out or f"runs/{cfg.name}")
     else:
         raise config_mod.ConfigError("train needs a CONFIG file or --resume RUN_DIR")
-    task = config_mod.recipe(cfg.task)
+    task = tasks.get(cfg.task)
     torch.set_num_threads(cfg.threads)
-    writer = None
-    if not args.no_tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(out / "tb"))
-        writer.add_text("config", "```yaml\n" + json.dumps(cfg.model_dump(), indent=1) + "\n```")
-    options = task.session_options(cfg) if hasattr(task, "session_options") else {}
-    session = Session(
-        out, mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
-        hardware=cfg.hardware, checkpoint_every=cfg.verify.checkpoint_every, margin=cfg.verify.margin,
-        config=cfg.model_dump(mode="json"), data_fingerprint=task.fingerprint(cfg),
-        resume=bool(args.resume), **options,
-    )  # fmt: skip
+    session = tasks.session_for(cfg, out, "record", resume=bool(args.resume), force=args.force)
 
     def request_stop(signum: int, frame: object) -> None:  # Ctrl-C: finish the step, then a resumable bundle
         if session.stop_requested:
@@ -68,20 +106,27 @@ def cmd_train(args: argparse.Namespace) -> int:
         session.stop_requested = True
         print("\ndetrl: stopping after this step (Ctrl-C again to abort)", file=sys.stderr)
 
+    writer = None
     previous = signal.signal(signal.SIGINT, request_stop)
     t0 = time.perf_counter()
     try:
-        with session:
+        with session:  # refuses an existing bundle (without --force) or a bundle another process writes
+            if not args.no_tensorboard:  # only once the bundle is ours: a refused start leaves nothing behind
+                from torch.utils.tensorboard import SummaryWriter
+
+                if args.force:
+                    shutil.rmtree(out / "tb", ignore_errors=True)
+                writer = SummaryWriter(str(out / "tb"))
+                writer.add_text("config", "```yaml\n" + json.dumps(cfg.model_dump(), indent=1) + "\n```")
             metrics = task.run(cfg, session, progress=not args.quiet, writer=writer)
     finally:
         signal.signal(signal.SIGINT, previous)
+        if writer is not None:
+            writer.close()
     seconds = time.perf_counter() - t0
-    if writer is not None:
-        writer.close()
     t = session.totals
-    print(
-        f"trained {cfg.name}: {session.step_index} steps in {seconds:.1f} s, final loss {metrics['loss']:.4f}"
-    )
+    loss = metrics.get("loss", float("nan"))
+    print(f"trained {cfg.name}: {session.step_index} steps in {seconds:.1f} s, final loss {loss:.4f}")
     if "eval_returns" in metrics:
         r = metrics["eval_returns"]
         print(f"greedy evaluation: mean return {sum(r) / max(1, len(r)):.1f} over {len(r)} episodes")
@@ -96,8 +141,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"({format_bytes(log_bytes / max(1, session.step_index))}/step); dense reference encoding "
             f"{format_bytes(dense)} ({dense / max(1, log_bytes):.0f}x larger)"
         )
-    if session.stop_requested:
-        print(f"stopped early; continue with: detrl train --resume {out} --set train.steps=N")
+    planned = task.planned_steps(cfg)
+    if session.step_index < planned:
+        print(f"stopped at step {session.step_index} of {planned}; continue with: detrl train --resume {out}")
     if cfg.precision == "verifiable":
         print(f"audit it with: detrl audit {out} --hardware emulated:splitk")
     else:  # without a rounding log only the recorder's own arithmetic reproduces it
@@ -106,18 +152,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from detrl.audit import audit
+    from detrl.audit import audit, parse_caps
+    from detrl.bundle import BundleError
 
-    report = audit(args.run_dir, hardware=args.hardware, progress=not args.quiet)
+    try:
+        report = audit(
+            args.run_dir, hardware=args.hardware, progress=not args.quiet,
+            data=Path(args.data) if args.data else None, caps=parse_caps(args.cap),
+        )  # fmt: skip
+    except BundleError as e:
+        if args.json:
+            msg = str(e).splitlines()[0] if str(e) else "bad input"
+            Path(args.json).write_text(json.dumps({"verdict": "bad input", "exit_code": 2, "message": msg}))
+        raise
     tot = report.totals()
     print(f"{report.verdict.upper()} on {report.hardware}: {report.message}")
-    if report.precision == "verifiable" and (report.verdict == "replicated" or report.per_step):
+    if report.precision == "verifiable" and report.per_step:
         ratio = tot["dense_reference_bytes"] / max(1, tot["log_bytes"])
         print(
             f"rounding log: {tot['logged_elements']} elements, {format_bytes(tot['log_bytes'])} over "
             f"{len(report.per_step)} steps; dense reference {format_bytes(tot['dense_reference_bytes'])} "
             f"({ratio:.0f}x larger); replayer saw {report.unlogged_near} unlogged near-midpoint elements, "
-            f"{report.corrected} logged elements rounded against its own nearest"
+            f"refused {report.refused} entries, and rounded {report.corrected} logged elements against its "
+            "own nearest"
         )
     if args.stats:
         print(f"{'step':>6} {'rounded':>12} {'logged':>9} {'log bytes':>10} {'dense bytes':>12}")
@@ -131,8 +188,12 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_profiles(args: argparse.Namespace) -> int:
     from detrl.hardware import get_profile, profile_names
 
-    for name in profile_names():
-        print(f"{name:<20} {get_profile(name).description}")
+    names = profile_names()  # has cuda only where a CUDA device exists
+    for name in names:
+        note = " (available here)" if name == "cuda" else ""
+        print(f"{name:<20} {get_profile(name).description}{note}")
+    if "cuda" not in names:
+        print(f"{'cuda':<20} a real GPU (not available here)")
     return 0
 
 
@@ -142,57 +203,95 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args.name, args.rest)
 
 
+class _BenchHelp(argparse.Action):
+    """``detrl bench --help``: the usage, then every benchmark with its description (plugins load only here)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from detrl import bench
+
+        try:
+            listing = bench.describe()
+        except ValueError as e:  # a contributed benchmark that does not load
+            parser.error(str(e))
+        parser.epilog = (
+            f"benchmarks:\n{listing}\n\n"
+            "`detrl bench NAME --help` shows that benchmark's options; BENCHMARKS.md has results."
+        )
+        parser.print_help()
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from detrl import __version__
+
     p = argparse.ArgumentParser(prog="detrl", description="deterministic and verifiable training")
+    p.add_argument("--version", action="version", version=f"detrl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a config (records a bundle)")
-    t.add_argument("config", nargs="?", help="YAML config (optional with --resume: the bundle's own)")
+    t.add_argument(
+        "config", nargs="?", help="YAML config (a path, or a packaged name like configs/dqn/tiny.yaml)"
+    )
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    t.add_argument("--out", help="bundle directory (default runs/NAME)")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue a bundle from its last checkpoint")
+    t.add_argument("--out", help="bundle directory (default runs/NAME); an existing bundle is refused")
+    t.add_argument("--force", action="store_true", help="replace a bundle already at --out")
+    t.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last checkpoint to its planned steps"
+    )
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--no-tensorboard", action="store_true")
     t.set_defaults(func=cmd_train)
-    a = sub.add_parser("audit", help="replay a bundle; exit 0 replicated, 1 diverged, 2 bad input")
+    a = sub.add_parser(
+        "audit", help="replay a bundle and give a verdict (exit codes below)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=AUDIT_EPILOG,
+    )  # fmt: skip
     a.add_argument("run_dir")
     a.add_argument("--hardware", default="native", help="profile to replay on (see `detrl profiles`)")
-    a.add_argument("--json", metavar="REPORT", help="write the report as JSON")
+    a.add_argument("--data", metavar="PATH", help="the auditor's copy of a corpus the run trains on")
+    a.add_argument(
+        "--cap", action="append", default=[], metavar="KEY=N",
+        help="raise a cap on a config value read from the bundle (e.g. model.channels=4096)",
+    )  # fmt: skip
+    a.add_argument("--json", metavar="REPORT", help="write the report as JSON (every anomaly with its kind)")
     a.add_argument("--stats", action="store_true", help="per-step log size against the dense encoding")
     a.add_argument("--quiet", action="store_true")
     a.set_defaults(func=cmd_audit)
     sub.add_parser("profiles", help="list hardware profiles").set_defaults(func=cmd_profiles)
-    b = sub.add_parser("bench", help="run a benchmark from BENCHMARKS.md")
-    b.add_argument("name")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b = sub.add_parser(
+        "bench", help="run a benchmark from BENCHMARKS.md (list: detrl bench --help)", add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter, description="Run a benchmark from BENCHMARKS.md.",
+    )  # fmt: skip
+    b.add_argument("-h", "--help", action=_BenchHelp, help="list the benchmarks and exit")
+    b.add_argument("name", metavar="NAME", help="the benchmark to run (listed below)")
+    b.add_argument(
+        "rest", nargs=argparse.REMAINDER, metavar="OPTIONS", help="its options (see detrl bench NAME --help)"
+    )
     b.set_defaults(func=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from detrl.bundle import BundleError
-    from detrl.config import ConfigError
-    from detrl.roundlog import RoundLogError
-
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
-    except (ConfigError, BundleError, RoundLogError, FileNotFoundError, ValueError) as e:
-        if os.environ.get("DETRL_DEBUG"):
-            raise
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"detrl: error: {msg}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("detrl: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - the user sees one line; DETRL_DEBUG shows the traceback
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - the user sees one line; DETRL_DEBUG=1 shows the traceback
         if os.environ.get("DETRL_DEBUG"):
             raise
-        print(
-            f"detrl: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            file=sys.stderr,
-        )
-        return 3
+        from detrl.bundle import BundleError
+        from detrl.config import ConfigError
+        from detrl.roundlog import RoundLogError
+
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, (ConfigError, BundleError, RoundLogError, OSError, ValueError)):
+            print(f"detrl: error: {msg}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(f"detrl: internal error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -6,13 +6,13 @@ Every user mistake (unknown key, wrong type, missing file) becomes one :class:`C
 from __future__ import annotations
 
 import copy
-import importlib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from detrl import tasks
 from detrl.hardware import get_profile
 from detrl.sources import Sources
 
@@ -96,19 +96,6 @@ class RunConfig(RunBase):
     train: TrainConfig = Field(default_factory=TrainConfig)
 
 
-#: Task name -> module with ``Config`` (its pydantic schema), ``run(cfg, session, progress, writer)`` and
-#: ``fingerprint(cfg)``. Imported lazily by name, so detrl never imports agents or envs at module level
-#: (layers point one way) and a bundle's config is validated by the task's own schema.
-TASKS = {"supervised": "detrl.supervised.train", "dqn": "agents.dqn"}
-
-
-def recipe(task: str) -> Any:
-    """The module implementing ``task``."""
-    if task not in TASKS:
-        raise ConfigError(f"config error: task: unknown task {task!r}; known: {', '.join(TASKS)}")
-    return importlib.import_module(TASKS[task])
-
-
 def _set_path(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = cfg
@@ -139,7 +126,10 @@ def validate(raw: dict[str, Any]) -> RunBase:
     if not isinstance(raw, dict):
         raise ConfigError("config must be a mapping")
     task = raw.get("task", "supervised")
-    schema = recipe(task if isinstance(task, str) else repr(task)).Config
+    try:
+        schema = tasks.get(task if isinstance(task, str) else repr(task)[:40]).config
+    except tasks.UnknownTask as e:
+        raise ConfigError(str(e)) from None
     try:
         return schema.model_validate(raw)
     except ValidationError as e:
@@ -147,17 +137,95 @@ def validate(raw: dict[str, Any]) -> RunBase:
         where = ".".join(str(p) for p in err["loc"]) or "config"
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + _did_you_mean(schema, err["loc"])
         raise ConfigError(f"config error: {where}: {msg}") from None
 
 
-def load(path: str | Path, overrides: list[str] | None = None) -> RunBase:
-    """Read, override and validate a YAML run config."""
-    p = Path(path)
+def _did_you_mean(schema: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """``' (did you mean optimizer.lr?)'`` for the unknown key at ``loc``, or ``''`` if nothing is close."""
+    import difflib
+    from typing import get_args
+
+    def submodel(annotation: Any) -> type[BaseModel] | None:  # the model in X, X | None, list[X], ...
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return annotation
+        for arg in get_args(annotation):
+            if (found := submodel(arg)) is not None:
+                return found
+        return None
+
+    model: type[BaseModel] | None = schema
+    for key in loc[:-1]:
+        if isinstance(key, int):  # an index into a list of models: same model
+            continue
+        field = model.model_fields.get(str(key)) if model is not None else None
+        model = submodel(field.annotation) if field is not None else None
+        if model is None:
+            return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    if not close:
+        return ""
+    return " (did you mean " + ".".join([*(str(k) for k in loc[:-1]), close[0]]) + "?)"
+
+
+def _configs_dir() -> Any:
+    """The ``configs`` folder inside the installed package (an importlib.resources Traversable)."""
+    from importlib.resources import files
+
+    return files("detrl") / "configs"
+
+
+def packaged_configs() -> list[str]:
+    """Names of the configs shipped in the package, e.g. ``dqn/tiny.yaml`` (sorted)."""
+    root = _configs_dir()
+    if not root.is_dir():
+        return []
+    return sorted(
+        f"{group.name}/{f.name}"
+        for group in root.iterdir()
+        if group.is_dir()
+        for f in group.iterdir()
+        if f.name.endswith(".yaml") and f.is_file()
+    )
+
+
+def _packaged_config(path: Path) -> Any:
+    """The packaged config that relative ``configs/X/Y.yaml`` or ``X/Y.yaml`` names, or None."""
+    parts = path.parts
+    if path.is_absolute() or not parts or ".." in parts:
+        return None
+    if parts[0] == "configs":
+        parts = parts[1:]
+    if not parts:
+        return None
+    candidate = _configs_dir()
+    for part in parts:  # one level at a time: Python 3.10's Traversable joins one name
+        candidate = candidate / part
+    return candidate if candidate.is_file() else None
+
+
+def read_raw(path: str | Path) -> dict[str, Any]:
+    """The raw (unvalidated) mapping of a YAML config file.
+
+    A relative path that does not exist, of the form ``configs/dqn/tiny.yaml`` or ``dqn/tiny.yaml``, is
+    read from the configs shipped inside the package (``detrl/configs``), so they work from any directory.
+    """
+    p: Any = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        packaged = _packaged_config(p)
+        if packaged is None:
+            names = ", ".join(packaged_configs()) or "none"
+            raise ConfigError(f"config file not found: {path} (packaged, as configs/NAME or NAME: {names})")
+        p = packaged
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    return validate(apply_overrides(raw, overrides or []))
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path}: must be a mapping of keys to values")
+    return raw
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> RunBase:
+    """Read (see :func:`read_raw`), override and validate a YAML run config."""
+    return validate(apply_overrides(read_raw(path), overrides or []))

@@ -13,7 +13,10 @@
 
 The same script with ``mode="replay"`` re-executes the run on another hardware profile, applies the
 rounding log, and compares every commitment; the first mismatch raises :class:`Divergence`, which names the
-step, whether the batch differed, and the rounding anomalies seen in that step (op, module, element).
+step, whether the batch differed, and the decisive rounding anomaly (op, module, element).
+
+The Session drives; :mod:`detrl.bundle` owns the files (:class:`~detrl.bundle.BundleWriter` while
+recording, :class:`~detrl.bundle.Bundle` when replaying or resuming).
 """
 
 from __future__ import annotations
@@ -31,23 +34,16 @@ from torch.utils.module_tracker import ModuleTracker
 
 from detrl import bundle as bundle_mod
 from detrl import commit
+from detrl.bundle import RESUME_PREFIX, BundleError
 from detrl.calibrate import DEFAULT_MARGIN, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
 from detrl.hardware import HardwareMode, Profile, get_profile
 from detrl.precision import Precision
 from detrl.randomness import StreamRandomMode
-from detrl.rounding import (
-    Anomaly,
-    LogOutOfRange,
-    RoundingMode,
-    StepRounding,
-    StepStats,
-    Thresholds,
-)
-from detrl.roundlog import RoundLogWriter
+from detrl.rounding import Anomaly, LogOutOfRange, RoundingMode, StepRounding, StepStats, Thresholds
+from detrl.roundlog import RoundLogError
 from detrl.sources import Sources, state_bytes
 
-#: zstd level of the rounding log: 9 costs well under a millisecond per step and is a few % smaller than 3.
-LOG_ZSTD_LEVEL = 9
+__all__ = ["RESUME_PREFIX", "Batch", "Divergence", "Loader", "Session", "StatePart"]
 
 
 class Divergence(Exception):
@@ -60,17 +56,28 @@ class Divergence(Exception):
         self.detail = detail
         super().__init__(self.describe())
 
+    @property
+    def decisive(self) -> Anomaly | None:
+        """The first anomaly where the log breaks its claim (a missing or refused entry): the one that
+        explains the mismatch, never an honest correction on hardware that needs them."""
+        return next((a for a in self.anomalies if a.violation), None)
+
     def describe(self) -> str:
         parts = [f"diverged at step {self.step}"]
         if self.detail:
             parts.append(self.detail)
         if not self.batch_matches:
             parts.append("the batch the trainer committed differs from the auditor's data at this step")
-        if self.anomalies:
-            a = self.anomalies[0]
+        a = self.decisive
+        if a is not None:
             where = f" in {a.module}" if a.module else ""
+            parts.append(f"rounding log {a.kind}: op #{a.op} aten.{a.name}{where}, element {a.index}")
+        elif self.batch_matches and self.anomalies:
+            c = self.anomalies[0]
+            where = f" in {c.module}" if c.module else ""
             parts.append(
-                f"first rounding anomaly: op #{a.op} aten.{a.name}{where}, element {a.index} ({a.kind})"
+                "no log entry breaks its thresholds; the log's first correction of this machine's rounding: "
+                f"op #{c.op} aten.{c.name}{where}, element {c.index} ({c.kind})"
             )
         elif self.batch_matches and not self.detail:
             parts.append(
@@ -95,10 +102,6 @@ class StatePart(Protocol):
     def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None: ...
 
 
-#: Checkpoint tensors under this prefix are resume state of attached parts, outside the state commitment.
-RESUME_PREFIX = "resume/"
-
-
 @dataclasses.dataclass
 class Batch:
     """One minibatch: ``x`` inputs, ``y`` targets (shape ``(batch, ...)``), ``index`` dataset rows used."""
@@ -108,12 +111,55 @@ class Batch:
     index: torch.Tensor
 
 
-@dataclasses.dataclass
-class ReplayReport:
-    steps: int
-    replicated: bool
-    stats: StepStats
-    divergence: Divergence | None = None
+class Loader:
+    """Minibatches of ``data = (x, y)`` in an order drawn from the ``data_order`` stream (see
+    :meth:`Session.loader`). Its position is resume state: a resumed run continues mid-epoch."""
+
+    def __init__(
+        self, session: Session, data: tuple[torch.Tensor, torch.Tensor], batch_size: int, steps: int | None,
+        epochs: int | None,
+    ) -> None:  # fmt: skip
+        x, _ = data
+        if len(x) < batch_size:
+            raise ValueError(f"dataset has {len(x)} examples, fewer than batch_size={batch_size}")
+        if steps is None and epochs is None:
+            raise ValueError("loader needs steps or epochs")
+        self.session, self.data, self.batch_size = session, data, batch_size
+        self.steps, self.epochs = steps, epochs
+        self.done, self.epoch, self.pos = 0, 0, 0
+        self.order: np.ndarray | None = None  # the current epoch's permutation, once drawn
+
+    def digest(self) -> bytes:
+        return b""  # each batch is committed as the step's batch hash
+
+    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        arrays = {"order": self.order} if self.order is not None else {}
+        return arrays, {"done": self.done, "epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        self.done, self.epoch, self.pos = int(meta["done"]), int(meta["epoch"]), int(meta["pos"])
+        order = arrays.get("order")
+        self.order = None if order is None else np.asarray(order, dtype=np.int64)
+        if self.order is not None and sorted(self.order.tolist()) != list(range(len(self.data[0]))):
+            raise ValueError("loader order is not a permutation of the dataset")
+
+    def __iter__(self) -> Iterator[Batch]:
+        x, y = self.data
+        n, s = len(x), self.session
+        while (self.steps is None or self.done < self.steps) and (
+            self.epochs is None or self.epoch < self.epochs
+        ):
+            if self.order is None:
+                self.order = s.sources.permutation("data_order", n).numpy()
+            if self.pos + self.batch_size > n:  # the last incomplete batch is dropped
+                self.order, self.pos, self.epoch = None, 0, self.epoch + 1
+                continue
+            idx = torch.from_numpy(self.order[self.pos : self.pos + self.batch_size])
+            self.pos += self.batch_size
+            self.done += 1
+            bx, by = x[idx], y[idx]
+            s._batch_hash = commit.hash_batch(bx, by)
+            yield Batch(s.precision.cast(bx).to(s.device), by.to(s.device), idx)
 
 
 class Session:
@@ -122,14 +168,17 @@ class Session:
     Args:
         run_dir: the bundle directory (written when recording, read when replaying; None for ``mode="off"``).
         mode: ``"record"``, ``"replay"`` or ``"off"`` (train without a bundle, e.g. for ablations).
-        precision: ``fp32``, ``fp64`` or ``verifiable``. Replay takes it from the bundle.
+        precision: ``fp32``, ``fp64`` or ``verifiable``. Replay and resume take it from the bundle.
         sources: the switchboard. Replay takes it from the bundle.
         hardware: profile name (``native``, ``emulated:splitk``, ...; see :mod:`detrl.hardware`) or a
             :class:`~detrl.hardware.Profile` instance (a machine of your own).
-        checkpoint_every: save a safetensors checkpoint every this many steps (0: only the last).
-        thresholds: a :class:`Thresholds`, or ``"calibrate"`` to measure them during the first step.
+        checkpoint_every: save a checkpoint every this many steps (0: only the last). Each is a durable point.
+        thresholds: a :class:`Thresholds`, or ``"calibrate"`` to measure them during the first steps.
         margin: calibrated threshold = margin x the largest disagreement measured between profiles.
-        config: the run's config, stored in the manifest so ``detrl audit`` can rebuild the run.
+        task: the registered task whose config this is (``detrl audit`` replays it); None: a script, which
+            is replayed by running the script with ``mode="replay"``.
+        config: the task's config, stored in the manifest so ``detrl audit`` can rebuild the run.
+        planned_steps: the steps the run means to take (a run that ends before is ``stopped``, resumable).
         data_fingerprint: SHA-256 hex of the training data, stored in the manifest and checked on replay.
         device: torch device for model and data.
         track_modules: name module paths in rounding anomalies (default: when replaying).
@@ -139,8 +188,10 @@ class Session:
             whose model draws nothing at random may switch this off to save the dispatch-mode overhead;
             torch's global RNG is then seeded from the ``dropout`` stream, so a stray random op is still
             deterministic.
-        resume: with ``mode="record"``, continue the finished bundle in ``run_dir`` from its last
-            checkpoint instead of starting over (see :meth:`restore`).
+        resume: with ``mode="record"``, continue the bundle in ``run_dir`` from its last checkpoint (see
+            :meth:`restore`); the bundle is unchanged until the run goes past the steps it holds.
+        force: with ``mode="record"``, replace a bundle already in ``run_dir`` (otherwise refused).
+        caps: the reader's bounds when replaying or resuming (:class:`detrl.bundle.Caps`).
     """
 
     def __init__(
@@ -153,53 +204,56 @@ class Session:
         checkpoint_every: int = 10,
         thresholds: Thresholds | str = "calibrate",
         margin: float = DEFAULT_MARGIN,
+        task: str | None = None,
         config: dict[str, Any] | None = None,
+        planned_steps: int | None = None,
         data_fingerprint: str | None = None,
         device: str | torch.device = "cpu",
         track_modules: bool | None = None,
         calibration_steps: int = 1,
         route_random_ops: bool = True,
         resume: bool = False,
+        force: bool = False,
+        caps: bundle_mod.Caps | None = None,
     ) -> None:
         if mode not in ("record", "replay", "off"):
             raise ValueError(f"mode must be record, replay or off, not {mode!r}")
+        if mode != "off" and run_dir is None:
+            raise ValueError(f"mode={mode!r} needs the bundle directory")
         self.mode = mode
         self.dir = Path(run_dir) if run_dir is not None else None
         self.profile = hardware if isinstance(hardware, Profile) else get_profile(hardware)
         self.hardware = self.profile.name
         self.device = torch.device(device)
         self.checkpoint_every = int(checkpoint_every)
-        self.config = dict(config or {})
+        self.task = task
+        self.config = None if config is None else dict(config)
+        self.planned_steps = planned_steps
         self.data_fingerprint = data_fingerprint
         self.margin = margin
+        self.force = force
         self.bundle: bundle_mod.Bundle | None = None
-        self._writer: RoundLogWriter | None = None
+        self._writer: bundle_mod.BundleWriter | None = None
         self._calibrator: Calibrator | None = None
-        if mode == "replay":
-            if self.dir is None:
-                raise ValueError("replay needs the bundle directory")
-            self.bundle = bundle_mod.Bundle(self.dir)
-            try:  # the manifest is untrusted: every field that shapes the replay is checked
-                self.precision = Precision(self.bundle.precision)
-                self.sources = Sources()
-                self.sources.load_state_dict(self.bundle.sources)
-                self.thresholds = Thresholds.from_json(self.bundle.thresholds)
-                self.calibration_steps = self.bundle.thresholds.get("calibration_steps", 0)
-                if not isinstance(self.calibration_steps, int) or self.calibration_steps < 0:
-                    raise ValueError("thresholds.calibration_steps must be a non-negative integer")
-            except ValueError as e:
-                raise bundle_mod.BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
-            self.config = self.bundle.config
-            fp = self.bundle.manifest.get("data_fingerprint")
-            if data_fingerprint is not None and fp is not None and fp != data_fingerprint:
-                raise bundle_mod.BundleError(
-                    f"manifest.json: data fingerprint {str(fp)[:16]}... differs from the auditor's data "
-                    f"{data_fingerprint[:16]}..."
-                )
+        self._resume: bundle_mod.ResumePoint | None = None
+        self.calibration_steps = 0
+        if mode == "replay" or resume:
+            if resume and mode != "record":
+                raise ValueError("resume needs mode='record'")
+            self.bundle = bundle_mod.Bundle(self.dir, caps)  # type: ignore[arg-type]
+            try:
+                self._from_bundle(self.bundle, data_fingerprint)
+                if resume:
+                    self._resume = self.bundle.resume_point()
+                    self._resume_calibration(self._resume)
+            except BaseException:
+                self.bundle.close()
+                raise
+            if resume:
+                self.bundle = None  # the writer owns it now (it compares re-recorded steps with it)
         else:
             self.precision = precision if isinstance(precision, Precision) else Precision(precision)
             self.sources = sources if sources is not None else Sources()
-            self.calibration_steps = 0
             if isinstance(thresholds, Thresholds):
                 self.thresholds = thresholds
             elif thresholds == "calibrate":
@@ -209,23 +263,7 @@ class Session:
                     self.calibration_steps = max(1, int(calibration_steps))
             else:
                 raise ValueError(f"thresholds must be a Thresholds or 'calibrate', not {thresholds!r}")
-        self._resume: _ResumePoint | None = None
-        if resume:
-            if mode != "record" or self.dir is None:
-                raise ValueError("resume needs mode='record' and the bundle directory")
-            self._resume = _ResumePoint.read(self.dir)
-            self.precision = Precision(self._resume.bundle_precision)
-            self.thresholds = self._resume.thresholds
-            self.calibration_steps = self._resume.calibration_steps
-            self._calibrator = None
-            if self.calibration_steps > self._resume.step:
-                raise bundle_mod.BundleError(
-                    f"{self.dir}: cannot resume at step {self._resume.step}, inside the calibration "
-                    f"steps 1..{self.calibration_steps}"
-                )
-        self._initial_sources = (
-            self._resume.initial_sources if self._resume is not None else self.sources.state_dict()
-        )
+            self._initial_sources = self.sources.state_dict()
         self.stop_requested = False  # set from outside (Ctrl-C): a loop may end early after a whole step
         self.route_random_ops = route_random_ops
         self.parts: dict[str, StatePart] = {}
@@ -242,26 +280,66 @@ class Session:
         self.step_stats: list[StepStats] = []
         self.log_bytes: list[int] = []
         self.step_seconds: list[float] = []
+        #: replay: the first anomaly where the log broke its claim, with its step (for the verdict)
+        self.first_violation: tuple[int, Anomaly] | None = None
         self._batch_hash: bytes | None = None
         self._stack = contextlib.ExitStack()
 
+    def _from_bundle(self, b: bundle_mod.Bundle, data_fingerprint: str | None) -> None:
+        """Take precision, switchboard, thresholds and run shape from a bundle (every field checked)."""
+        m = b.manifest
+        try:
+            self.precision = Precision(m.precision)
+            self.sources = Sources()
+            self.sources.load_state_dict(m.sources)
+            # load_state_dict coerces (int("7"), bool("x")) and ignores unknown keys: only a state that
+            # reads back byte for byte is the switchboard the commitments hashed
+            if state_bytes(self.sources.state_dict()) != state_bytes(m.sources):
+                raise ValueError("sources: not a switchboard state as detrl writes it (a wrong type or key)")
+            if not all(0 <= s < 1 << 64 for s in m.sources["seeds"].values()):
+                raise ValueError("sources: a stream seed outside [0, 2**64)")
+            self.thresholds = Thresholds.from_json(m.thresholds)
+        except ValueError as e:
+            raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
+        self._initial_sources = m.sources
+        self.calibration_steps = m.calibration_steps
+        self.margin = m.margin
+        self.checkpoint_every = m.checkpoint_every
+        if self.mode == "replay":
+            self.task, self.config, self.planned_steps = m.task, m.config, m.planned_steps
+        fp = m.data_fingerprint
+        if data_fingerprint is not None and fp is not None and fp != data_fingerprint:
+            raise BundleError(
+                f"{bundle_mod.MANIFEST}: data fingerprint {fp[:16]}... differs from the auditor's data "
+                f"{data_fingerprint[:16]}..."
+            )
+
+    def _resume_calibration(self, r: bundle_mod.ResumePoint) -> None:
+        """Resuming inside the calibration steps continues the measurement where the checkpoint left it."""
+        if not self.precision.is_verifiable or r.step >= self.calibration_steps:
+            return
+        if r.step == 0:  # nothing measured yet: calibrate from the start, as a fresh recording does
+            self.thresholds = Thresholds(default=TAU_FLOOR * 64)
+            self._calibrator = Calibrator(self.thresholds, self.margin)
+            return
+        try:
+            self.thresholds = Thresholds.from_json(r.meta.get("thresholds", {}))
+            self._calibrator = Calibrator(self.thresholds, self.margin)
+            self._calibrator.load_state(dict(r.meta.get("calibration", {})))
+        except (TypeError, ValueError) as e:
+            raise BundleError(f"{bundle_mod.checkpoint_name(r.step)}: bad calibration state ({e})") from None
+
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
+        if self.mode == "record":
+            self._writer = bundle_mod.BundleWriter(
+                self.dir,  # type: ignore[arg-type]
+                self._manifest_header(),
+                force=self.force,
+                resume=self._resume,
+            )
         if self._tracker is not None:
             self._stack.enter_context(self._tracker)
-        if self.mode == "record":
-            assert self.dir is not None
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in [bundle_mod.MANIFEST, bundle_mod.COMMITMENTS, bundle_mod.ROUNDLOG]:
-                (self.dir / stale).unlink(missing_ok=True)
-            keep = self._resume.step if self._resume is not None else -1
-            for old in (self.dir / bundle_mod.CHECKPOINTS).glob("step_*.safetensors"):
-                if int(old.stem.removeprefix("step_")) > keep:
-                    old.unlink()
-            if self.precision.is_verifiable:
-                self._writer = RoundLogWriter(self.dir / bundle_mod.ROUNDLOG, level=LOG_ZSTD_LEVEL)
-                for step, ops in self._resume.log_segments if self._resume is not None else []:
-                    self.log_bytes.append(self._writer.write_step(step, ops))
         if not self.route_random_ops:
             torch.manual_seed(self.sources.seed_of("dropout"))
         return self
@@ -270,20 +348,33 @@ class Session:
         try:
             if self.mode == "record" and exc_type is None:
                 self._finish_record()
-            replayed_short = self.bundle is not None and self.step_index != self.bundle.steps
-            if self.mode == "replay" and exc_type is None and replayed_short:
+            elif self.mode == "replay" and exc_type is None and self.step_index != self.bundle.steps:  # type: ignore[union-attr]
                 raise Divergence(
-                    self.step_index + 1,
-                    True,
-                    [],
-                    f"the replay ran {self.step_index} steps, the bundle has {self.bundle.steps}",
-                )
+                    self.step_index + 1, True, [],
+                    f"the replay ran {self.step_index} steps, the bundle has {self.bundle.steps}",  # type: ignore[union-attr]
+                )  # fmt: skip
         finally:
             if self._writer is not None:
                 self._writer.close()
             if self.bundle is not None:
                 self.bundle.close()
             self._stack.close()
+
+    def _manifest_header(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "config": self.config,
+            "precision": self.precision.kind,
+            "hardware": self.hardware,
+            "sources": self._initial_sources,
+            "thresholds": self.thresholds.to_json(),
+            "calibration_steps": self.calibration_steps,
+            "margin": float(self.margin),
+            "checkpoint_every": self.checkpoint_every,
+            "planned_steps": self.planned_steps,
+            "data_fingerprint": self.data_fingerprint,
+            "torch": torch.__version__,
+        }
 
     # ------------------------------------------------------------------ building the run
     def init(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -295,6 +386,8 @@ class Session:
         model = model.to(device=self.device, dtype=self.precision.dtype)
         self.model = model
         self._commit(0, bytes(32))
+        if self.mode == "replay" and self.bundle is not None and self.bundle.steps == 0:
+            self.stop_requested = True  # nothing after the initial state is durable
         return model
 
     def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -306,47 +399,45 @@ class Session:
         """Commit ``part.digest()`` with every step and checkpoint its state (a replay buffer, an env)."""
         if not name.isidentifier():
             raise ValueError(f"part name must be an identifier, not {name!r}")
+        if name in self.parts:
+            raise ValueError(f"a state part named {name!r} is already attached")
         self.parts[name] = part
         return part
 
     def restore(self) -> int:
         """Resume: load the last checkpoint into the model, optimizers, switchboard and attached parts.
 
-        Call after :meth:`init`, :meth:`track` and :meth:`attach`. Returns the number of steps already done
-        (0 when not resuming). The model built by ``init`` must commit to the bundle's step 0, so a resumed
-        run is the run it continues.
+        Call after :meth:`init`, :meth:`track`, :meth:`attach` and :meth:`loader`. Returns the number of
+        steps already done (0 when not resuming). The model built by ``init`` must commit to the bundle's
+        step 0, so a resumed run is the run it continues.
         """
         r = self._resume
-        if r is None:
+        if r is None or r.step == 0:
             return 0
         assert self.model is not None, "call init() before restore()"
-        if self.leaves[0][0] != r.leaves[0][0]:
-            raise bundle_mod.BundleError(
-                f"{self.dir}: the config builds a different initial model than the bundle it would resume"
-            )
-        tensors, meta = r.tensors, r.meta
-        committed = {k: v for k, v in tensors.items() if not k.startswith(RESUME_PREFIX)}
+        rel = bundle_mod.checkpoint_name(r.step)
+        committed = {k: v for k, v in r.tensors.items() if not k.startswith(RESUME_PREFIX)}
         _load_state_tensors(self.model, self.optimizers, committed)
         try:
-            self.sources.load_state_dict(meta["sources"])
-            parts = dict(meta.get("parts", {}))
+            self.sources.load_state_dict(r.meta["sources"])
+            parts = dict(r.meta.get("parts", {}))
             for name, part in self.parts.items():
                 if name not in parts:
                     raise ValueError(f"the checkpoint has no state for {name!r}")
                 prefix = f"{RESUME_PREFIX}{name}/"
-                arrays = {k[len(prefix) :]: v.numpy() for k, v in tensors.items() if k.startswith(prefix)}
+                arrays = {k[len(prefix) :]: v.numpy() for k, v in r.tensors.items() if k.startswith(prefix)}
                 part.load_state(arrays, dict(parts[name]["meta"]))
+            totals = dict(r.meta.get("stats", {}))
+            for name in _STATS_FIELDS:
+                setattr(self.totals, name, int(totals.get(name, 0)))
+            self.log_bytes = [int(r.meta.get("log_bytes", 0))]
         except (KeyError, TypeError, ValueError) as e:
-            raise bundle_mod.BundleError(
-                f"{bundle_mod.checkpoint_name(r.step)}: cannot resume: {e}"
-            ) from None
-        self.leaves = list(r.leaves[: r.step + 1])
+            raise BundleError(f"{rel}: cannot resume: {e}") from None
+        self.leaves = list(r.written[: r.step + 1])
         self.step_index = r.step
         # The restored state must be the state the bundle committed to at this step.
-        if self._state_hash(commit.state_tensors(self.model, self.optimizers)) != r.leaves[r.step][0]:
-            raise bundle_mod.BundleError(
-                f"{bundle_mod.checkpoint_name(r.step)}: restored state differs from the step commitment"
-            )
+        if self._state_hash(commit.state_tensors(self.model, self.optimizers)) != self.leaves[r.step][0]:
+            raise BundleError(f"{rel}: restored state differs from the step commitment")
         return r.step
 
     def observe(self, *data: Any) -> None:
@@ -361,30 +452,16 @@ class Session:
         batch_size: int,
         steps: int | None = None,
         epochs: int | None = None,
-    ) -> Iterator[Batch]:
+    ) -> Loader:
         """Minibatches of ``data = (x, y)`` in an order drawn from the ``data_order`` stream.
 
         Each epoch is a fresh permutation; the last incomplete batch is dropped. Stops after ``steps``
         batches or ``epochs`` epochs (one of them is required). Inputs are cast to the run's precision.
+        The loader is attached as resume state (``loader``): create it before :meth:`restore`.
         """
-        x, y = data
-        n = len(x)
-        if n < batch_size:
-            raise ValueError(f"dataset has {n} examples, fewer than batch_size={batch_size}")
-        if steps is None and epochs is None:
-            raise ValueError("loader needs steps or epochs")
-        done, epoch = 0, 0
-        while (steps is None or done < steps) and (epochs is None or epoch < epochs):
-            order = self.sources.permutation("data_order", n)
-            for i in range(0, n - batch_size + 1, batch_size):
-                if steps is not None and done >= steps:
-                    return
-                idx = order[i : i + batch_size]
-                bx, by = x[idx], y[idx]
-                self._batch_hash = commit.hash_batch(bx, by)
-                yield Batch(self.precision.cast(bx).to(self.device), by.to(self.device), idx)
-                done += 1
-            epoch += 1
+        loader = Loader(self, data, batch_size, steps, epochs)
+        self.attach("loader", loader)
+        return loader
 
     # ------------------------------------------------------------------ steps
     @contextlib.contextmanager
@@ -410,37 +487,44 @@ class Session:
             if not self.precision.is_verifiable and self.hardware != "native":
                 modes.enter_context(HardwareMode(self.profile))
             if self.precision.is_verifiable:
-                replay = self.bundle.read_log_step(step) if self.bundle is not None else None
-                rounding = StepRounding(replay=replay)
-                self.rounding.step = rounding
+                cursor = self.bundle.log_cursor(step) if self.bundle is not None else None
+                rounding = StepRounding(replay=cursor if self.mode == "replay" else None)
                 in_calibration = step <= self.calibration_steps
-                self.rounding.calibrate = self._calibrator if in_calibration else None
-                if in_calibration and self.mode == "replay":
-                    # The recorder's thresholds grew during this step, each at least the lowest floor: half
-                    # of that is the sound threshold for counting unlogged near-midpoint elements.
-                    self.rounding.check_thresholds = Thresholds(default=TAU_FLOOR_MEASURED / 2)
-                modes.enter_context(self.rounding)
+                calibrate = self._calibrator if in_calibration and self.mode == "record" else None
+                if calibrate is not None:
+                    calibrate.begin_step(step)
+                # During calibration the recorder's thresholds grew as it went, each at least the lowest
+                # floor: half of that is the sound threshold for counting unlogged near-midpoint elements.
+                check = Thresholds(default=TAU_FLOOR_MEASURED / 2) if in_calibration else None
+                modes.enter_context(self.rounding.step_scope(rounding, calibrate, check))
             if self.route_random_ops:
                 modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             try:
                 yield rounding
             except LogOutOfRange as e:
-                raise bundle_mod.BundleError(f"{bundle_mod.ROUNDLOG}: step {step}: {e}") from None
-            finally:
-                self.rounding.step = None
-                self.rounding.calibrate = None
-                self.rounding.check_thresholds = None
+                raise BundleError(f"{bundle_mod.ROUNDLOG}: step {step}: {e}") from None
+            except RoundLogError as e:
+                raise BundleError(str(e)) from None
+        if rounding is not None and rounding.replay is not None:
+            try:
+                rounding.replay.finish()
+            except RoundLogError as e:
+                raise BundleError(str(e)) from None
+            # Entries for op positions this replay never rounded: an honest recorder logs none of those.
+            rounding.stats.refused += rounding.replay.skipped_records
         self.step_seconds.append(time.perf_counter() - t0)
         self.step_index = step
         if rounding is not None:
+            if self.first_violation is None:
+                violation = next((a for a in rounding.anomalies if a.violation), None)
+                if violation is not None:
+                    self.first_violation = (step, violation)
             stats = rounding.stats
             for name in _STATS_FIELDS:
                 setattr(self.totals, name, getattr(self.totals, name) + getattr(stats, name))
         else:
             stats = _NO_STATS  # shared: a DQN takes a step per env step, and most round nothing
         self.step_stats.append(stats)
-        if self._writer is not None and rounding is not None:
-            self.log_bytes.append(self._writer.write_step(step, rounding.recorded))
         batch_hash, self._batch_hash = self._batch_hash or bytes(32), None
         self._commit(step, batch_hash, rounding, frozen)
 
@@ -460,16 +544,51 @@ class Session:
             if state_hash != want_state:
                 anomalies = rounding.anomalies if rounding is not None else []
                 raise Divergence(step, batch_hash == want_batch, anomalies)
+            self.leaves.append((state_hash, batch_hash))
+            if step >= self.bundle.steps:
+                self.stop_requested = True  # the rest of the recording is not durable: stop the loop here
+            return
+        if self._resume is not None and step == 0 and self._resume.written:
+            if state_hash != self._resume.written[0][0]:
+                raise BundleError(
+                    f"{self.dir}: the config builds a different initial model than the bundle it would resume"
+                )
+            return  # restore() takes the leaves from the bundle
         self.leaves.append((state_hash, batch_hash))
-        if self.mode == "record" and self.checkpoint_every and step and step % self.checkpoint_every == 0:
+        assert self._writer is not None
+        ops = rounding.recorded if rounding is not None else None
+        self.log_bytes.append(self._writer.append_step(step, state_hash, batch_hash, ops))
+        if step == 0:
+            self._writer.make_durable()  # the initial state: an audit can say "incomplete at step 0"
+            return
+        calibrated = self.precision.is_verifiable and step == self.calibration_steps
+        if calibrated:  # the thresholds are final now: the manifest must say so from here on
+            self._writer.update_header(thresholds=self.thresholds.to_json())
+        if self.checkpoint_every and step % self.checkpoint_every == 0:
             self._checkpoint(step, tensors)
+        elif calibrated:
+            self._sync()
 
     def _state_hash(self, tensors: dict[str, torch.Tensor], reuse: bool = False) -> bytes:
         parts = {name: part.digest() for name, part in self.parts.items()}
         return commit.state_hash(tensors, self.sources.digest_bytes(), parts, self._digests, reuse)
 
-    def _checkpoint(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
-        assert self.dir is not None
+    def _stats(self) -> dict[str, int]:
+        return {**dataclasses.asdict(self.totals), "log_bytes": sum(self.log_bytes)}
+
+    def _sync(self, status: str = "recording", stopped_at: int | None = None) -> None:
+        assert self._writer is not None
+        self._writer.stats = self._stats()
+        self._writer.make_durable(status, stopped_at)
+
+    def _checkpoint(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        status: str = "recording",
+        stopped_at: int | None = None,
+    ) -> None:
+        assert self._writer is not None
         parts: dict[str, Any] = {}
         out = dict(tensors)
         for name, part in self.parts.items():
@@ -477,38 +596,28 @@ class Session:
             for key, value in arrays.items():
                 out[f"{RESUME_PREFIX}{name}/{key}"] = torch.as_tensor(np.ascontiguousarray(value))
             parts[name] = {"digest": part.digest().hex(), "meta": meta}
-        meta = {"step": step, "sources": self.sources.state_dict(), "parts": parts}
-        bundle_mod.save_checkpoint(self.dir, step, out, meta)
+        meta: dict[str, Any] = {
+            "step": step, "sources": self.sources.state_dict(), "parts": parts,
+            "stats": dataclasses.asdict(self.totals), "log_bytes": sum(self.log_bytes),
+        }  # fmt: skip
+        if self._calibrator is not None and step < self.calibration_steps:
+            meta["thresholds"] = self.thresholds.to_json()
+            meta["calibration"] = self._calibrator.state()
+        self._writer.stats = self._stats()
+        self._writer.checkpoint(step, out, meta, status, stopped_at)
 
     def _finish_record(self) -> None:
-        assert self.dir is not None
         if self.model is None:
             raise RuntimeError("Session closed before init(): nothing was recorded")
+        planned = self.planned_steps
+        stopped = planned is not None and self.step_index < planned
+        status, stopped_at = ("stopped", self.step_index) if stopped else ("complete", None)
         if self.step_index and (not self.checkpoint_every or self.step_index % self.checkpoint_every):
-            self._checkpoint(self.step_index, commit.state_tensors(self.model, self.optimizers))
-        if self._writer is not None:
-            self._writer.close()
-        bundle_mod.write_commitments(self.dir, self.leaves)
-        root = commit.merkle_root([commit.leaf(i, s, b) for i, (s, b) in enumerate(self.leaves)])
-        thresholds = {
-            **self.thresholds.to_json(),
-            "calibration_steps": self.calibration_steps,
-            "margin": self.margin,
-        }
-        manifest = {
-            "config": self.config,
-            "precision": self.precision.kind,
-            "hardware": self.hardware,
-            "sources": self._initial_sources,
-            "thresholds": thresholds,
-            "steps": self.step_index,
-            "checkpoint_every": self.checkpoint_every,
-            "merkle_root": root.hex(),
-            "data_fingerprint": self.data_fingerprint,
-            "stats": {**dataclasses.asdict(self.totals), "log_bytes": sum(self.log_bytes)},
-            "torch": torch.__version__,
-        }
-        bundle_mod.write_manifest(self.dir, manifest)
+            self._checkpoint(
+                self.step_index, commit.state_tensors(self.model, self.optimizers), status, stopped_at
+            )
+        else:
+            self._sync(status, stopped_at)
 
     # ------------------------------------------------------------------ helpers
     def _module_path(self) -> str:
@@ -524,21 +633,16 @@ class Session:
         """Check that each checkpoint in the replayed bundle holds the committed state of its step."""
         assert self.bundle is not None
         for step in self.bundle.checkpoint_steps:
-            if step >= len(self.bundle.leaves):
-                raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: step beyond the run")
+            rel = bundle_mod.checkpoint_name(step)
             tensors, meta = self.bundle.load_checkpoint(step)
             committed = {k: v for k, v in tensors.items() if not k.startswith(RESUME_PREFIX)}
             try:
                 parts = {n: bytes.fromhex(p["digest"]) for n, p in dict(meta.get("parts", {})).items()}
-            except (TypeError, ValueError, KeyError):
-                raise bundle_mod.BundleError(
-                    f"{bundle_mod.checkpoint_name(step)}: bad part digests"
-                ) from None
-            got = commit.state_hash(committed, state_bytes(meta.get("sources", {})), parts)
-            if got != self.bundle.leaves[step][0]:
-                raise Divergence(
-                    step, True, [], f"{bundle_mod.checkpoint_name(step)} differs from the commitment"
-                )
+                sources = state_bytes(dict(meta.get("sources", {})))
+            except (TypeError, ValueError, KeyError, AttributeError):
+                raise BundleError(f"{rel}: bad part digests or switchboard state") from None
+            if commit.state_hash(committed, sources, parts) != self.bundle.leaves[step][0]:
+                raise Divergence(step, True, [], f"{rel} differs from the commitment")
 
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))
@@ -555,59 +659,17 @@ def _load_state_tensors(
         for name, t in tensors.items():
             if name.startswith("param.") or name.startswith("buffer."):
                 if name not in expected:
-                    raise bundle_mod.BundleError(f"checkpoint tensor {name!r} is not in the model")
+                    raise BundleError(f"checkpoint tensor {name!r} is not in the model")
                 target = expected[name]
                 if target.shape != t.shape or target.dtype != t.dtype:
-                    raise bundle_mod.BundleError(f"checkpoint tensor {name!r}: shape or dtype differs")
+                    raise BundleError(f"checkpoint tensor {name!r}: shape or dtype differs")
                 target.copy_(t)
                 continue
             i, _, rest = name.partition(".opt.")
             pname, _, key = rest.rpartition(".")
             if not i.isdigit() or int(i) >= len(optimizers) or pname not in params:
-                raise bundle_mod.BundleError(f"checkpoint tensor {name!r} is not model or optimizer state")
+                raise BundleError(f"checkpoint tensor {name!r} is not model or optimizer state")
             optimizers[int(i)].state[params[pname]][key] = t.clone()
-
-
-@dataclasses.dataclass
-class _ResumePoint:
-    """What resuming a finished bundle needs: its last checkpoint, commitments and log up to that step."""
-
-    step: int
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any]
-    leaves: list[tuple[bytes, bytes]]
-    bundle_precision: str
-    thresholds: Thresholds
-    calibration_steps: int
-    log_segments: list[tuple[int, list]]
-    initial_sources: dict[str, Any]
-
-    @classmethod
-    def read(cls, run_dir: Path) -> _ResumePoint:
-        b = bundle_mod.Bundle(run_dir)
-        try:
-            if not b.checkpoint_steps:
-                raise bundle_mod.BundleError(f"{run_dir}: no checkpoint to resume from")
-            step = b.checkpoint_steps[-1]
-            tensors, meta = b.load_checkpoint(step)
-            if not isinstance(meta.get("sources"), dict) or not isinstance(meta.get("parts", {}), dict):
-                raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: no resume state")
-            try:
-                thresholds = Thresholds.from_json(b.thresholds)
-            except ValueError as e:
-                raise bundle_mod.BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
-            segments = []
-            if b.roundlog is not None:
-                for s in b.roundlog.steps:
-                    if s <= step:
-                        ops = b.read_log_step(s)
-                        segments.append((s, [ops[k] for k in sorted(ops)]))
-            return cls(
-                step, tensors, meta, list(b.leaves), b.precision, thresholds,
-                int(b.thresholds.get("calibration_steps", 0)), segments, b.sources,
-            )  # fmt: skip
-        finally:
-            b.close()
 
 
 def _as_tuple(batch: Any) -> tuple:

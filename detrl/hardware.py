@@ -131,6 +131,12 @@ class EmulatedProfile(Profile):
             self._generator = torch.Generator()
             self._generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
+    def reseed(self, seed: int) -> None:
+        """Restart the random orders of ``emulated:atomic`` from ``seed`` (calibration's orders are part of
+        the bundle: they must repeat in every recording of one config, and after a resume)."""
+        if self._generator is not None:
+            self._generator.manual_seed(seed)
+
     def __call__(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
         handler = _HANDLERS.get(func)
         if handler is None:

@@ -13,10 +13,11 @@ An element is within T of a midpoint exactly when ``x - T`` and ``x + T`` round 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -150,7 +151,20 @@ class Anomaly:
     name: str  # aten op name
     module: str  # module path (or "" when not tracked)
     index: int  # logical row-major element index
-    kind: str  # "unlogged-near" | "logged-direction-differs" | "logged-index-out-of-range"
+    kind: str  # one of LOG_VIOLATIONS or CORRECTIONS
+
+    @property
+    def violation(self) -> bool:
+        """The log breaks its own claim here (as opposed to an honest correction)."""
+        return self.kind in LOG_VIOLATIONS
+
+
+#: Anomalies where the log breaks its claim: a near-midpoint element it omits, an entry this machine refuses
+#: (far from any midpoint, a pinned value out of reach), an index outside the op's output.
+LOG_VIOLATIONS = ("unlogged-near", "logged-not-near", "pinned-value-far", "logged-index-out-of-range")
+#: Anomalies that are the log doing its job: this machine's own nearest rounding differed from the
+#: recorder's, and the logged direction or value was applied (hardware that needs corrections shows many).
+CORRECTIONS = ("logged-direction-differs", "pinned-value-differs")
 
 
 @dataclasses.dataclass
@@ -159,22 +173,41 @@ class StepStats:
     logged: int = 0  # elements in the log for this step
     unlogged_near: int = 0  # replay: near-midpoint elements the recorder did not log
     corrected: int = 0  # replay: logged elements whose own nearest rounding differed from the log
+    refused: int = 0  # replay: logged elements refused (far from any midpoint here, or out of reach)
 
 
 class StepRounding:
     """The rounding work of one step: what to record, or what to replay.
 
-    ``replay`` is None when recording; otherwise it maps op position -> logged entries for this step.
+    ``replay`` is None when recording; otherwise the step's log: a streaming cursor
+    (:meth:`detrl.roundlog.RoundLogReader.cursor`, read op by op with a memory bound from each op's size)
+    or a mapping op position -> entries. ``max_anomalies`` caps the anomalies kept *per kind*, so that many
+    honest corrections never push the one missing entry out of the report.
     """
 
-    def __init__(self, replay: dict[int, OpEntries] | None = None, max_anomalies: int = 20) -> None:
+    def __init__(self, replay: Any = None, max_anomalies: int = 20) -> None:
         self.replay = replay
         self.recorded: list[OpEntries] = []
         self.stats = StepStats()
         self.anomalies: list[Anomaly] = []
         self.max_anomalies = max_anomalies
+        self._kept: dict[str, int] = {}
         self.seq = 0
         self.op_names: list[str] = []
+
+    def entries(self, seq: int, numel: int) -> OpEntries | None:
+        """The log's entries for op position ``seq`` (an output of ``numel`` elements), if any."""
+        if self.replay is None:
+            return None
+        if isinstance(self.replay, dict):
+            return self.replay.get(seq)
+        return self.replay.take(seq, numel)
+
+    def keep(self, anomaly: Anomaly) -> None:
+        n = self._kept.get(anomaly.kind, 0)
+        if n < self.max_anomalies:
+            self._kept[anomaly.kind] = n + 1
+            self.anomalies.append(anomaly)
 
 
 class RoundingMode(TorchDispatchMode):
@@ -202,6 +235,22 @@ class RoundingMode(TorchDispatchMode):
         self.check_thresholds: Thresholds | None = None
         self._scratch = Scratch()
         self.calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None
+
+    @contextlib.contextmanager
+    def step_scope(
+        self,
+        step: StepRounding,
+        calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None,
+        check_thresholds: Thresholds | None = None,
+    ) -> Iterator[StepRounding]:
+        """Enter the mode for one training step's ops: what to record or replay (``step``), an optional
+        calibrator, and the replayer's unlogged-near thresholds when not tau/2. Restored on exit."""
+        self.step, self.calibrate, self.check_thresholds = step, calibrate, check_thresholds
+        try:
+            with self:
+                yield step
+        finally:
+            self.step, self.calibrate, self.check_thresholds = None, None, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -298,7 +347,7 @@ class RoundingMode(TorchDispatchMode):
     ) -> None:
         """Apply the log to ``rounded`` and check it: an entry is honoured only where this machine also
         sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it."""
-        entries = step.replay.get(seq) if step.replay is not None else None
+        entries = step.entries(seq, x.numel())
         check_tau = self.check_thresholds.tau(name) if self.check_thresholds else tau * REPLAY_CHECK_FRACTION
         flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
         if entries is not None and (len(entries.indices) or len(entries.pinned_indices)):
@@ -326,6 +375,7 @@ class RoundingMode(TorchDispatchMode):
         t2 = 2 * _uncertainty(x, rounded, idx, tau, scaled)
         honoured = (xs - t2).to(torch.float32) != (xs + t2).to(torch.float32)
         if not bool(honoured.all()):  # a log entry for an element far from any midpoint: refuse it
+            step.stats.refused += int((~honoured).sum())
             self._anomaly(seq, name, int(idx[(~honoured).nonzero()[0, 0]]), "logged-not-near")
         wrong = (rs.double().abs() > xs.abs()) != want_up
         wrong &= honoured
@@ -345,6 +395,7 @@ class RoundingMode(TorchDispatchMode):
         reach = 2 * _uncertainty(x, rounded, idx, tau, scaled) + spacing32(vs)
         honoured = (xs - vs).abs() <= reach
         if not bool(honoured.all()):  # a pinned value this machine cannot have computed: refuse it
+            step.stats.refused += int((~honoured).sum())
             self._anomaly(seq, name, int(idx[(~honoured).nonzero()[0, 0]]), "pinned-value-far")
         step.stats.logged += idx.numel()
         rs = _take(rounded, idx)
@@ -357,9 +408,9 @@ class RoundingMode(TorchDispatchMode):
     def _anomaly(self, seq: int, name: str, index: int, kind: str) -> None:
         step = self.step
         assert step is not None
-        if len(step.anomalies) < step.max_anomalies:
+        if step._kept.get(kind, 0) < step.max_anomalies:
             module = self.module_path() if self.module_path is not None else ""
-            step.anomalies.append(Anomaly(op=seq, name=name, module=module, index=index, kind=kind))
+            step.keep(Anomaly(op=seq, name=name, module=module, index=index, kind=kind))
 
 
 class LogOutOfRange(Exception):

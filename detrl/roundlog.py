@@ -7,10 +7,15 @@ rounded op output within the step), the logical row-major flat indices of those 
 chosen direction (``up=True``: the larger-magnitude FP32 neighbour). An auditor replaying on other
 hardware uses the log to reproduce the trainer's FP32 values bit-exactly.
 
+A log is a file header followed by one self-contained segment per logged step, with no index: a
+writer killed mid-step leaves a file that is readable up to its last complete segment (the partial
+segment after it is a *torn tail*, reported by :attr:`RoundLogReader.torn_bytes`, not an error).
+
 The file is produced by an untrusted party. The reader therefore never unpickles anything, checks
-every length, offset and checksum, bounds decompressed sizes, and reports every defect as a
-:class:`RoundLogError` (a ``ValueError``) whose message names the file and the problem. The exact
-byte layout is specified in ``docs/roundlog.md``; the constants below mirror it.
+every length, offset and checksum, bounds every allocation (decompression is streamed; see
+:class:`StepCursor` for the memory bound), and reports every defect as a :class:`RoundLogError`
+(a ``ValueError``) whose message names the file and the problem. The exact byte layout is
+specified in ``docs/roundlog.md``; the constants below mirror it.
 
 Note that the CRC32 checksums only detect accidental corruption. A dishonest trainer can always
 write a well-formed log with wrong content (see :func:`rewrite`); catching that is the job of
@@ -19,10 +24,11 @@ the replaying auditor, not of this module.
 
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -30,31 +36,35 @@ import numpy as np
 import zstandard
 
 __all__ = [
+    "DEFAULT_MAX_ENTRIES",
     "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "MAX_LEVEL",
+    "MAX_WINDOW_BYTES",
     "OpEntries",
     "RoundLogError",
     "RoundLogReader",
     "RoundLogWriter",
+    "StepCursor",
     "dense_reference_bytes",
+    "encode_segment",
     "rewrite",
+    "segment_compressor",
 ]
 
-FORMAT_VERSION: int = 1
+FORMAT_VERSION: int = 2
 
 # --- byte layout (all little-endian; see docs/roundlog.md) -------------------------------------
 FILE_MAGIC = b"DTRLRLOG"
-END_MAGIC = b"DTRLREND"
 SEGMENT_TAG = b"RSEG"
 # magic[8] | version u16 | flags u16 | reserved u32
 _FILE_HEADER = struct.Struct("<8sHHI")
+#: Size in bytes of the file header; the first segment (if any) starts here.
+HEADER_BYTES: int = _FILE_HEADER.size
 # tag[4] | step u64 | n_ops u32 | raw_len u64 | comp_len u64 | crc32 u32
 _SEG_HEADER = struct.Struct("<4sQIQQI")
 # op u32 | count u32 | width u8   (then count*width delta bytes, then ceil(count/8) bit bytes)
 _RECORD_HEADER = struct.Struct("<IIB")
-# step u64 | segment offset u64
-_INDEX_ENTRY = struct.Struct("<QQ")
-# index_offset u64 | n_segments u64 | index_crc32 u32 | reserved u32 | end magic[8]
-_TRAILER = struct.Struct("<QQII8s")
 
 #: Set in a record's width byte: the record holds pinned FP32 values instead of direction bits.
 PINNED_FLAG = 0x80
@@ -64,9 +74,23 @@ _I64_LIMIT = 1 << 63
 # Smallest possible record: header plus one 4-byte delta plus one direction byte.
 _MIN_RECORD_BYTES = _RECORD_HEADER.size + 4 + 1
 
+#: Highest zstd level the writer accepts. Levels 1..19 use windows of at most 8 MiB; the "ultra"
+#: levels 20..22 use up to 128 MiB, which a reader would have to allocate per open cursor.
+MAX_LEVEL: int = 19
+#: Largest zstd window (bytes) the reader accepts; it is the decompressor's fixed memory per cursor.
+MAX_WINDOW_BYTES: int = 1 << 23
+#: Default cap on the entries of one record decoded by :meth:`RoundLogReader.read_step`.
+DEFAULT_MAX_ENTRIES: int = 1 << 26
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_ZSTD_HEADER_MAX = 18  # ZSTD_FRAMEHEADERSIZE_MAX: magic through frame content size
+_ZSTD_BLOCK_MAX = 1 << 17  # largest block (raw or regenerated) a frame may hold
+_IO_CHUNK = 1 << 20  # bytes per bounded read of compressed or decompressed data
+_ELEM_CHUNK = 1 << 16  # entries per step of chunked array work (bounds the temporaries)
+
 
 class RoundLogError(ValueError):
-    """A rounding log file is malformed, truncated, corrupted or unreadable."""
+    """A rounding log file is malformed, corrupted or unreadable."""
 
 
 @dataclass
@@ -195,25 +219,115 @@ def _encode_record(op: int, idx: np.ndarray, payload: np.ndarray, pinned: bool) 
     )
 
 
-class RoundLogWriter:
-    """Appends one segment per training step to a new rounding log, then an index on close.
+def segment_compressor(level: int = 3) -> zstandard.ZstdCompressor:
+    """The zstd compressor the writer uses at ``level`` (frames declare their content size).
 
-    Each :meth:`write_step` writes and flushes a complete segment, so a crash loses at most the
-    current step (but a file without index/trailer is rejected by :class:`RoundLogReader`).
+    Raises ValueError for a level above :data:`MAX_LEVEL` (its window could exceed what the reader
+    accepts).
+    """
+    if isinstance(level, bool) or not isinstance(level, int) or level > MAX_LEVEL:
+        raise ValueError(f"zstd level must be an integer <= {MAX_LEVEL}, got {level!r}")
+    return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+
+
+def encode_segment(step: int, ops: Iterable[OpEntries], cctx: zstandard.ZstdCompressor) -> bytes:
+    """The exact bytes of the segment for ``step`` (36-byte header + compressed payload).
+
+    ``ops`` must be in strictly increasing op order; ops with zero entries are dropped. ``cctx``
+    should come from :func:`segment_compressor`; with the same level, the result is identical to
+    what :meth:`RoundLogWriter.write_step` writes, so a resumed run can compare a re-recorded step
+    with the bytes on disk. Invalid input raises ValueError. Pure: writes nothing.
+    """
+    step = _check_uint("step", step, _U64_LIMIT)
+    records: list[bytes] = []
+    prev_op = -1
+    for e in ops:
+        if not isinstance(e, OpEntries):
+            raise ValueError(f"ops must contain OpEntries, got {type(e).__name__}")
+        op = _check_uint("op", e.op, _U32_LIMIT)
+        if op <= prev_op:
+            raise ValueError(f"op positions must be strictly increasing, got {op} after {prev_op}")
+        prev_op = op
+        idx, up = _validated_arrays(e)
+        pidx, vals = _validated_pinned(e, idx)
+        if idx.size:
+            records.append(_encode_record(op, idx, up, pinned=False))
+        if pidx.size:
+            records.append(_encode_record(op, pidx, vals, pinned=True))
+    raw = b"".join(records)
+    comp = cctx.compress(raw)
+    head = _SEG_HEADER.pack(SEGMENT_TAG, step, len(records), len(raw), len(comp), 0)[:-4]
+    crc = zlib.crc32(comp, zlib.crc32(head))  # covers header fields and compressed payload
+    return head + struct.pack("<I", crc) + comp
+
+
+class RoundLogWriter:
+    """Appends one segment per training step to a rounding log.
+
+    The constructor creates (truncates) the file and writes and flushes the file header; each
+    :meth:`write_step` writes and flushes one complete segment. A process killed at any point
+    therefore leaves a file that :class:`RoundLogReader` reads up to the last complete segment.
+    Flushing hands the bytes to the operating system (they survive the process being killed);
+    :meth:`sync` also forces them to the disk (they survive a power loss).
     """
 
     def __init__(self, path: str | os.PathLike, level: int = 3) -> None:
+        self._setup(path, level)
+        self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._write(_FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, 0))
+        self._f.flush()
+
+    def _setup(self, path: str | os.PathLike, level: int) -> None:
         self.path = os.fspath(path)
-        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
-        self._f: BinaryIO | None = open(self.path, "wb")  # noqa: SIM115 - closed in close()
-        self._index: list[tuple[int, int]] = []  # (step, segment offset in bytes)
+        self._cctx = segment_compressor(level)
+        self._f: BinaryIO | None = None
         self._last_step: int | None = None
         self._pos = 0
-        self._write(_FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, 0))
+
+    @classmethod
+    def append(
+        cls, path: str | os.PathLike, offset: int, last_step: int | None, level: int = 3
+    ) -> RoundLogWriter:
+        """Reopen an existing version-2 log to continue it (resuming a run).
+
+        The file is truncated to ``offset`` bytes (>= the 16-byte header and <= the file size;
+        normally :meth:`RoundLogReader.segment_end` of the last step to keep), and later
+        :meth:`write_step` calls must use steps greater than ``last_step`` (None: no constraint,
+        for a log with no segment kept). The caller is responsible for ``offset`` lying on a segment
+        boundary. With the same ``level``, continuing a truncated file writes the same bytes as an
+        uninterrupted run. Raises RoundLogError if the file is not a version-2 log, ValueError for
+        a bad offset or step.
+        """
+        self = cls.__new__(cls)
+        self._setup(path, level)
+        offset = _check_uint("offset", offset, _U64_LIMIT)
+        if offset < HEADER_BYTES:
+            raise ValueError(f"offset {offset} is inside the {HEADER_BYTES}-byte file header")
+        if last_step is not None:
+            last_step = _check_uint("last_step", last_step, _U64_LIMIT)
+        try:
+            f = open(self.path, "r+b")  # noqa: SIM115 - closed in close()
+        except OSError as exc:
+            raise RoundLogError(f"roundlog: {self.path}: cannot open: {exc}") from exc
+        try:
+            head = f.read(HEADER_BYTES)
+            if len(head) != HEADER_BYTES or _FILE_HEADER.unpack(head) != (FILE_MAGIC, FORMAT_VERSION, 0, 0):
+                raise RoundLogError(f"roundlog: {self.path}: not a version {FORMAT_VERSION} rounding log")
+            size = f.seek(0, os.SEEK_END)
+            if offset > size:
+                raise ValueError(f"offset {offset} is past the end of the {size}-byte file")
+            f.truncate(offset)
+            f.seek(offset)
+            f.flush()
+        except BaseException:
+            f.close()
+            raise
+        self._f, self._pos, self._last_step = f, offset, last_step
+        return self
 
     @property
     def bytes_written(self) -> int:
-        """Total bytes written to the file so far."""
+        """Size of the file in bytes so far (for an appending writer: the kept prefix included)."""
         return self._pos
 
     def _write(self, data: bytes) -> None:
@@ -234,41 +348,24 @@ class RoundLogWriter:
         step = _check_uint("step", step, _U64_LIMIT)
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step {step} must be greater than the previous step {self._last_step}")
-        records: list[bytes] = []
-        prev_op = -1
-        for e in ops:
-            if not isinstance(e, OpEntries):
-                raise ValueError(f"ops must contain OpEntries, got {type(e).__name__}")
-            op = _check_uint("op", e.op, _U32_LIMIT)
-            if op <= prev_op:
-                raise ValueError(f"op positions must be strictly increasing, got {op} after {prev_op}")
-            prev_op = op
-            idx, up = _validated_arrays(e)
-            pidx, vals = _validated_pinned(e, idx)
-            if idx.size:
-                records.append(_encode_record(op, idx, up, pinned=False))
-            if pidx.size:
-                records.append(_encode_record(op, pidx, vals, pinned=True))
-        raw = b"".join(records)
-        comp = self._cctx.compress(raw)
-        head = _SEG_HEADER.pack(SEGMENT_TAG, step, len(records), len(raw), len(comp), 0)[:-4]
-        crc = zlib.crc32(comp, zlib.crc32(head))  # covers header fields and compressed payload
-        offset = self._pos
-        self._write(head + struct.pack("<I", crc) + comp)
+        seg = encode_segment(step, ops, self._cctx)
+        self._write(seg)
         self._f.flush()
-        self._index.append((step, offset))
         self._last_step = step
-        return self._pos - offset
+        return len(seg)
+
+    def sync(self) -> None:
+        """Flush and ``os.fsync`` the file, so the segments written so far survive a power loss."""
+        if self._f is None:
+            raise ValueError(f"roundlog: {self.path}: writer is closed")
+        self._f.flush()
+        os.fsync(self._f.fileno())
 
     def close(self) -> None:
-        """Write the index and trailer and close the file. Idempotent."""
+        """Flush and close the file (there is nothing to finalise). Idempotent."""
         if self._f is None:
             return
         try:
-            index_offset = self._pos
-            index = b"".join(_INDEX_ENTRY.pack(s, o) for s, o in self._index)
-            self._write(index)
-            self._write(_TRAILER.pack(index_offset, len(self._index), zlib.crc32(index), 0, END_MAGIC))
             self._f.flush()
         finally:
             self._f.close()
@@ -278,7 +375,6 @@ class RoundLogWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        # Finalise even on error: the steps written so far form a valid log.
         self.close()
 
 
@@ -290,58 +386,98 @@ class _Segment:
     index: int  # position in the file's segment sequence
     offset: int  # byte offset of the segment header
     header: bytes  # the header bytes preceding the crc field (CRC input)
+    step: int
     n_ops: int
     raw_len: int
     comp_len: int
     crc: int
 
+    @property
+    def end(self) -> int:
+        return self.offset + _SEG_HEADER.size + self.comp_len
+
 
 class RoundLogReader:
-    """Validating reader for a complete rounding log (index and trailer present).
+    """Validating reader for a rounding log, complete or left behind by a killed writer.
 
-    Opening checks the file header, trailer, index (bounds, CRC, strictly increasing steps) and
-    every segment header (segments must tile the region between file header and index exactly, and
-    agree with the index). Payload checksums and record structure are checked by :meth:`read_step`.
+    ``source`` is a path or an already-open binary file object (only its ``seek`` and ``read`` are
+    used; :meth:`close` closes it). Opening checks the file header, then scans the segments
+    back to back: each header must have the tag ``RSEG``, a step greater than the previous one,
+    ``raw_len <= max_raw_bytes`` (bytes) and room for its ``n_ops`` records. A file ending inside a
+    segment is a *torn tail*: the scan stops there, :attr:`torn_bytes` says how many bytes follow
+    the last complete segment, and nothing is raised. Every other defect raises
+    :class:`RoundLogError`. Payload checksums and record structure are checked when a step is
+    read (:meth:`read_step`, :meth:`cursor`).
+
+    Error messages start with ``roundlog: <path>:`` for a path, and with ``name`` (default
+    ``roundlog``) for a file object or when ``name`` is given.
+
+    Attributes:
+        steps: the steps with a complete segment, strictly increasing.
+        end_of_segments: byte offset just past the last complete segment (16 without segments).
+        torn_bytes: bytes after the last complete segment (0 for a cleanly written file).
+        path: the path read, or None for a file object.
     """
 
-    def __init__(self, path: str | os.PathLike, max_raw_bytes: int = 1 << 30) -> None:
-        self.path = os.fspath(path)
+    def __init__(
+        self,
+        source: str | os.PathLike | BinaryIO,
+        max_raw_bytes: int = 1 << 30,
+        name: str | None = None,
+    ) -> None:
         self.max_raw_bytes = max_raw_bytes
-        self._dctx = zstandard.ZstdDecompressor()
+        self._f: BinaryIO | None = None
+        if isinstance(source, (str, os.PathLike)):
+            self.path: str | None = os.fspath(source)
+            self._label = f"roundlog: {self.path}" if name is None else name
+            try:
+                self._f = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+            except OSError as exc:
+                raise self._err(f"cannot open: {exc}") from exc
+        else:
+            self.path = None
+            self._label = "roundlog" if name is None else name
+            self._f = source
         try:
-            self._f: BinaryIO | None = open(self.path, "rb")  # noqa: SIM115 - closed in close()
-            self._size = os.fstat(self._f.fileno()).st_size
-        except OSError as exc:
-            raise RoundLogError(f"roundlog: {self.path}: cannot open: {exc}") from exc
-        try:
-            self._segments = self._load()
+            try:
+                self._size = self._f.seek(0, os.SEEK_END)
+            except (OSError, ValueError) as exc:  # ValueError: a closed file object
+                raise self._err(f"cannot seek: {exc}") from exc
+            self._segments = self._scan()
         except BaseException:
             self.close()
             raise
         self.steps: list[int] = list(self._segments)
+        self._ends = [seg.end for seg in self._segments.values()]
 
     def _err(self, msg: str) -> RoundLogError:
-        return RoundLogError(f"roundlog: {self.path}: {msg}")
+        return RoundLogError(f"{self._label}: {msg}")
 
     def _read_at(self, offset: int, n: int, what: str) -> bytes:
         """Read exactly ``n`` bytes at ``offset`` or raise a 'truncated' RoundLogError."""
         if self._f is None:
             raise self._err("reader is closed")
+        parts: list[bytes] = []
+        got = 0
         try:
             self._f.seek(offset)
-            data = self._f.read(n)
-        except OSError as exc:
+            while got < n:  # an unbuffered file object may return short reads
+                part = self._f.read(n - got)
+                if not part:
+                    break
+                parts.append(bytes(part))
+                got += len(part)
+        except (OSError, ValueError) as exc:  # ValueError: the file object was closed
             raise self._err(f"read error in {what} at byte {offset}: {exc}") from exc
-        if len(data) != n:
-            raise self._err(f"truncated in {what} at byte {offset} (need {n} bytes, got {len(data)})")
-        return data
+        if got != n:
+            raise self._err(f"truncated in {what} at byte {offset} (need {n} bytes, got {got})")
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _load(self) -> dict[int, _Segment]:
-        """Validate header, trailer, index and segment headers; return step -> segment."""
-        min_size = _FILE_HEADER.size + _TRAILER.size
-        if self._size < min_size:
-            raise self._err(f"truncated: file is {self._size} bytes, a complete log has >= {min_size}")
-        magic, version, flags, reserved = _FILE_HEADER.unpack(self._read_at(0, _FILE_HEADER.size, "header"))
+    def _scan(self) -> dict[int, _Segment]:
+        """Validate the file header and the segment headers; return step -> complete segment."""
+        if self._size < HEADER_BYTES:
+            raise self._err(f"truncated: file is {self._size} bytes, the file header needs {HEADER_BYTES}")
+        magic, version, flags, reserved = _FILE_HEADER.unpack(self._read_at(0, HEADER_BYTES, "header"))
         if magic != FILE_MAGIC:
             raise self._err(f"bad magic {magic!r} (not a detrl rounding log)")
         if version != FORMAT_VERSION:
@@ -350,40 +486,17 @@ class RoundLogReader:
             )
         if flags != 0 or reserved != 0:
             raise self._err(f"unsupported header flags 0x{flags:04x} / reserved 0x{reserved:08x}")
-
-        trailer_at = self._size - _TRAILER.size
-        index_offset, n_seg, index_crc, t_reserved, end = _TRAILER.unpack(
-            self._read_at(trailer_at, _TRAILER.size, "trailer")
-        )
-        if end != END_MAGIC:
-            raise self._err("no trailer at end of file (truncated, or the writer never called close())")
-        if t_reserved != 0:
-            raise self._err(f"trailer reserved field is 0x{t_reserved:08x}, expected 0")
-        if index_offset < _FILE_HEADER.size or index_offset + n_seg * _INDEX_ENTRY.size != trailer_at:
-            raise self._err(
-                f"index at byte {index_offset} with {n_seg} entries does not end at the trailer "
-                f"(byte {trailer_at}): bad index offset or count"
-            )
-        index = self._read_at(index_offset, trailer_at - index_offset, "index")
-        if zlib.crc32(index) != index_crc:
-            raise self._err("index checksum mismatch")
-
         segments: dict[int, _Segment] = {}
-        expected_offset = _FILE_HEADER.size  # segments are contiguous, in index order
-        prev_step = -1
-        for i, (step, offset) in enumerate(_INDEX_ENTRY.iter_unpack(index)):
-            if step <= prev_step:
-                raise self._err(f"index entry {i}: step {step} not greater than previous step {prev_step}")
-            if offset != expected_offset:
-                raise self._err(f"index entry {i}: segment offset {offset}, expected {expected_offset}")
-            if offset + _SEG_HEADER.size > index_offset:
-                raise self._err(f"index entry {i}: segment header at byte {offset} overruns the index")
+        offset, prev_step = HEADER_BYTES, -1
+        # Fewer bytes left than a segment header: the writer died while writing it (torn tail).
+        while self._size - offset >= _SEG_HEADER.size:
+            i = len(segments)
             raw_head = self._read_at(offset, _SEG_HEADER.size, f"segment {i} header")
-            tag, h_step, n_ops, raw_len, comp_len, crc = _SEG_HEADER.unpack(raw_head)
+            tag, step, n_ops, raw_len, comp_len, crc = _SEG_HEADER.unpack(raw_head)
             if tag != SEGMENT_TAG:
                 raise self._err(f"segment {i}: bad segment tag {tag!r} at byte {offset}")
-            if h_step != step:
-                raise self._err(f"segment {i}: header says step {h_step}, index says step {step}")
+            if step <= prev_step:
+                raise self._err(f"segment {i}: step {step} not greater than previous step {prev_step}")
             if raw_len > self.max_raw_bytes:
                 raise self._err(
                     f"segment {i} (step {step}): raw length {raw_len} exceeds limit {self.max_raw_bytes}"
@@ -392,14 +505,13 @@ class RoundLogReader:
                 raise self._err(
                     f"segment {i} (step {step}): {n_ops} op records cannot fit in {raw_len} bytes"
                 )
-            end_offset = offset + _SEG_HEADER.size + comp_len
-            if end_offset > index_offset:
-                raise self._err(f"segment {i} (step {step}): compressed length {comp_len} overruns the index")
-            segments[step] = _Segment(i, offset, raw_head[:-4], n_ops, raw_len, comp_len, crc)
-            expected_offset = end_offset
-            prev_step = step
-        if expected_offset != index_offset:
-            raise self._err(f"{index_offset - expected_offset} unindexed bytes before the index")
+            if comp_len > self._size - offset - _SEG_HEADER.size:
+                break  # the payload runs past the end of the file: torn tail
+            seg = _Segment(i, offset, raw_head[:-4], step, n_ops, raw_len, comp_len, crc)
+            segments[step] = seg
+            offset, prev_step = seg.end, step
+        self.end_of_segments: int = offset
+        self.torn_bytes: int = self._size - offset
         return segments
 
     def segment_bytes(self, step: int) -> int:
@@ -407,99 +519,437 @@ class RoundLogReader:
         seg = self._segments.get(step)
         return 0 if seg is None else _SEG_HEADER.size + seg.comp_len
 
-    def read_step(self, step: int) -> dict[int, OpEntries]:
+    def segment_end(self, step: int) -> int:
+        """Byte offset just past the last complete segment whose step is <= ``step``.
+
+        This is where a log resumed after ``step`` continues (see :meth:`RoundLogWriter.append`);
+        it is the 16-byte header size when no segment has a step <= ``step``.
+        """
+        k = bisect.bisect_right(self.steps, step)
+        return self._ends[k - 1] if k else HEADER_BYTES
+
+    def raw_bytes(self, offset: int, length: int) -> bytes:
+        """The file's bytes ``offset .. offset + length`` (bounded by the complete segments): a resumed
+        recording compares the segments it re-records with these."""
+        if offset < 0 or length < 0 or offset + length > self.end_of_segments:
+            raise self._err(f"byte range {offset}+{length} outside the complete segments")
+        return self._read_at(offset, length, "segments")
+
+    def cursor(self, step: int) -> StepCursor:
+        """A streaming decoder for ``step``'s segment (one with no records if it has none).
+
+        Checks the segment's checksum and zstd frame structure first, reading the compressed
+        payload in chunks of at most 1 MiB. See :class:`StepCursor`.
+        """
+        return StepCursor(self, self._segments.get(step), step)
+
+    def read_step(self, step: int, max_entries: int = DEFAULT_MAX_ENTRIES) -> dict[int, OpEntries]:
         """Return op position -> entries for ``step`` ({} if the step has no segment).
 
-        Verifies the checksum, the decompressed length and the record structure.
+        Decodes every record with the same checks as :class:`StepCursor` (checksum, frame,
+        decompressed length, record structure) but without an op output size to bound it; instead
+        a record of more than ``max_entries`` entries is refused before anything is allocated for
+        it. Memory: the returned arrays (up to 12 bytes per entry) plus the cursor's constant.
         """
-        seg = self._segments.get(step)
-        if seg is None:
-            return {}
-        where = f"segment {seg.index} (step {step})"
-        comp = self._read_at(seg.offset + _SEG_HEADER.size, seg.comp_len, f"{where} payload")
-        if zlib.crc32(comp, zlib.crc32(seg.header)) != seg.crc:
-            raise self._err(f"{where}: checksum mismatch")
-        raw = self._decompress(comp, seg.raw_len, where)
-        return self._decode(raw, seg.n_ops, where)
-
-    def _decompress(self, comp: bytes, raw_len: int, where: str) -> bytes:
-        # The frame must declare its content size: zstd then refuses to produce more than that,
-        # which bounds memory by raw_len (already checked against max_raw_bytes).
-        try:
-            declared = zstandard.frame_content_size(comp)
-            if declared != raw_len:
-                raise self._err(f"{where}: zstd frame declares {declared} bytes, header says {raw_len}")
-            dobj = self._dctx.decompressobj()
-            raw = dobj.decompress(comp)
-        except zstandard.ZstdError as exc:
-            raise self._err(f"{where}: zstd decompression failed: {exc}") from exc
-        if not dobj.eof or dobj.unused_data:
-            raise self._err(f"{where}: payload is not exactly one complete zstd frame")
-        if len(raw) != raw_len:
-            raise self._err(f"{where}: decompressed to {len(raw)} bytes, header says {raw_len}")
-        return raw
-
-    def _decode(self, raw: bytes, n_ops: int, where: str) -> dict[int, OpEntries]:
-        """Parse ``n_ops`` records that must consume ``raw`` exactly."""
-        out: dict[int, OpEntries] = {}
-        pos = 0
-        prev: tuple[int, bool] = (-1, True)  # (op, pinned) of the previous record
-        for r in range(n_ops):
-            if pos + _RECORD_HEADER.size > len(raw):
-                raise self._err(f"{where}: record {r} header overruns the payload at byte {pos}")
-            op, count, width_byte = _RECORD_HEADER.unpack_from(raw, pos)
-            pinned, width = bool(width_byte & PINNED_FLAG), width_byte & ~PINNED_FLAG
-            rec = f"{where} record {r} (op {op})"
-            pos += _RECORD_HEADER.size
-            # Ops increase; an op may have a direction record followed by a pinned record.
-            if not (op > prev[0] or (op == prev[0] and pinned and not prev[1])):
-                raise self._err(f"{rec}: op not greater than previous op {prev[0]}")
-            if count == 0:
-                raise self._err(f"{rec}: empty record")
-            if width not in (4, 8):
-                raise self._err(f"{rec}: index width {width}, expected 4 or 8")
-            n_tail = 4 * count if pinned else (count + 7) // 8
-            if pos + count * width + n_tail > len(raw):
-                raise self._err(f"{rec}: {count} entries overrun the payload")
-            planes = np.frombuffer(raw, dtype=np.uint8, count=count * width, offset=pos).reshape(width, count)
-            deltas = planes.T.copy().view("<u4" if width == 4 else "<u8").ravel()
-            pos += count * width
-            tail = np.frombuffer(raw, dtype=np.uint8, count=n_tail, offset=pos)
-            pos += n_tail
-            if width == 8 and int(deltas.max()) < _U32_LIMIT:
-                raise self._err(f"{rec}: non-canonical index width 8 (all deltas fit in 4 bytes)")
-            # uint64 cumsum wraps on overflow; since each delta < 2**64, a wrap shows up as a
-            # decrease, so the strict-increase check also rejects overflow.
-            idx = np.cumsum(deltas.astype(np.uint64), dtype=np.uint64)
-            if count > 1 and not np.all(idx[1:] > idx[:-1]):
-                raise self._err(f"{rec}: indices not strictly increasing (zero delta or overflow)")
-            if int(idx[-1]) >= _I64_LIMIT:
-                raise self._err(f"{rec}: index {int(idx[-1])} exceeds 2**63 - 1")
-            idx = idx.astype(np.int64)
-            if pinned:
-                values = tail.reshape(4, count).T.copy().view("<f4").ravel().astype(np.float32)
-                entries = out.get(op) or OpEntries(op=op, indices=np.zeros(0, np.int64), up=np.zeros(0, bool))
-                if np.intersect1d(idx, entries.indices, assume_unique=True).size:
-                    raise self._err(f"{rec}: a pinned element also has a direction entry")
-                entries.pinned_indices, entries.pinned_values = idx, values
-                out[op] = entries
-            else:
-                if count % 8 and int(tail[-1]) & ((1 << (8 - count % 8)) - 1):
-                    raise self._err(f"{rec}: nonzero padding bits in direction bytes")
-                up = np.unpackbits(tail, count=count).astype(bool)
-                out[op] = OpEntries(op=op, indices=idx, up=up)
-            prev = (op, pinned)
-        if pos != len(raw):
-            raise self._err(f"{where}: {len(raw) - pos} trailing bytes after {n_ops} records")
+        with self.cursor(step) as cur:
+            out: dict[int, OpEntries] = {}
+            while (head := cur._peek()) is not None:
+                e = cur._take_group(head, None, max_entries)
+                out[e.op] = e
+            cur.finish()
         return out
 
     def close(self) -> None:
-        """Close the file. Idempotent."""
+        """Close the file (also a file object passed in). Idempotent."""
         if self._f is not None:
-            self._f.close()
-            self._f = None
+            f, self._f = self._f, None
+            f.close()
 
     def __enter__(self) -> RoundLogReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Span:
+    """``read()`` over bytes [start, start + length) of the reader's file, seeking on every call,
+    so that several cursors (and read_step) can share one file object."""
+
+    def __init__(self, reader: RoundLogReader, start: int, length: int, what: str) -> None:
+        self._reader, self._pos, self.remaining, self._what = reader, start, length, what
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.remaining if n < 0 else min(n, self.remaining)
+        if n == 0:
+            return b""
+        data = self._reader._read_at(self._pos, n, self._what)
+        self._pos += n
+        self.remaining -= n
+        return data
+
+
+class _FrameWalk:
+    """Finds where one zstd frame ends from its block headers (RFC 8878, section 3.1.1), fed the
+    compressed payload in order, without decompressing. The streaming decompressor does not say
+    how much input it consumed, so this is how trailing data after the frame is detected."""
+
+    def __init__(self) -> None:
+        self.fed = 0  # payload bytes fed so far
+        self.problem: str | None = None
+        self.params: zstandard.FrameParameters | None = None
+        self.end: int | None = None  # payload offset just past the frame, once known
+        self._next = 0  # payload offset of the next block header
+        self._carry = b""  # the first bytes of a block header split between two chunks
+
+    def feed(self, chunk: bytes) -> None:
+        base = self.fed - len(self._carry)  # payload offset of data[0]
+        data = self._carry + chunk if self._carry else chunk
+        self.fed += len(chunk)
+        self._carry = b""
+        if self.problem is not None or self.end is not None:
+            return
+        if self.params is None:  # the first chunk holds the whole frame header (or the whole payload)
+            if data[:4] != _ZSTD_MAGIC:
+                self.problem = (
+                    f"payload is not a zstd frame (starts with {bytes(data[:4]).hex() or 'nothing'})"
+                )
+                return
+            try:
+                head = bytes(data[:_ZSTD_HEADER_MAX])
+                self.params = zstandard.get_frame_parameters(head)
+                self._next = zstandard.frame_header_size(head)
+            except zstandard.ZstdError as exc:
+                self.problem = f"bad zstd frame header: {exc}"
+                return
+        while True:
+            off = self._next - base
+            if off + 3 > len(data):
+                if off < len(data):
+                    self._carry = bytes(data[off:])
+                return
+            h = int.from_bytes(data[off : off + 3], "little")
+            btype, bsize = (h >> 1) & 3, h >> 3
+            if btype == 3:
+                self.problem = f"reserved zstd block type at payload byte {self._next}"
+                return
+            if bsize > _ZSTD_BLOCK_MAX:
+                self.problem = f"zstd block of {bsize} bytes at payload byte {self._next} exceeds 128 KiB"
+                return
+            self._next += 3 + (1 if btype == 1 else bsize)  # an RLE block stores its byte once
+            if h & 1:  # last block; an optional 4-byte content checksum follows
+                self.end = self._next + (4 if self.params.has_checksum else 0)
+                return
+
+    def result(self, comp_len: int) -> str | None:
+        """None if the fed payload of ``comp_len`` bytes is exactly one frame, else the problem."""
+        if self.problem is not None:
+            return self.problem
+        if self.end is None or self.end > comp_len:
+            return "payload is not exactly one complete zstd frame (the frame is cut short)"
+        if self.end < comp_len:
+            return f"payload is not exactly one complete zstd frame ({comp_len - self.end} bytes after it)"
+        return None
+
+
+@dataclass(frozen=True)
+class _Head:
+    """A record header read from the payload (its body not yet read)."""
+
+    r: int  # record number within the segment
+    op: int
+    count: int
+    width: int  # bytes per delta, 4 or 8
+    pinned: bool
+    body: int  # bytes of deltas and bits/values after the header
+
+
+class StepCursor:
+    """Streaming, memory-bounded decoder of one step's segment; get one from
+    :meth:`RoundLogReader.cursor`.
+
+    A replayer asks for each op position in increasing order with :meth:`take`, giving the op
+    output's element count; records for op positions it never asks for are read in bounded chunks
+    and discarded (counted in :attr:`skipped_records`). :meth:`finish` then checks the rest of the
+    segment. The payload is decompressed incrementally; nothing is allocated from a length in the
+    file before that length has been checked against the op output size.
+
+    Memory bound: one :meth:`take` allocates at most 12 bytes per element of the op output
+    (``numel``): an int64 index plus a direction bit in a byte, or an int64 index plus an FP32
+    value, for each logged element, and the entries of one op are disjoint indices < ``numel``.
+    On top of that, a cursor holds a constant of at most about 10 MiB (the zstd window, at most
+    :data:`MAX_WINDOW_BYTES` = 8 MiB, plus chunk buffers of 1 MiB or less).
+
+    Attributes:
+        step: the training step.
+        skipped_records: records read and discarded because no :meth:`take` asked for their op.
+    """
+
+    def __init__(self, reader: RoundLogReader, seg: _Segment | None, step: int) -> None:
+        self.step = step
+        self.skipped_records = 0
+        self._reader = reader
+        self._seg = seg
+        self._n_ops = 0 if seg is None else seg.n_ops
+        self._raw_len = 0 if seg is None else seg.raw_len
+        self._where = "" if seg is None else f"segment {seg.index} (step {step})"
+        self._raw_pos = 0  # decompressed bytes consumed
+        self._records = 0  # record headers read
+        self._prev: tuple[int, bool] = (-1, True)  # (op, pinned) of the previous record
+        self._pending: _Head | None = None  # a record header read but whose body is not
+        self._last_take = -1
+        self._zr: zstandard.ZstdDecompressionReader | None = None
+        self._scratch: np.ndarray | None = None
+        self._done = False
+        if seg is not None:
+            self._open()
+
+    def _err(self, msg: str) -> RoundLogError:
+        return self._reader._err(f"{self._where}: {msg}")
+
+    def _open(self) -> None:
+        """Check the payload's CRC and frame structure, then start the decompressor."""
+        seg = self._seg
+        assert seg is not None
+        start, what = seg.offset + _SEG_HEADER.size, f"{self._where} payload"
+        crc, walk, pos = zlib.crc32(seg.header), _FrameWalk(), 0
+        while pos < seg.comp_len:  # comp_len fits in the file (checked by the scan)
+            chunk = self._reader._read_at(start + pos, min(_IO_CHUNK, seg.comp_len - pos), what)
+            crc = zlib.crc32(chunk, crc)
+            walk.feed(chunk)
+            pos += len(chunk)
+        if crc != seg.crc:
+            raise self._err("checksum mismatch")
+        if walk.params is None:
+            raise self._err(walk.result(seg.comp_len) or "payload is not a zstd frame")
+        declared = walk.params.content_size
+        if declared != seg.raw_len:
+            shown = "no content size" if declared == zstandard.CONTENTSIZE_UNKNOWN else f"{declared} bytes"
+            raise self._err(f"zstd frame declares {shown}, header says {seg.raw_len}")
+        if walk.params.dict_id != 0:
+            raise self._err(f"zstd frame needs dictionary {walk.params.dict_id}")
+        if walk.params.window_size > MAX_WINDOW_BYTES:
+            raise self._err(
+                f"zstd window of {walk.params.window_size} bytes exceeds the limit of {MAX_WINDOW_BYTES}"
+            )
+        problem = walk.result(seg.comp_len)
+        if problem is not None:
+            raise self._err(problem)
+        self._span = _Span(self._reader, start, seg.comp_len, what)
+        # A decompressor per cursor: a stream reader holds its decompressor's state while open.
+        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_BYTES)
+        self._zr = dctx.stream_reader(self._span, read_size=1 << 17, read_across_frames=False, closefd=False)
+
+    # -- decompressed input ----------------------------------------------------------------------
+
+    def _readinto(self, buf: memoryview) -> None:
+        """Fill ``buf`` with the next decompressed bytes (the caller checked they are within raw_len)."""
+        if self._zr is None:
+            raise ValueError(f"cursor for step {self.step} is closed")
+        got, n = 0, len(buf)
+        while got < n:
+            try:
+                k = self._zr.readinto(buf[got:])
+            except zstandard.ZstdError as exc:
+                raise self._err(f"zstd decompression failed: {exc}") from exc
+            if not k:
+                raise self._err(f"decompressed to {self._raw_pos + got} bytes, header says {self._raw_len}")
+            got += k
+        self._raw_pos += n
+
+    def _chunk(self, n: int) -> np.ndarray:
+        """The next ``n`` <= 1 MiB decompressed bytes, as a view of a reused uint8 buffer."""
+        if self._scratch is None:
+            self._scratch = np.empty(_IO_CHUNK, np.uint8)
+        view = self._scratch[:n]
+        self._readinto(memoryview(view))
+        return view
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def _peek(self) -> _Head | None:
+        """The next record's header (read and checked once), or None after the last record."""
+        if self._pending is not None or self._records == self._n_ops:
+            return self._pending
+        r = self._records
+        if self._raw_pos + _RECORD_HEADER.size > self._raw_len:
+            raise self._err(f"record {r} header overruns the payload at byte {self._raw_pos}")
+        buf = bytearray(_RECORD_HEADER.size)
+        self._readinto(memoryview(buf))
+        op, count, width_byte = _RECORD_HEADER.unpack(buf)
+        pinned, width = bool(width_byte & PINNED_FLAG), width_byte & ~PINNED_FLAG
+        rec = f"record {r} (op {op})"
+        # Ops increase; an op may have a direction record followed by a pinned record.
+        prev_op, prev_pinned = self._prev
+        if not (op > prev_op or (op == prev_op and pinned and not prev_pinned)):
+            raise self._err(f"{rec}: op not greater than previous op {prev_op}")
+        if count == 0:
+            raise self._err(f"{rec}: empty record")
+        if width not in (4, 8):
+            raise self._err(f"{rec}: index width {width}, expected 4 or 8")
+        body = count * width + (4 * count if pinned else (count + 7) // 8)
+        if self._raw_pos + body > self._raw_len:
+            raise self._err(f"{rec}: {count} entries overrun the payload")
+        self._records += 1
+        self._prev = (op, pinned)
+        self._pending = _Head(r, op, count, width, pinned, body)
+        return self._pending
+
+    def _skip(self, head: _Head) -> None:
+        """Read and discard ``head``'s body in bounded chunks."""
+        left = head.body
+        while left:
+            n = min(left, _IO_CHUNK)
+            self._chunk(n)
+            left -= n
+        self._pending = None
+        self.skipped_records += 1
+
+    def _planes(self, count: int, n_planes: int, acc: np.ndarray) -> bool:
+        """OR ``n_planes`` byte planes of ``count`` bytes into ``acc`` (uint, shape (count,));
+        return whether any byte of planes 4 and up is nonzero."""
+        high = False
+        for b in range(n_planes):
+            shift = acc.dtype.type(8 * b)
+            for i in range(0, count, _ELEM_CHUNK):
+                chunk = self._chunk(min(_ELEM_CHUNK, count - i))
+                if b >= 4 and not high:
+                    high = bool(chunk.any())
+                acc[i : i + chunk.size] |= chunk.astype(acc.dtype) << shift
+        return high
+
+    def _indices(self, head: _Head, numel: int | None, taken: int, max_entries: int) -> np.ndarray:
+        """Read ``head``'s delta-coded indices: int64, shape (count,), strictly increasing, < numel.
+
+        ``taken`` entries of the same op were already read (its direction record); the count is
+        checked against ``max_entries`` and ``numel - taken`` before anything is allocated.
+        """
+        rec = f"record {head.r} (op {head.op})"
+        count = head.count
+        if count > max_entries:
+            raise self._err(f"{rec}: {count} entries exceed the limit of {max_entries} per record")
+        if numel is not None and count > numel - taken:
+            also = f" plus {taken} direction entries" if taken else ""
+            raise self._err(f"{rec}: {count} entries{also} exceed the op output's {numel} elements")
+        acc = np.zeros(count, np.uint64)
+        high = self._planes(count, head.width, acc)
+        if head.width == 8 and not high:
+            raise self._err(f"{rec}: non-canonical index width 8 (all deltas fit in 4 bytes)")
+        # uint64 cumsum wraps on overflow; since each delta < 2**64, a wrap shows up as a
+        # decrease, so the strict-increase check also rejects overflow. In place: no copy.
+        np.cumsum(acc, out=acc)
+        for i in range(0, count - 1, _ELEM_CHUNK):
+            a = acc[i : i + _ELEM_CHUNK + 1]
+            if not np.all(a[1:] > a[:-1]):
+                raise self._err(f"{rec}: indices not strictly increasing (zero delta or overflow)")
+        last = int(acc[-1])
+        if last >= _I64_LIMIT:
+            raise self._err(f"{rec}: index {last} exceeds 2**63 - 1")
+        if numel is not None and last >= numel:
+            raise self._err(f"{rec}: index {last} is outside the op output's {numel} elements")
+        return acc.view(np.int64)
+
+    def _take_group(self, head: _Head, numel: int | None, max_entries: int) -> OpEntries:
+        """Read the direction and/or pinned record of ``head.op`` (head is the pending record)."""
+        op = head.op
+        idx, up = np.zeros(0, np.int64), np.zeros(0, bool)
+        if not head.pinned:
+            idx = self._indices(head, numel, 0, max_entries)
+            packed = np.empty((head.count + 7) // 8, np.uint8)
+            self._readinto(memoryview(packed))
+            self._pending = None
+            if head.count % 8 and int(packed[-1]) & ((1 << (8 - head.count % 8)) - 1):
+                raise self._err(f"record {head.r} (op {op}): nonzero padding bits in direction bytes")
+            up = np.unpackbits(packed, count=head.count).view(bool)
+            del packed
+            nxt = self._peek()
+            if nxt is None or nxt.op != op:
+                return OpEntries(op=op, indices=idx, up=up)
+            head = nxt  # the op's pinned record (the order check in _peek allows nothing else)
+        pidx = self._indices(head, numel, idx.size, max_entries)
+        bits = np.zeros(head.count, np.uint32)
+        self._planes(head.count, 4, bits)
+        self._pending = None
+        values = bits.view(np.float32)
+        if idx.size:  # disjointness; searchsorted in chunks keeps the temporaries small
+            for i in range(0, pidx.size, _ELEM_CHUNK):
+                p = pidx[i : i + _ELEM_CHUNK]
+                at = np.minimum(np.searchsorted(idx, p), idx.size - 1)
+                if np.any(idx[at] == p):
+                    raise self._err(f"record {head.r} (op {op}): a pinned element also has a direction entry")
+        return OpEntries(op=op, indices=idx, up=up, pinned_indices=pidx, pinned_values=values)
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def take(self, op: int, numel: int) -> OpEntries | None:
+        """The entries logged for op position ``op``, whose output has ``numel`` elements.
+
+        Returns the op's direction and/or pinned entries exactly as :meth:`RoundLogReader.read_step`
+        would, or None if the step logged nothing for ``op``. Ops must be asked in strictly
+        increasing order (ValueError otherwise); records of smaller ops not asked for are skipped.
+        A record with more entries than ``numel`` (direction and pinned together), or an index
+        >= ``numel``, raises RoundLogError; the count is checked before allocating. After a
+        RoundLogError the cursor is closed (further calls raise ValueError).
+        """
+        if self._done:
+            raise ValueError(f"cursor for step {self.step} is finished or closed")
+        op = _check_uint("op", op, _U32_LIMIT)
+        numel = _check_uint("numel", numel, _I64_LIMIT)
+        if op <= self._last_take:
+            raise ValueError(f"ops must be taken in increasing order, got {op} after {self._last_take}")
+        self._last_take = op
+        try:
+            while (head := self._peek()) is not None and head.op < op:
+                self._skip(head)
+            if head is None or head.op > op:
+                return None
+            # No cap but numel: a record's count is a u32, so _U32_LIMIT never refuses one.
+            return self._take_group(head, numel, _U32_LIMIT)
+        except RoundLogError:
+            self.close()  # the stream is mid-record now; nothing after this can be trusted
+            raise
+
+    def finish(self) -> None:
+        """Check the rest of the segment, then close the cursor.
+
+        Records not yet taken are skipped (counted in :attr:`skipped_records`; their headers must
+        still be well-formed). Then exactly ``n_ops`` records must have consumed exactly
+        ``raw_len`` decompressed bytes, and the zstd frame must end there, complete. Raises
+        RoundLogError otherwise. The cursor is closed afterwards either way; calling finish again
+        does nothing.
+        """
+        if self._done:
+            return
+        try:
+            self._finish()
+        finally:
+            self.close()
+
+    def _finish(self) -> None:
+        while (head := self._peek()) is not None:
+            self._skip(head)
+        if self._zr is not None:
+            if self._raw_pos != self._raw_len:
+                raise self._err(f"{self._raw_len - self._raw_pos} trailing bytes after {self._n_ops} records")
+            extra = bytearray(1)
+            try:
+                more = self._zr.readinto(extra)
+            except zstandard.ZstdError as exc:
+                raise self._err(f"zstd decompression failed: {exc}") from exc
+            if more:
+                raise self._err(f"zstd frame decompresses to more than {self._raw_len} bytes")
+            if self._span.remaining:
+                raise self._err("payload is not exactly one complete zstd frame")
+
+    def close(self) -> None:
+        """Release the decompressor without checking the rest. Idempotent."""
+        self._done = True
+        self._scratch = None
+        if self._zr is not None:
+            zr, self._zr = self._zr, None
+            zr.close()
+
+    def __enter__(self) -> StepCursor:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -516,7 +966,8 @@ def rewrite(
 
     ``transform`` gets op -> entries for each step with a segment and returns the (possibly
     modified) mapping, or None to drop that step's segment. This is how a dishonest trainer would
-    forge a log: the result has valid checksums, so only a replay can detect the change.
+    forge a log: the result has valid checksums, so only a replay can detect the change. A torn
+    tail of ``src`` is not copied.
     """
     with RoundLogReader(src) as reader, RoundLogWriter(dst, level=level) as writer:
         for step in reader.steps:

@@ -46,3 +46,68 @@ def test_unknown_profile_and_benchmark_are_one_line_errors(tmp_path, capsys):
     assert main(["audit", str(tmp_path), "--hardware", "emulated:nope"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("detrl: error:")
+
+
+def test_version(capsys):
+    import pytest
+
+    import detrl
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"detrl {detrl.__version__}" == "detrl 0.1.0"
+
+
+def test_bench_help_lists_every_benchmark_with_its_description(capsys):
+    import pytest
+
+    from detrl import bench
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    listed = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()}
+    for name in ("overhead", "roundlog", "nolog", "dqn"):  # dqn comes from agents' entry point
+        description = bench.benchmarks()[name][0]
+        assert name in listed and description in listed[name], out
+
+
+def test_unknown_benchmark_is_one_line_listing_the_known(capsys):
+    assert main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("detrl: error: unknown benchmark 'nope'")
+    assert all(name in err for name in ("overhead", "roundlog", "nolog", "dqn"))
+
+
+def test_profiles_list_cuda_with_its_availability(capsys):
+    import torch
+
+    assert main(["profiles"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "cuda" in lines
+    expected = "(available here)" if torch.cuda.is_available() else "(not available here)"
+    assert lines["cuda"].endswith(expected)
+
+
+def test_unknown_config_key_suggests_the_nearest(tmp_path, capsys):
+    rc = main(["train", "configs/supervised/digits_cnn.yaml", "--set", "optimizer.lrr=0.1", "--quiet",
+               "--no-tensorboard", "--out", str(tmp_path / "run")])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err == "detrl: error: config error: optimizer.lrr: unknown key (did you mean optimizer.lr?)\n"
+
+
+def test_packaged_config_resolves_outside_a_checkout(tmp_path, monkeypatch):
+    import pytest
+
+    from detrl import config
+
+    monkeypatch.chdir(tmp_path)  # no configs/ here: only the package's copy can answer
+    assert config.load("configs/dqn/tiny.yaml").name == config.load("dqn/tiny.yaml").name == "tiny"
+    assert "dqn/tiny.yaml" in config.packaged_configs()
+    with pytest.raises(
+        config.ConfigError, match=r"config file not found: configs/nope\.yaml .*dqn/tiny\.yaml"
+    ):
+        config.load("configs/nope.yaml")

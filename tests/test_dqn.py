@@ -8,6 +8,7 @@ Runs use ``configs/dqn/tiny.yaml`` (CartPole, small networks) through :func:`age
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import yaml
 
 from agents import dqn
-from detrl import Session, Sources, commit
+from detrl import BundleError, Session, Sources, commit, tasks
 from detrl import config as config_mod
 from detrl.cli import main
 
@@ -86,9 +87,7 @@ def run(cfg: dqn.Config, mode: str = "off", run_dir: Path | None = None, sources
         wrap_env: Any = None, **session_kw: Any) -> tuple[Session, dict[str, Any]]:  # fmt: skip
     torch.set_num_threads(cfg.threads)
     src = sources if sources is not None else Sources.from_config(cfg.sources)
-    options = {**dqn.session_options(cfg), **session_kw}
-    s = Probe(run_dir, mode=mode, precision=cfg.precision, sources=src, hardware=cfg.hardware,
-              checkpoint_every=cfg.verify.checkpoint_every, config=cfg.model_dump(mode="json"), **options)  # fmt: skip
+    s = tasks.session_for(cfg, run_dir, mode, session_type=Probe, sources=src, **session_kw)
     with s:
         result = dqn.run(cfg, s, wrap_env=wrap_env)
     return s, result
@@ -251,9 +250,7 @@ def _record_stopped(cfg: dqn.Config, run_dir: Path, k: int) -> None:
             return super().__enter__()
 
     torch.set_num_threads(cfg.threads)
-    s = Stoppable(run_dir, mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
-                  checkpoint_every=cfg.verify.checkpoint_every, config=cfg.model_dump(mode="json"),
-                  **dqn.session_options(cfg))  # fmt: skip
+    s = tasks.session_for(cfg, run_dir, "record", session_type=Stoppable)
     with s:
         dqn.run(cfg, s, wrap_env=lambda env: StopAt(env, ref, k))
     assert s.step_index == k
@@ -266,31 +263,48 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, precision, ca
     full, full_result = run(cfg, mode="record", run_dir=tmp_path / "full")
     _record_stopped(cfg, tmp_path / "resumed", k)
     manifest = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
-    assert manifest["steps"] == k and manifest["config"]["train"]["steps"] == k
-    rc = main(["train", "--resume", str(tmp_path / "resumed"), "--set", f"train.steps={steps}", "--quiet",
-               "--no-tensorboard"])  # fmt: skip
+    # A stop records where it stopped and leaves the planned schedule alone (epsilon depends on it).
+    assert manifest["status"] == "stopped" and manifest["stopped_at"] == k
+    assert manifest["config"]["train"]["steps"] == manifest["planned_steps"] == steps
+    rc = main(["train", "--resume", str(tmp_path / "resumed"), "--quiet", "--no-tensorboard"])
     assert rc == 0, capsys.readouterr().err
     a = json.loads((tmp_path / "full" / "manifest.json").read_text())
     b = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
-    assert b["steps"] == steps and a["merkle_root"] == b["merkle_root"]  # every step's state, same bits
-    assert (tmp_path / "full" / "commitments.json").read_bytes() == (
-        tmp_path / "resumed" / "commitments.json"
-    ).read_bytes()
+    assert b["status"] == "complete" and b["durable"] == a["durable"]  # every step's state, same bits
+    a.pop("created"), b.pop("created")
+    assert a == b
+    names = ["commitments", *(f"checkpoints/{p.name}" for p in (tmp_path / "full" / "checkpoints").iterdir())]
     if precision == "verifiable":
-        assert (tmp_path / "full" / "roundlog").read_bytes() == (
-            tmp_path / "resumed" / "roundlog"
-        ).read_bytes()
+        names.append("roundlog")
+    for name in names:
+        assert (tmp_path / "full" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+    assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == sorted(
+        os.listdir(tmp_path / "resumed" / "checkpoints")
+    )  # the stop's own checkpoint is gone once the resumed run passed it
+    if precision == "verifiable":
         assert main(["audit", str(tmp_path / "resumed"), "--hardware", "emulated:splitk", "--quiet"]) == 0
 
 
-def test_resume_refuses_a_different_initial_model(tmp_path, capsys):
-    cfg = tiny(**{"precision": "fp32", "train.steps": 400, "verify.checkpoint_every": 0})
-    run(cfg, mode="record", run_dir=tmp_path / "r")
+def test_resume_refuses_a_different_initial_model(tmp_path):
+    cfg = tiny(**{"precision": "fp32", "train.steps": 400, "verify.checkpoint_every": 100})
+    _record_stopped(cfg, tmp_path / "r", 250)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    # (the switchboard comes from the bundle on resume; a config with other layer widths is another model)
+    other = tiny(**{"precision": "fp32", "train.steps": 400, "verify.checkpoint_every": 100,
+                    "agent.hidden": "[16,16]"})  # fmt: skip
+    with pytest.raises(BundleError, match="different initial model"):
+        run(other, mode="record", run_dir=tmp_path / "r", resume=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()} == before
+
+
+def test_resume_refuses_a_set_that_would_change_recorded_steps(tmp_path, capsys):
+    cfg = tiny(**{"precision": "fp32", "train.steps": 400, "verify.checkpoint_every": 100})
+    _record_stopped(cfg, tmp_path / "r", 250)
     capsys.readouterr()
-    rc = main(["train", "--resume", str(tmp_path / "r"), "--set", "train.steps=800", "--set",
-               "sources.init.seed=5", "--quiet", "--no-tensorboard"])  # fmt: skip
-    err = capsys.readouterr().err
-    assert rc == 2 and "different initial model" in err and err.count("\n") == 1
+    for key in ("train.steps=800", "sources.init.seed=5"):
+        rc = main(["train", "--resume", str(tmp_path / "r"), "--set", key, "--quiet", "--no-tensorboard"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "would change steps already recorded" in err and err.count("\n") == 1, err
 
 
 # --- the hardware switch ------------------------------------------------------------------------
@@ -403,8 +417,7 @@ def test_a_false_frozen_claim_is_caught_at_its_step(tmp_path, capsys):
 
     cfg = tiny(**{"train.steps": 300, "agent.learning_starts": 100})  # step 250 is an update step
     torch.set_num_threads(cfg.threads)
-    s = Liar(tmp_path / "run", mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
-             config=cfg.model_dump(mode="json"), **dqn.session_options(cfg))  # fmt: skip
+    s = tasks.session_for(cfg, tmp_path / "run", "record", session_type=Liar)
     with s:
         dqn.run(cfg, s)
     assert main(["audit", str(tmp_path / "run"), "--quiet"]) == 1

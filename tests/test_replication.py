@@ -102,7 +102,9 @@ def test_thread_count_changes_fp32_bits_but_not_verifiable_ones(tmp_path):
             args = ["train", "configs/supervised/digits_cnn.yaml", "--out", str(out), "--quiet", "--no-tensorboard",
                     "--set", f"threads={threads}", "--set", f"precision={precision}", "--set", "train.steps=5"]  # fmt: skip
             assert main(args) == 0
-            roots[precision, threads] = json.loads((out / "manifest.json").read_text())["merkle_root"]
+            roots[precision, threads] = json.loads((out / "manifest.json").read_text())["durable"][
+                "merkle_root"
+            ]
     assert roots["verifiable", 1] == roots["verifiable", 2]
     # oneDNN's FP32 convolutions on this CPU split work by thread count
     assert roots["fp32", 1] != roots["fp32", 2]

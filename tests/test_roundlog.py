@@ -1,4 +1,5 @@
-"""Tests for detrl.roundlog: round trips, size, and rejection of every kind of malformed file.
+"""Tests for detrl.roundlog: round trips, size, torn tails, streaming cursors, appending, and
+rejection of every kind of malformed file.
 
 Forged files are built by hand from the layout in docs/roundlog.md (not via the module's
 private helpers), so these tests also check that the implementation matches the spec.
@@ -6,7 +7,14 @@ private helpers), so these tests also check that the implementation matches the 
 
 from __future__ import annotations
 
+import io
+import os
+import resource
+import signal
 import struct
+import subprocess
+import sys
+import tracemalloc
 import zlib
 from pathlib import Path
 
@@ -16,43 +24,63 @@ import zstandard
 
 from detrl.roundlog import (
     FORMAT_VERSION,
+    MAX_WINDOW_BYTES,
     OpEntries,
     RoundLogError,
     RoundLogReader,
     RoundLogWriter,
     dense_reference_bytes,
+    encode_segment,
     rewrite,
+    segment_compressor,
 )
 
 HEADER = struct.Struct("<8sHHI")
 SEG = struct.Struct("<4sQIQQI")
-TRAILER = struct.Struct("<QQII8s")
 
 
 # --- helpers -------------------------------------------------------------------------------------
 
 
 def random_ops(
-    rng: np.random.Generator, n_ops: int, max_entries: int, space: int = 1 << 20
+    rng: np.random.Generator, n_ops: int, max_entries: int, space: int = 1 << 20, pinned: bool = False
 ) -> list[OpEntries]:
-    """Random sparse entries: ``n_ops`` distinct sorted op positions, each with sorted unique indices."""
+    """Random sparse entries: ``n_ops`` distinct sorted op positions, each with sorted unique indices
+    (and, with ``pinned``, sometimes disjoint pinned values, or only pinned values)."""
     ops = []
     for op in np.sort(rng.choice(5000, size=n_ops, replace=False)):
         n = int(rng.integers(1, max_entries + 1))
         idx = np.sort(rng.choice(space, size=n, replace=False)).astype(np.int64)
-        ops.append(OpEntries(int(op), idx, rng.random(n) < 0.5))
+        e = OpEntries(int(op), idx, rng.random(n) < 0.5)
+        if pinned and rng.random() < 0.5:
+            which = rng.random(n) < 0.3
+            if rng.random() < 0.2:
+                which[:] = True  # an op with only pinned values
+            e = OpEntries(
+                int(op),
+                idx[~which],
+                e.up[~which],
+                pinned_indices=idx[which],
+                pinned_values=rng.standard_normal(int(which.sum())).astype(np.float32),
+            )
+        ops.append(e)
     return ops
 
 
 def as_dict(ops: list[OpEntries]) -> dict[int, OpEntries]:
-    return {e.op: e for e in ops}
+    return {e.op: e for e in ops if e.indices.size or e.pinned_indices.size}
 
 
-def record(op: int, deltas: list[int], bits: bytes, width: int = 4) -> bytes:
+def record(op: int, deltas: list[int], bits: bytes, width: int = 4, flag: int = 0) -> bytes:
     """One raw op record, per the spec: header, deltas in byte planes (all byte 0s, then all byte 1s, ...)."""
     words = [d.to_bytes(width, "little") for d in deltas]
     planes = bytes(w[b] for b in range(width) for w in words)
-    return struct.pack("<IIB", op, len(deltas), width) + planes + bits
+    return struct.pack("<IIB", op, len(deltas), width | flag) + planes + bits
+
+
+def pinned_record(op: int, deltas: list[int], values: list[float]) -> bytes:
+    v = np.array(values, "<f4").view(np.uint8).reshape(-1, 4).T.tobytes()  # byte planes
+    return record(op, deltas, v, flag=0x80)
 
 
 def segment(
@@ -64,38 +92,61 @@ def segment(
     return head + struct.pack("<I", zlib.crc32(comp, zlib.crc32(head))) + comp
 
 
-def forge(path: Path, segments: list[tuple[int, bytes]], version: int = FORMAT_VERSION) -> None:
-    """Write a complete file from (step, segment bytes) with a correct index and trailer."""
-    body = HEADER.pack(b"DTRLRLOG", version, 0, 0)
-    index = b""
-    for step, seg in segments:
-        index += struct.pack("<QQ", step, len(body))
-        body += seg
-    trailer = TRAILER.pack(len(body), len(segments), zlib.crc32(index), 0, b"DTRLREND")
-    path.write_bytes(body + index + trailer)
+def file_header(version: int = FORMAT_VERSION) -> bytes:
+    return HEADER.pack(b"DTRLRLOG", version, 0, 0)
 
 
-def reindex(data: bytes, entries: list[tuple[int, int]]) -> bytes:
-    """Replace the index of a complete file by ``entries`` with a correct CRC."""
-    index_offset, n, _, _, _ = TRAILER.unpack(data[-32:])
-    index = b"".join(struct.pack("<QQ", s, o) for s, o in entries)
-    trailer = TRAILER.pack(index_offset, len(entries), zlib.crc32(index), 0, b"DTRLREND")
-    return data[:index_offset] + index + trailer
+def forge(path: Path, segments: list[bytes], version: int = FORMAT_VERSION) -> None:
+    """Write a file from segment bytes: file header, then the segments back to back."""
+    path.write_bytes(file_header(version) + b"".join(segments))
 
 
-def read_all(path: Path) -> dict[int, dict[int, OpEntries]]:
-    with RoundLogReader(path) as r:
-        return {s: r.read_step(s) for s in r.steps}
+def read_all(source: Path | io.BytesIO, numel: int = (1 << 63) - 1) -> dict[int, dict[int, OpEntries]]:
+    """Every step via read_step, and again via a cursor taking every op; both must agree."""
+    with RoundLogReader(source) as r:
+        out = {s: r.read_step(s) for s in r.steps}
+        for s in r.steps:
+            with r.cursor(s) as c:
+                got = {op: c.take(op, numel) for op in out[s]}
+                c.finish()
+                assert got == out[s] and c.skipped_records == 0
+        return out
 
 
 def assert_rejected(path: Path, match: str = "") -> RoundLogError:
-    """Opening and reading every step must raise RoundLogError naming the file."""
-    with pytest.raises(RoundLogError) as info:
-        read_all(path)
-    msg = str(info.value)
-    assert msg.startswith(f"roundlog: {path}"), msg
-    assert match in msg, msg
+    """Opening and reading every step (read_step, and a cursor taking ops 0..7) must raise
+    RoundLogError naming the file."""
+    for way in ("read_step", "cursor"):
+        with pytest.raises(RoundLogError) as info, RoundLogReader(path) as r:
+            for s in r.steps:
+                if way == "read_step":
+                    r.read_step(s)
+                else:
+                    with r.cursor(s) as c:
+                        for op in range(8):  # the forged records use ops < 8
+                            c.take(op, (1 << 63) - 1)
+                        c.finish()
+        msg = str(info.value)
+        assert msg.startswith(f"roundlog: {path}"), msg
+        assert match in msg, msg
+        assert "\n" not in msg
     return info.value
+
+
+def detected(path: Path) -> bool:
+    """True if reading ``path`` raises RoundLogError or shows a torn tail; any other exception fails."""
+    try:
+        with RoundLogReader(path) as r:
+            if r.torn_bytes:
+                return True
+            for s in r.steps:
+                r.read_step(s)
+            for s in r.steps:
+                with r.cursor(s) as c:
+                    c.finish()
+    except RoundLogError:
+        return True
+    return False
 
 
 @pytest.fixture
@@ -109,6 +160,12 @@ def small_log(tmp_path: Path) -> Path:
     return p
 
 
+def segment_offsets(path: Path) -> list[tuple[int, int, int]]:
+    """(step, start, end) of every complete segment, from the reader's public API."""
+    with RoundLogReader(path) as r:
+        return [(s, r.segment_end(s) - r.segment_bytes(s), r.segment_end(s)) for s in r.steps]
+
+
 # --- round trips -------------------------------------------------------------------------------
 
 
@@ -117,8 +174,9 @@ def test_round_trip_many_steps(tmp_path: Path) -> None:
     p = tmp_path / "log.rlog"
     expected: dict[int, dict[int, OpEntries]] = {}
     with RoundLogWriter(p) as w:
+        assert w.bytes_written == 16
         for step in range(0, 200, 3):  # gaps between steps
-            ops = [] if step % 4 == 0 else random_ops(rng, int(rng.integers(1, 20)), 50)
+            ops = [] if step % 4 == 0 else random_ops(rng, int(rng.integers(1, 20)), 50, pinned=True)
             n = w.write_step(step, ops)
             assert n > 0 and w.bytes_written > n
             expected[step] = as_dict(ops)
@@ -132,21 +190,28 @@ def test_round_trip_many_steps(tmp_path: Path) -> None:
         expected[1001] = as_dict(huge)
     size = p.stat().st_size
     assert w.bytes_written == size
+    assert read_all(p) == expected
     with RoundLogReader(p) as r:
         assert r.steps == sorted(expected)
-        for step, ops in expected.items():
-            got = r.read_step(step)
-            assert got == ops
-            for e in got.values():
-                assert e.indices.dtype == np.int64 and e.up.dtype == bool
+        assert r.torn_bytes == 0 and r.end_of_segments == size
+        for e in r.read_step(1001).values():
+            assert e.indices.dtype == np.int64 and e.up.dtype == bool
         assert r.read_step(1) == {} and r.segment_bytes(1) == 0
-        assert sum(r.segment_bytes(s) for s in r.steps) == size - 16 - 16 * len(r.steps) - 32
+        assert sum(r.segment_bytes(s) for s in r.steps) == size - 16
+        # segment_end: past the last segment with step <= the argument; the header size before any
+        assert r.segment_end(-1) == 16 and r.segment_end(0) == 16 + r.segment_bytes(0)
+        assert r.segment_end(1) == r.segment_end(2) == r.segment_end(0)
+        assert r.segment_end(1001) == r.segment_end(10**9) == size
+        ends = [r.segment_end(s) for s in r.steps]
+        assert ends == sorted(ends) and all(
+            b - a == r.segment_bytes(s) for a, b, s in zip([16, *ends], ends, r.steps)
+        )
 
 
 def test_empty_file_and_empty_ops_dropped(tmp_path: Path) -> None:
     p = tmp_path / "empty.rlog"
     RoundLogWriter(p).close()
-    assert read_all(p) == {}
+    assert p.stat().st_size == 16 and read_all(p) == {}
     q = tmp_path / "e2.rlog"
     with RoundLogWriter(q) as w:
         w.write_step(5, [OpEntries(0, np.array([], np.int64), np.array([], bool)), OpEntries(1, [4], [True])])
@@ -188,7 +253,7 @@ def test_rewrite(small_log: Path, tmp_path: Path) -> None:
             assert np.array_equal(e.up, ~orig[s][k].up)
 
 
-# --- writer input validation -------------------------------------------------------------------
+# --- writer ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -210,33 +275,151 @@ def test_rewrite(small_log: Path, tmp_path: Path) -> None:
     ],
 )
 def test_writer_rejects_bad_input(tmp_path: Path, ops: list) -> None:
-    with RoundLogWriter(tmp_path / "w.rlog") as w, pytest.raises(ValueError):
-        w.write_step(0, ops)
+    with RoundLogWriter(tmp_path / "w.rlog") as w:
+        with pytest.raises(ValueError):
+            w.write_step(0, ops)
+        assert w.bytes_written == 16  # nothing written
+    with pytest.raises(ValueError):
+        encode_segment(0, ops, segment_compressor())
 
 
-def test_writer_rejects_bad_steps(tmp_path: Path) -> None:
+def test_writer_rejects_bad_steps_and_levels(tmp_path: Path) -> None:
     with RoundLogWriter(tmp_path / "w.rlog") as w:
         w.write_step(4, [])
         for bad in (4, 3, -1, 1 << 64, True, 5.0):
             with pytest.raises(ValueError):
                 w.write_step(bad, [])
-    with pytest.raises(ValueError):
-        w.write_step(10, [])  # closed
+    for call in (lambda: w.write_step(10, []), w.sync):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    for level in (20, 22, 3.0):
+        with pytest.raises(ValueError, match="level"):
+            RoundLogWriter(tmp_path / "l.rlog", level=level)
 
 
-# --- malformed files ---------------------------------------------------------------------------
+def test_header_flushed_at_construction_and_segments_at_each_step(tmp_path: Path) -> None:
+    p = tmp_path / "live.rlog"
+    w = RoundLogWriter(p)
+    assert p.read_bytes() == file_header()  # visible to another reader before any step
+    with RoundLogReader(p) as r:
+        assert r.steps == [] and r.torn_bytes == 0
+    w.write_step(1, [OpEntries(0, [3], [True])])
+    w.sync()
+    assert read_all(p) == {1: {0: OpEntries(0, np.array([3]), np.array([True]))}}
+    w.close()
 
 
-def test_truncated_everywhere(small_log: Path, tmp_path: Path) -> None:
-    data = small_log.read_bytes()
-    p = tmp_path / "cut.rlog"
-    for cut in range(len(data)):  # header, segment headers, payloads, index, trailer
-        p.write_bytes(data[:cut])
-        assert_rejected(p)
-    p.write_bytes(b"")
-    assert_rejected(p, "truncated")
-    p.write_bytes(data[:-1])
-    assert_rejected(p, "trailer")
+def test_killed_writer_leaves_a_readable_log(tmp_path: Path) -> None:
+    p = tmp_path / "killed.rlog"
+    code = (
+        "import os, signal, numpy as np\n"
+        "from detrl.roundlog import OpEntries, RoundLogWriter\n"
+        f"w = RoundLogWriter({str(p)!r})\n"
+        "for s in range(1, 4):\n"
+        "    w.write_step(s, [OpEntries(s, np.arange(s) * 3, np.ones(s, bool))])\n"
+        "w._f.write(b'RSEG' + bytes(20))  # half a segment header in the buffer, then killed\n"
+        "w._f.flush()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    with RoundLogReader(p) as r:
+        assert r.steps == [1, 2, 3] and r.torn_bytes == 24
+        assert r.read_step(3) == {3: OpEntries(3, np.array([0, 3, 6]), np.ones(3, bool))}
+
+
+def test_encode_segment_is_the_bytes_written(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    p = tmp_path / "enc.rlog"
+    steps = {s: random_ops(rng, 5, 30, pinned=True) for s in (1, 2, 5)}
+    with RoundLogWriter(p, level=9) as w:
+        for s, ops in steps.items():
+            w.write_step(s, ops)
+    data = p.read_bytes()
+    cctx = segment_compressor(9)
+    with RoundLogReader(p) as r:
+        for s, start, end in segment_offsets(p):
+            assert encode_segment(s, steps[s], cctx) == data[start:end] == r.raw_bytes(start, end - start)
+        with pytest.raises(RoundLogError, match="outside the complete segments"):
+            r.raw_bytes(16, len(data))
+
+
+# --- appending (resume) ------------------------------------------------------------------------
+
+
+def test_append_continues_a_truncated_file_bit_identically(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    steps = {s: random_ops(rng, 4, 40, pinned=True) for s in range(1, 9)}
+    full = tmp_path / "full.rlog"
+    with RoundLogWriter(full, level=5) as w:
+        for s, ops in steps.items():
+            w.write_step(s, ops)
+    ref = full.read_bytes()
+    _, _, end5 = segment_offsets(full)[4]
+    for cut in (end5, end5 + 7, end5 + 40, end5 + 36 + 1):  # clean cut, torn header, torn payload
+        p = tmp_path / f"cut{cut}.rlog"
+        p.write_bytes(ref[:cut])
+        with RoundLogReader(p) as r:
+            assert r.steps == [1, 2, 3, 4, 5] and r.torn_bytes == cut - end5
+            resume = 4  # resume from a checkpoint at step 4: steps 5.. are recorded again
+            offset = r.segment_end(resume)
+        with RoundLogWriter.append(p, offset, last_step=resume, level=5) as w:
+            assert w.bytes_written == offset
+            with pytest.raises(ValueError, match="greater"):
+                w.write_step(resume, [])
+            for s in range(resume + 1, 9):
+                w.write_step(s, steps[s])
+        assert p.read_bytes() == ref
+    # from the header (nothing kept)
+    p = tmp_path / "none.rlog"
+    p.write_bytes(ref[:30])
+    with RoundLogWriter.append(p, 16, last_step=None, level=5) as w:
+        for s, ops in steps.items():
+            w.write_step(s, ops)
+    assert p.read_bytes() == ref
+
+
+def test_append_refuses_bad_offsets_and_files(tmp_path: Path, small_log: Path) -> None:
+    size = small_log.stat().st_size
+    for bad in (0, 15, size + 1, -1):
+        with pytest.raises(ValueError):
+            RoundLogWriter.append(small_log, bad, last_step=None)
+    assert small_log.stat().st_size == size  # untouched
+    other = tmp_path / "other"
+    other.write_bytes(b"not a log at all, do not truncate me")
+    with pytest.raises(RoundLogError, match="not a version 2 rounding log"):
+        RoundLogWriter.append(other, 16, last_step=None)
+    assert other.read_bytes() == b"not a log at all, do not truncate me"
+    with pytest.raises(RoundLogError, match="cannot open"):
+        RoundLogWriter.append(tmp_path / "missing", 16, last_step=None)
+
+
+# --- torn tails and malformed files ------------------------------------------------------------
+
+
+def test_truncated_at_every_byte_is_a_torn_tail(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    p = tmp_path / "t.rlog"
+    with RoundLogWriter(p) as w:
+        for s in (1, 2, 4, 5):
+            w.write_step(s, random_ops(rng, 3, 10, pinned=True) if s != 2 else [])
+    data = p.read_bytes()
+    segs = segment_offsets(p)
+    full = read_all(p)
+    cut_file = tmp_path / "cut.rlog"
+    for cut in range(len(data) + 1):
+        cut_file.write_bytes(data[:cut])
+        if cut < 16:
+            with pytest.raises(RoundLogError, match="truncated"):
+                RoundLogReader(cut_file)
+            continue
+        complete = [(s, end) for s, _, end in segs if end <= cut]
+        with RoundLogReader(io.BytesIO(data[:cut])) as r:  # never raises from the header on
+            assert r.steps == [s for s, _ in complete]
+            assert r.end_of_segments == (complete[-1][1] if complete else 16)
+            assert r.torn_bytes == cut - r.end_of_segments
+            for s in r.steps:
+                assert r.read_step(s) == full[s]
 
 
 def test_any_flipped_byte_is_detected(small_log: Path, tmp_path: Path) -> None:
@@ -247,7 +430,7 @@ def test_any_flipped_byte_is_detected(small_log: Path, tmp_path: Path) -> None:
             bad = bytearray(data)
             bad[pos] ^= mask
             p.write_bytes(bytes(bad))
-            assert_rejected(p)
+            assert detected(p), (pos, mask)
 
 
 def test_payload_flip_reports_checksum(small_log: Path, tmp_path: Path) -> None:
@@ -259,6 +442,8 @@ def test_payload_flip_reports_checksum(small_log: Path, tmp_path: Path) -> None:
         assert r.read_step(3) == {}
         with pytest.raises(RoundLogError, match="segment 0 \\(step 0\\): checksum mismatch"):
             r.read_step(0)
+        with pytest.raises(RoundLogError, match="checksum mismatch"):
+            r.cursor(0)  # checked when the cursor is created
 
 
 def test_random_garbage_only_raises_roundlog_error(small_log: Path, tmp_path: Path) -> None:
@@ -272,7 +457,7 @@ def test_random_garbage_only_raises_roundlog_error(small_log: Path, tmp_path: Pa
         if bytes(bad) == data:
             continue
         p.write_bytes(bytes(bad))
-        assert_rejected(p)
+        assert detected(p)
 
 
 def test_wrong_magic_and_version(small_log: Path, tmp_path: Path) -> None:
@@ -281,7 +466,12 @@ def test_wrong_magic_and_version(small_log: Path, tmp_path: Path) -> None:
     p.write_bytes(b"NOTALOG!" + data[8:])
     assert_rejected(p, "bad magic")
     forge(p, [], version=7)
-    assert_rejected(p, "unsupported format version 7 (this detrl reads version 1)")
+    assert_rejected(p, "unsupported format version 7 (this detrl reads version 2)")
+    p.write_bytes(file_header(1) + data[16:])  # a version-1 file (its index and trailer not needed)
+    err = assert_rejected(p, "unsupported format version 1 (this detrl reads version 2)")
+    assert "\n" not in str(err)
+    p.write_bytes(HEADER.pack(b"DTRLRLOG", 2, 1, 0) + data[16:])
+    assert_rejected(p, "unsupported header flags")
 
 
 def test_zero_length_and_directory(tmp_path: Path) -> None:
@@ -292,55 +482,74 @@ def test_zero_length_and_directory(tmp_path: Path) -> None:
     assert_rejected(tmp_path / "missing.rlog", "cannot open")
 
 
-def test_index_out_of_bounds_and_disagreeing(small_log: Path, tmp_path: Path) -> None:
-    data = small_log.read_bytes()
-    with RoundLogReader(small_log) as r:
-        sizes = [r.segment_bytes(s) for s in r.steps]
-    offsets = [16, 16 + sizes[0], 16 + sizes[0] + sizes[1]]
-    p = tmp_path / "idx.rlog"
-    cases = [
-        ("segment offset", [(0, 16), (3, 1 << 40), (7, offsets[2])]),
-        ("segment offset", [(0, 16), (3, offsets[1] + 1), (7, offsets[2])]),
-        ("not greater than previous", [(0, 16), (0, offsets[1]), (7, offsets[2])]),
-        ("index says step 4", [(0, 16), (4, offsets[1]), (7, offsets[2])]),
-        ("unindexed bytes", [(0, 16), (3, offsets[1])]),
-    ]
-    for match, entries in cases:
-        p.write_bytes(reindex(data, entries))
-        assert_rejected(p, match)
-    # trailer pointing outside the file
-    idx_off, n, crc, _, _ = TRAILER.unpack(data[-32:])
-    for bad_off, bad_n in ((1 << 60, n), (0, n), (idx_off, n + 1), (idx_off, 1 << 62)):
-        p.write_bytes(data[:-32] + TRAILER.pack(bad_off, bad_n, crc, 0, b"DTRLREND"))
-        assert_rejected(p, "does not end at the trailer")
-    p.write_bytes(data[:-32] + TRAILER.pack(idx_off, n, crc ^ 1, 0, b"DTRLREND"))
-    assert_rejected(p, "index checksum mismatch")
+def test_segment_scan(tmp_path: Path) -> None:
+    p = tmp_path / "scan.rlog"
+    a, b, c = segment(1, 0, b""), segment(2, 0, b""), segment(5, 0, b"")
+    forge(p, [a, b, c])
+    assert read_all(p) == {1: {}, 2: {}, 5: {}}
+    forge(p, [a, segment(1, 0, b""), c])
+    assert_rejected(p, "segment 1: step 1 not greater than previous step 1")
+    forge(p, [a, segment(0, 0, b"")])
+    assert_rejected(p, "not greater than previous step")
+    forge(p, [a, b"XSEG" + b[4:], c])  # bad tag in the middle
+    assert_rejected(p, "segment 1: bad segment tag b'XSEG'")
+    # bytes after the last segment: >= one header's worth must be a segment, fewer are torn
+    forge(p, [a, b, b"\x00" * 36])
+    assert_rejected(p, "bad segment tag")
+    forge(p, [a, b, b"\x00" * 35])
+    with RoundLogReader(p) as r:
+        assert r.steps == [1, 2] and r.torn_bytes == 35
+    # a segment whose payload runs past the end of the file is a torn tail, wherever it is
+    forge(p, [a, SEG.pack(b"RSEG", 2, 0, 0, 1 << 40, 0) + b"\x00" * 9, c])
+    with RoundLogReader(p) as r:
+        assert r.steps == [1] and r.torn_bytes == p.stat().st_size - 16 - len(a)
 
 
 def test_raw_length_lies(tmp_path: Path) -> None:
     raw = record(0, [1, 2, 3], b"\xa0")
     p = tmp_path / "raw.rlog"
-    forge(p, [(0, segment(0, 1, raw))])
+    forge(p, [segment(0, 1, raw)])
     assert read_all(p)[0][0] == OpEntries(0, np.array([1, 3, 6]), np.array([1, 0, 1], bool))
-    forge(p, [(0, segment(0, 1, raw, raw_len=1 << 40))])
+    forge(p, [segment(0, 1, raw, raw_len=1 << 40)])
     assert_rejected(p, "exceeds limit")
-    forge(p, [(0, segment(0, 1, raw, raw_len=len(raw) + 1))])
+    forge(p, [segment(0, 1, raw, raw_len=len(raw) + 1)])
+    assert_rejected(p, "zstd frame declares")
+    forge(p, [segment(0, 1, raw, raw_len=len(raw) - 1)])
     assert_rejected(p, "zstd frame declares")
     # frame without a declared content size
     no_size = zstandard.ZstdCompressor(write_content_size=False).compress(raw)
-    forge(p, [(0, segment(0, 1, raw, comp=no_size))])
-    assert_rejected(p, "zstd frame declares")
-    # trailing data after the frame, and two frames
+    forge(p, [segment(0, 1, raw, comp=no_size)])
+    assert_rejected(p, "zstd frame declares no content size")
+    # trailing data after the frame, two frames, a cut frame, garbage
     comp = zstandard.ZstdCompressor().compress(raw)
-    forge(p, [(0, segment(0, 1, raw, comp=comp + b"xyz"))])
+    forge(p, [segment(0, 1, raw, comp=comp + b"xyz")])
+    assert_rejected(p, "exactly one complete zstd frame (3 bytes after it)")
+    forge(p, [segment(0, 1, raw, comp=comp + comp)])
     assert_rejected(p, "exactly one complete zstd frame")
-    forge(p, [(0, segment(0, 1, raw, comp=comp[:-2]))])
+    forge(p, [segment(0, 1, raw, comp=comp[:-2])])
     assert_rejected(p)
-    forge(p, [(0, segment(0, 1, raw, comp=b"garbage!" * 4))])
+    forge(p, [segment(0, 1, raw, comp=b"garbage!" * 4)])
     assert_rejected(p, "zstd")
-    forge(p, [(0, segment(0, 1, raw))])
+    skippable = struct.pack("<II", 0x184D2A50, 4) + b"abcd" + comp  # a skippable frame first
+    forge(p, [segment(0, 1, raw, comp=skippable)])
+    assert_rejected(p, "not a zstd frame")
+    # a frame with a content checksum is fine
+    with_sum = zstandard.ZstdCompressor(write_checksum=True).compress(raw)
+    forge(p, [segment(0, 1, raw, comp=with_sum)])
+    assert read_all(p)[0][0].indices.tolist() == [1, 3, 6]
+    forge(p, [segment(0, 1, raw)])
     with pytest.raises(RoundLogError, match="exceeds limit 4"):
         RoundLogReader(p, max_raw_bytes=4)
+
+
+def test_zstd_window_is_bounded(tmp_path: Path) -> None:
+    raw = record(0, [1], b"\x80") + bytes(MAX_WINDOW_BYTES + (1 << 20))  # trailing zeros: never read
+    params = zstandard.ZstdCompressionParameters.from_level(1, window_log=24)
+    comp = zstandard.ZstdCompressor(compression_params=params).compress(raw)
+    assert zstandard.get_frame_parameters(comp).window_size > MAX_WINDOW_BYTES
+    p = tmp_path / "win.rlog"
+    forge(p, [segment(0, 1, raw, comp=comp)])
+    assert_rejected(p, "zstd window")
 
 
 @pytest.mark.parametrize(
@@ -363,6 +572,8 @@ def test_raw_length_lies(tmp_path: Path) -> None:
         (record(0, [1, 2], b"\x81"), 1, "padding bits"),
         (record(3, [1], b"\x00") + record(3, [1], b"\x00"), 2, "op not greater"),
         (record(3, [1], b"\x00") + record(2, [1], b"\x00"), 2, "op not greater"),
+        (pinned_record(3, [1], [1.0]) + record(3, [2], b"\x00"), 2, "op not greater"),  # pinned first
+        (pinned_record(3, [1], [1.0]) + pinned_record(3, [2], [1.0]), 2, "op not greater"),
         (struct.pack("<IIB", 0, 1000, 4) + b"\x00" * 20, 1, "overrun the payload"),
         (struct.pack("<IIB", 0, 0, 4) + b"\x00" * 5, 1, "empty record"),
         (record(0, [1], b"\x00")[:-1] + b"\x00" * 5, 1, "trailing"),
@@ -370,23 +581,19 @@ def test_raw_length_lies(tmp_path: Path) -> None:
 )
 def test_bad_records(tmp_path: Path, raw: bytes, n_ops: int, match: str) -> None:
     p = tmp_path / "rec.rlog"
-    forge(p, [(0, segment(0, 0, b"")), (4, segment(4, n_ops, raw))])
+    forge(p, [segment(0, 0, b""), segment(4, n_ops, raw)])
     assert_rejected(p, match)
 
 
 def test_bad_segment_header(tmp_path: Path) -> None:
     p = tmp_path / "seg.rlog"
     good = segment(2, 0, b"")
-    forge(p, [(2, b"XSEG" + good[4:])])
+    forge(p, [b"XSEG" + good[4:]])
     assert_rejected(p, "bad segment tag")
-    forge(p, [(2, segment(3, 0, b""))])
-    assert_rejected(p, "header says step 3, index says step 2")
-    forge(p, [(2, segment(2, 0, b"", raw_len=0, comp=b""))])  # empty payload is not a zstd frame
+    forge(p, [segment(2, 0, b"", raw_len=0, comp=b"")])  # empty payload is not a zstd frame
     assert_rejected(p, "zstd")
-    # comp_len pointing past the index
-    head = SEG.pack(b"RSEG", 2, 0, 0, 1 << 40, 0)
-    forge(p, [(2, head + b"\x00" * 9)])
-    assert_rejected(p, "overruns the index")
+    forge(p, [segment(2, 1, b"", raw_len=13)])
+    assert_rejected(p, "1 op records cannot fit in 13 bytes")
 
 
 def _pinned_entries() -> OpEntries:
@@ -409,7 +616,16 @@ def test_pinned_values_round_trip(tmp_path: Path) -> None:
         w.write_step(1, [_pinned_entries(), only_pinned])
     with RoundLogReader(path) as r:
         got = r.read_step(1)
-    assert got[3] == _pinned_entries() and got[4] == only_pinned
+        assert got[3] == _pinned_entries() and got[4] == only_pinned
+        assert got[3].pinned_values.dtype == np.float32
+        with r.cursor(1) as c:
+            assert c.take(3, 2**40 + 1) == _pinned_entries() and c.take(4, 1) == only_pinned
+            c.finish()
+        with (
+            r.cursor(1) as c,
+            pytest.raises(RoundLogError, match=f"outside the op output's {2**40} elements"),
+        ):
+            c.take(3, 2**40)
 
 
 def test_pinned_values_are_validated(tmp_path: Path) -> None:
@@ -421,10 +637,270 @@ def test_pinned_values_are_validated(tmp_path: Path) -> None:
     ):
         w.write_step(1, [bad])
     # a forged pinned record overlapping a direction record, with a valid checksum
-    planes = bytes([1]) + bytes(3)  # one delta = 1, byte planes
-    pinned = struct.pack("<IIB", 0, 1, 4 | 0x80) + planes + np.array([1.0], "<f4").tobytes()
-    raw = record(0, [1], bytes([0x80])) + pinned
+    raw = record(0, [1, 4], bytes([0x80])) + pinned_record(0, [2, 3], [1.0, 2.0])  # pinned 2, 5
     path = tmp_path / "forged"
-    forge(path, [(1, segment(1, 2, raw))])
+    forge(path, [segment(1, 2, raw)])
     with RoundLogReader(path) as r, pytest.raises(RoundLogError, match="also has a direction entry"):
         r.read_step(1)
+    assert_rejected(path, "also has a direction entry")
+
+
+# --- file objects ------------------------------------------------------------------------------
+
+
+class SeekReadOnly:
+    """A file object offering only seek, read and close: the reader must need nothing else."""
+
+    def __init__(self, data: bytes) -> None:
+        self._b = io.BytesIO(data)
+        self.closed = False
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._b.seek(offset, whence)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._b.read(n)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_reader_accepts_file_objects(small_log: Path) -> None:
+    expected = read_all(small_log)
+    f = SeekReadOnly(small_log.read_bytes())
+    with RoundLogReader(f) as r:  # type: ignore[arg-type]
+        assert r.path is None and {s: r.read_step(s) for s in r.steps} == expected
+    assert f.closed  # close() closes the file object
+    fd = os.open(small_log, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as fo, RoundLogReader(fo) as r:
+        assert {s: r.read_step(s) for s in r.steps} == expected
+    assert fo.closed
+    # messages name the file "roundlog" (or the given name), never a path
+    bad = bytearray(small_log.read_bytes())
+    bad[16 + 36 + 3] ^= 0xFF
+    with RoundLogReader(io.BytesIO(bytes(bad))) as r, pytest.raises(RoundLogError) as info:
+        r.read_step(0)
+    assert str(info.value) == "roundlog: segment 0 (step 0): checksum mismatch"
+    with pytest.raises(RoundLogError, match="^bundle/roundlog: bad magic"):
+        RoundLogReader(io.BytesIO(b"x" * 40), name="bundle/roundlog")
+    closed = io.BytesIO(b"")
+    closed.close()
+    with pytest.raises(RoundLogError, match="^roundlog: cannot seek"):
+        RoundLogReader(closed)
+
+
+def test_closed_reader(small_log: Path) -> None:
+    r = RoundLogReader(small_log)
+    c = r.cursor(0)
+    r.close()
+    r.close()
+    with pytest.raises(RoundLogError, match="reader is closed"):
+        r.read_step(0)
+    with pytest.raises(RoundLogError, match="reader is closed"):
+        c.take(2, 1000)
+
+
+# --- streaming cursor --------------------------------------------------------------------------
+
+
+def test_cursor_matches_read_step_on_random_logs(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    p = tmp_path / "c.rlog"
+    with RoundLogWriter(p) as w:
+        for s in range(1, 30):
+            w.write_step(s, random_ops(rng, int(rng.integers(0, 12)), 300, pinned=True))
+    with RoundLogReader(p) as r:
+        for s in r.steps:
+            full = r.read_step(s)
+            records = sum(bool(e.indices.size) + bool(e.pinned_indices.size) for e in full.values())
+            # ask for a random subset of the logged ops, plus ops that were not logged
+            asked = sorted(set(rng.choice(5010, size=8).tolist()) | {op for op in full if rng.random() < 0.6})
+            with r.cursor(s) as c:
+                for op in asked:
+                    got = c.take(op, 1 << 20)
+                    assert got == full.get(op)
+                c.finish()
+                unasked = [e for op, e in full.items() if op not in asked]
+                assert c.skipped_records == sum(
+                    bool(e.indices.size) + bool(e.pinned_indices.size) for e in unasked
+                )
+                assert records - c.skipped_records == sum(
+                    bool(full[op].indices.size) + bool(full[op].pinned_indices.size)
+                    for op in asked
+                    if op in full
+                )
+                c.finish()  # idempotent
+                with pytest.raises(ValueError, match="finished"):
+                    c.take(6000, 1)
+
+
+def test_cursor_on_step_without_segment_and_order_rule(small_log: Path) -> None:
+    with RoundLogReader(small_log) as r:
+        with r.cursor(1) as c:  # no segment: no records
+            assert c.take(0, 10) is None
+            c.finish()
+        with r.cursor(0) as c:
+            assert c.take(1, 1000) is None  # op 2 is later
+            with pytest.raises(ValueError, match="increasing order"):
+                c.take(1, 1000)
+            with pytest.raises(ValueError):
+                c.take(3, -1)
+            assert c.take(2, 101).indices.tolist() == [1, 5, 6, 100]
+            c.finish()
+
+
+def test_cursor_bounds_counts_by_numel(tmp_path: Path) -> None:
+    p = tmp_path / "n.rlog"
+
+    def log(dir_deltas: list[int], pinned_deltas: list[int]) -> RoundLogReader:
+        raw = record(0, dir_deltas, b"\x00") + pinned_record(0, pinned_deltas, [1.0] * len(pinned_deltas))
+        forge(p, [segment(1, 2, raw)])
+        return RoundLogReader(p)
+
+    def refused(r: RoundLogReader, numel: int, match: str) -> None:
+        with r.cursor(1) as c, pytest.raises(RoundLogError, match=match):
+            c.take(0, numel)
+
+    with log([0, 1, 1], [3, 1]) as r:  # direction 0, 1, 2; pinned 3, 4
+        refused(r, 2, "record 0 \\(op 0\\): 3 entries exceed the op output's 2 elements")
+        # the pinned count is bounded by what the direction record left, before reading it
+        refused(r, 4, "record 1 \\(op 0\\): 2 entries plus 3 direction entries exceed the op output's 4")
+        with r.cursor(1) as c:
+            e = c.take(0, 5)
+            assert e.indices.tolist() == [0, 1, 2] and e.pinned_indices.tolist() == [3, 4]
+            c.finish()
+        with pytest.raises(RoundLogError, match="exceed the limit of 2 per record"):
+            r.read_step(1, max_entries=2)
+        assert r.read_step(1, max_entries=3)[0] == e
+    with log([0, 1, 4], [2, 1]) as r:  # direction 0, 1, 5
+        refused(r, 5, "record 0 \\(op 0\\): index 5 is outside the op output's 5 elements")
+    with log([0, 1, 1], [3, 4]) as r:  # pinned 3, 7
+        refused(r, 7, "record 1 \\(op 0\\): index 7 is outside the op output's 7 elements")
+
+
+def test_cursor_refuses_a_huge_count_before_allocating(tmp_path: Path) -> None:
+    # a record claiming 2**32 - 1 entries; the payload is tiny, so the header already overruns it
+    p = tmp_path / "huge.rlog"
+    forge(p, [segment(1, 1, struct.pack("<IIB", 0, (1 << 32) - 1, 8) + b"\x00" * 100)])
+    with RoundLogReader(p) as r:
+        tracemalloc.start()
+        try:
+            for numel in (10, 1 << 40):
+                with r.cursor(1) as c, pytest.raises(RoundLogError, match="overrun the payload"):
+                    c.take(0, numel)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 4 << 20
+
+
+def test_finish_catches_leftovers(tmp_path: Path) -> None:
+    p = tmp_path / "left.rlog"
+    good = record(0, [1], b"\x80") + record(5, [2], b"\x00") + pinned_record(5, [3], [1.0])
+    forge(p, [segment(1, 3, good)])
+    with RoundLogReader(p) as r, r.cursor(1) as c:
+        assert c.take(0, 10) is not None
+        c.finish()  # op 5's two records: skipped and counted, not an error
+        assert c.skipped_records == 2
+    forge(p, [segment(1, 2, good)])  # the third record is garbage left over: trailing bytes
+    with RoundLogReader(p) as r, r.cursor(1) as c:
+        assert c.take(0, 10) is not None and c.take(5, 10) is not None
+        with pytest.raises(RoundLogError, match="trailing bytes after 2 records"):
+            c.finish()
+    broken = record(0, [1], b"\x80") + record(3, [1], b"\x80") + struct.pack("<IIB", 3, 1, 4) + bytes(5)
+    forge(p, [segment(1, 3, broken)])
+    with RoundLogReader(p) as r, r.cursor(1) as c:
+        assert c.take(0, 10) is not None
+        with pytest.raises(RoundLogError, match="record 2 \\(op 3\\): op not greater"):
+            c.finish()  # op 3's record is skipped; the one after it is broken
+
+
+def _bomb_segment(step: int, count: int, raw_len: int) -> bytes:
+    """A segment whose ~32 KB zstd frame decompresses to ``raw_len`` bytes: one direction-record
+    header claiming ``count`` entries, then zeros. Compressed in a stream, never held raw."""
+    cobj = zstandard.ZstdCompressor(level=1).compressobj(size=raw_len)
+    parts = [cobj.compress(struct.pack("<IIB", 0, count, 4))]
+    zeros, left = bytes(1 << 24), raw_len - 9
+    while left:
+        n = min(left, len(zeros))
+        parts.append(cobj.compress(zeros if n == len(zeros) else zeros[:n]))
+        left -= n
+    parts.append(cobj.flush())
+    comp = b"".join(parts)
+    head = SEG.pack(b"RSEG", step, 1, raw_len, len(comp), 0)[:32]
+    return head + struct.pack("<I", zlib.crc32(comp, zlib.crc32(head))) + comp
+
+
+def test_decompression_bomb_is_refused_with_bounded_memory(tmp_path: Path) -> None:
+    k = 32_000_000
+    count, raw_len = 8 * k, 9 + 33 * k  # 256 M entries: 4-byte deltas + bits fill 1.06 GB exactly
+    p = tmp_path / "bomb.rlog"
+    forge(p, [_bomb_segment(1, count, raw_len)])
+    assert p.stat().st_size < 64 << 10
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    tracemalloc.start()
+    try:
+        with RoundLogReader(p, max_raw_bytes=1 << 31) as r:
+            with r.cursor(1) as c, pytest.raises(RoundLogError, match="exceed the op output's 1000000"):
+                c.take(0, 1_000_000)  # refused from the header alone
+            with pytest.raises(RoundLogError, match="exceed the limit of 67108864 per record"):
+                r.read_step(1)  # read_step's own cap
+            with r.cursor(1) as c:  # never asked for: the whole GB is read and discarded in chunks
+                assert c.take(1, 10) is None
+                c.finish()
+                assert c.skipped_records == 1
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    assert peak < 8 << 20, peak
+    assert rss_growth < 100 << 10, rss_growth  # KiB; zstd's own buffers are not traced
+    # a header that claims more than the frame holds is caught before decompressing anything
+    data = bytearray(p.read_bytes())
+    data[16 + 16 : 16 + 24] = struct.pack("<Q", 1 << 30)
+    head = bytes(data[16 : 16 + 32])
+    data[16 + 32 : 16 + 36] = struct.pack("<I", zlib.crc32(bytes(data[16 + 36 :]), zlib.crc32(head)))
+    p.write_bytes(bytes(data))
+    assert_rejected(p, f"zstd frame declares {raw_len} bytes, header says {1 << 30}")
+
+
+def test_take_memory_is_bounded_by_numel(tmp_path: Path) -> None:
+    """The docs' bound: one take() allocates at most 12 bytes per output element, plus a few MiB."""
+    numel = 1 << 20
+    rng = np.random.default_rng(8)
+    every = np.arange(numel, dtype=np.int64)
+    half = rng.random(numel) < 0.5
+    ones = np.ones(numel, np.float32)
+    steps = {
+        1: OpEntries(0, every[:0], half[:0], every, ones),  # all pinned: the worst case
+        2: OpEntries(0, every, half),  # all directions
+        3: OpEntries(0, every[half], half[half], every[~half], ones[~half]),
+    }
+    p = tmp_path / "mem.rlog"
+    with RoundLogWriter(p, level=1) as w:
+        for s, e in steps.items():
+            w.write_step(s, [e])
+    with RoundLogReader(p) as r:
+        for s, e in steps.items():
+            tracemalloc.start()
+            try:
+                with r.cursor(s) as c:
+                    got = c.take(0, numel)
+                    c.finish()
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert got == e
+            assert peak < 12 * numel + (4 << 20), (s, peak / numel)
+            del got
+
+
+def test_cursor_is_closed_after_an_error(tmp_path: Path) -> None:
+    p = tmp_path / "e.rlog"
+    forge(p, [segment(1, 2, record(0, [1, 2], b"\x81") + record(3, [1], b"\x80"))])
+    with RoundLogReader(p) as r, r.cursor(1) as c:
+        with pytest.raises(RoundLogError, match="padding bits"):
+            c.take(0, 10)
+        with pytest.raises(ValueError, match="closed"):
+            c.take(3, 10)
+        c.finish()  # closed: nothing left to check

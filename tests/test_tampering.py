@@ -8,7 +8,6 @@ honest bundle it records (once per module) carries the recipe's config and data 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 import yaml
 
 from detrl import Divergence, Session, Sources
+from detrl import bundle as bundle_mod
 from detrl import config as config_mod
 from detrl.cli import main
 from detrl.hardware import Profile
@@ -87,7 +87,8 @@ def train(
     torch.set_num_threads(CFG.threads)
     with Session(
         run_dir, mode=mode, hardware=hardware, sources=Sources.from_config(CFG.sources),
-        checkpoint_every=CHECKPOINT_EVERY, config=CFG.model_dump(mode="json"), data_fingerprint=FINGERPRINT,
+        checkpoint_every=CHECKPOINT_EVERY, task="supervised", config=CFG.model_dump(mode="json"),
+        planned_steps=STEPS, data_fingerprint=FINGERPRINT, force=mode == "record",
     ) as s:  # fmt: skip
         model = s.init(lambda: DigitsCNN(channels=CFG.model.channels))
         o = CFG.optimizer
@@ -141,17 +142,13 @@ def bundle(honest: Path, tmp_path: Path) -> Path:
 
 
 def rehash(run: Path) -> None:
-    """Rewrite manifest.json's "files" entries with fresh SHA-256s (the adversary can)."""
-    m = json.loads((run / "manifest.json").read_text())
-    m["files"] = {
-        rel: hashlib.sha256((run / rel).read_bytes()).hexdigest() if (run / rel).is_file() else d
-        for rel, d in m["files"].items()
-    }
-    (run / "manifest.json").write_text(json.dumps(m, indent=1, sort_keys=True))
+    """Make the manifest consistent with the changed files again, as the adversary can."""
+    bundle_mod.reseal(run)
 
 
 def commitments(run: Path) -> list[dict[str, str]]:
-    return json.loads((run / "commitments.json").read_text())["steps"]
+    leaves, _ = bundle_mod.parse_commitments((run / "commitments").read_bytes())
+    return [{"state": s.hex(), "batch": b.hex()} for s, b in leaves]
 
 
 def forge_log(
@@ -374,7 +371,10 @@ def test_removed_entry_that_matters(
         b.kind == "unlogged-near" and b.op == a.op and b.index == a.index and b.name == a.name
         for b in d.anomalies
     ), d.anomalies
-    assert d.anomalies[0].op == a.op
+    # The machine needs honest corrections too; the message names the removed element, not one of those.
+    assert any(b.kind == "logged-direction-differs" for b in d.anomalies) or counts, counts
+    assert d.decisive is not None and (d.decisive.op, d.decisive.index) == (a.op, a.index)
+    assert f"unlogged-near: op #{a.op} aten.{a.name}" in d.describe() and f"element {a.index}" in d.describe()
     # Where the entry does not matter, removing it is harmless: native computes the logged direction itself.
     assert replay(bundle, "native") is None
 
@@ -392,6 +392,21 @@ def test_removed_entry_natively_harmless_but_reported(bundle: Path) -> None:
     assert any(
         st == FLIP_STEP and a.kind == "unlogged-near" and a.op == op and a.index == index for st, a in seen
     )
+
+
+def test_emptied_log_is_not_replicated(
+    bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log emptied of every entry (rewritten consistently, manifest rehashed) replays to the same states on
+    the recorder's own hardware, but breaks its own thresholds: the verdict says so (exit 4)."""
+    forge_log(bundle, lambda s, ops: {})
+    report = tmp_path / "report.json"
+    rc, out, err = cli(capsys, "audit", str(bundle), "--json", str(report), "--quiet")
+    assert rc == 4, out + err
+    assert out.startswith("LOG INCOMPLETE") and "unlogged" in out.splitlines()[0]
+    rep = json.loads(report.read_text())
+    assert rep["verdict"] == "log incomplete" and rep["unlogged_near"] > 0
+    assert rep["anomalies"][0]["kind"] == "unlogged-near"
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
@@ -451,19 +466,26 @@ def test_checkpoint_swapped_for_other_step(bundle: Path, capsys: pytest.CaptureF
 def test_forged_log_with_stale_manifest_is_bad_input(
     bundle: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Forging the log without fixing the manifest is caught by the file hash before any replay."""
+    """Forging the log without fixing the manifest: its length no longer matches, before any replay."""
     forged = bundle / "forged"
-    rewrite(bundle / "roundlog", forged, lambda s, ops: ops if s != FLIP_STEP else None)
+    rewrite(bundle / "roundlog", forged, lambda s, ops: ops if s != FLIP_STEP else {})
     forged.replace(bundle / "roundlog")
     rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
     assert rc == 2
     assert err.startswith("detrl: error: roundlog") and "manifest.json" in err
 
 
-def test_dropped_log_segment(bundle: Path) -> None:
-    """Dropping a whole step's log segment (rehashed): native reproduces every value itself, so the state
-    is still honest and replicates, but the replayer reports the unlogged near-midpoint elements."""
+def test_dropped_log_segment_is_bad_input(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every durable step has a segment (an empty one when nothing was logged): one missing is bad input."""
     forge_log(bundle, lambda s, ops: None if s == FLIP_STEP else ops)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    assert rc == 2 and "roundlog" in err and "segment" in err
+
+
+def test_emptied_log_segment(bundle: Path) -> None:
+    """Emptying a whole step's log segment (rehashed): native reproduces every value itself, so the state
+    is still honest and replicates, but the replayer reports the unlogged near-midpoint elements."""
+    forge_log(bundle, lambda s, ops: {} if s == FLIP_STEP else ops)
     seen: list[tuple[int, Any]] = []
     s = train(bundle, "replay", "native", anomalies=seen)
     assert s.step_stats[FLIP_STEP - 1].unlogged_near > 0

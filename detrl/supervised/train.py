@@ -5,6 +5,7 @@ It reads top to bottom: data, model, optimizer, then the loop through :class:`de
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,21 +15,25 @@ from detrl.config import RunConfig
 from detrl.engine import Session
 from detrl.supervised import data as datasets
 from detrl.supervised.models import MODELS
+from detrl.tasks import Task
 
-Config = RunConfig  # this task's config schema (see detrl.config.TASKS)
 
+def load_data(cfg: RunConfig, path: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training set ``(x, y)`` named by ``cfg.data``.
 
-def load_data(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training set ``(x, y)`` named by ``cfg.data``."""
+    ``path``: where to read a corpus (``text_file``). The auditor always passes its own (``--data``): a
+    bundle's config never names a file the auditor opens. Without it, a recording reads ``data.path``.
+    """
     d = cfg.data
     if d.name == "digits":
         return datasets.digits()
     if d.name == "synthetic_text":
         return datasets.synthetic_text(vocab=d.vocab, seq_len=d.seq_len, n=d.n)
     if d.name == "text_file":
-        if not d.path:
+        source = path if path is not None else d.path
+        if not source:
             raise ValueError("config error: data.path is required for data.name=text_file")
-        return datasets.text_file(d.path, seq_len=d.seq_len, n=d.n)
+        return datasets.text_file(str(source), seq_len=d.seq_len, n=d.n)
     return datasets.synthetic_images(n=d.n)
 
 
@@ -67,20 +72,32 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def run(cfg: RunConfig, session: Session, progress: bool = False, writer: Any = None) -> dict[str, float]:
-    """Train ``cfg.train.steps`` steps inside ``session`` (recording or replaying). Returns final metrics."""
-    x, y = load_data(cfg)
+def run(
+    cfg: RunConfig, session: Session, progress: bool = False, writer: Any = None, data: Path | None = None
+) -> dict[str, float]:
+    """Train ``cfg.train.steps`` steps inside ``session`` (recording, replaying or resuming). Stops after a
+    whole step once ``session.stop_requested`` is set. Returns final metrics."""
+    x, y = load_data(cfg, data)
     model = session.init(model_builder(cfg, x))
     opt = session.track(make_optimizer(cfg, model))
     model.train()
     steps = cfg.train.steps
+    batches = session.loader((x, y), batch_size=cfg.train.batch_size, steps=steps)
+    start = session.restore()
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, desc=f"{session.mode} {cfg.name}", unit="step", leave=False, disable=None)
+        bar = tqdm(
+            total=steps,
+            initial=start,
+            desc=f"{session.mode} {cfg.name}",
+            unit="step",
+            leave=False,
+            disable=None,
+        )
     loss_value = float("nan")
-    for batch in session.loader((x, y), batch_size=cfg.train.batch_size, steps=steps):
+    for batch in batches if not session.stop_requested else ():
         with session.step():
             loss = loss_fn(model(batch.x), batch.y)
             loss.backward()
@@ -96,11 +113,34 @@ def run(cfg: RunConfig, session: Session, progress: bool = False, writer: Any = 
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.4f}")
+        if session.stop_requested:  # Ctrl-C, or the end of what a replayed bundle holds
+            break
     if bar is not None:
         bar.close()
     return {"loss": loss_value, "steps": float(session.step_index)}
 
 
-def fingerprint(cfg: RunConfig) -> str:
+def fingerprint(cfg: RunConfig, data: Path | None = None) -> str:
     """SHA-256 of the training data the config names (checked by the auditor before replay)."""
-    return datasets.fingerprint(*load_data(cfg))
+    return datasets.fingerprint(*load_data(cfg, data))
+
+
+#: The auditor's default bounds on a bundle's supervised config (``detrl audit --cap KEY=VALUE``): the
+#: shipped configs fit with room (ResNet-50 at batch 8, GPT-2-sized transformers), a hostile one cannot
+#: make the auditor allocate tens of gigabytes.
+CAPS = {
+    "data.n": 100_000, "data.seq_len": 4096, "data.vocab": 65_536,
+    "model.channels": 1024, "model.hidden": 65_536, "model.d_model": 4096, "model.heads": 64,
+    "model.layers": 64, "train.steps": 1_000_000, "train.batch_size": 4096, "threads": 256,
+}  # fmt: skip
+
+TASK = Task(
+    name="supervised",
+    config=RunConfig,
+    run=run,
+    planned_steps=lambda cfg: cfg.train.steps,
+    fingerprint=fingerprint,
+    # The loader's order does not depend on the total, so a finished run can be extended.
+    resume_keys=frozenset({"train.steps", "train.log_every"}),
+    caps=CAPS,
+)

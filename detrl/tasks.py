@@ -1,0 +1,135 @@
+"""Tasks: what ``detrl train`` records and ``detrl audit`` replays, and the one path from a config to a Session.
+
+A task is a :class:`Task` value: its config schema, its train loop and how it sets up a Session. detrl
+ships the ``supervised`` task; other packages contribute tasks through the entry-point group
+``detrl.tasks`` (``agents`` contributes ``dqn``), so detrl never imports them by name and layers point
+one way. Every caller that turns a config into a :class:`~detrl.engine.Session` (the CLI, the auditor,
+the benchmarks, the tests) goes through :func:`session_for`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from detrl.engine import Session
+from detrl.sources import Sources
+
+ENTRY_POINT_GROUP = "detrl.tasks"
+#: Tasks that ship with detrl itself: name -> "module:attribute" (imported on first use).
+_BUILTIN = {"supervised": "detrl.supervised.train:TASK"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A kind of run detrl can record and audit.
+
+    Attributes:
+        name: the config's ``task`` value.
+        config: the pydantic schema of its configs (a :class:`~detrl.config.RunBase` subclass; this module
+            does not import :mod:`detrl.config`, which finds schemas here: no import circle).
+        run: ``run(cfg, session, progress=False, writer=None) -> metrics``: the train loop, recording,
+            replaying or off. It must stop after a whole step once ``session.stop_requested`` is set, and
+            call ``session.restore()`` after building its state so ``--resume`` continues.
+        planned_steps: the session steps the config plans (the total a stopped run resumes to).
+        fingerprint: ``fingerprint(cfg, data)``: SHA-256 hex of the training data (None when the task
+            generates its data). ``data`` is the path the auditor supplies, or None for the default data.
+        session_options: extra :class:`Session` arguments for a config (calibration steps, random-op
+            routing).
+        resume_keys: config keys that ``detrl train --resume --set`` may change: only those that leave the
+            steps already recorded as they were (so the resumed bundle still replays from one config).
+        caps: the auditor's default bounds on config values read from a bundle (dotted key -> maximum;
+            lists are bounded element by element), so a bundle cannot make the auditor allocate or run
+            without limit. ``detrl audit --cap KEY=VALUE`` overrides them.
+    """
+
+    name: str
+    config: type[BaseModel]
+    run: Callable[..., dict[str, Any]]
+    planned_steps: Callable[[Any], int]
+    fingerprint: Callable[[Any, Path | None], str | None]
+    session_options: Callable[[Any], dict[str, Any]] = lambda cfg: {}
+    resume_keys: frozenset[str] = frozenset()
+    caps: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+_REGISTRY: dict[str, Task] = {}
+
+
+def register(task: Task) -> Task:
+    """Add ``task`` to the registry (a second task of the same name is refused)."""
+    if task.name in _REGISTRY and _REGISTRY[task.name] is not task:
+        raise ValueError(f"a task named {task.name!r} is already registered")
+    _REGISTRY[task.name] = task
+    return task
+
+
+def _discovered() -> dict[str, str]:
+    found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {**found, **_BUILTIN}
+
+
+def names() -> list[str]:
+    """Every task name known here: registered, built in, or offered by an installed package."""
+    return sorted({*_REGISTRY, *_discovered()})
+
+
+class UnknownTask(ValueError):
+    """No task of that name is registered, built in or installed."""
+
+
+def get(name: str) -> Task:
+    """The task called ``name``. Raises :class:`UnknownTask` (one line) for an unknown one."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    target = _discovered().get(name)
+    if target is None:
+        raise UnknownTask(f"config error: task: unknown task {name!r}; known: {', '.join(names())}")
+    module, _, attr = target.partition(":")
+    task = getattr(importlib.import_module(module), attr)
+    if not isinstance(task, Task) or task.name != name:
+        raise UnknownTask(f"config error: task: {target} is not a detrl Task named {name!r}")
+    return register(task)
+
+
+def session_for(
+    cfg: Any,
+    run_dir: str | Path | None,
+    mode: str = "record",
+    *,
+    hardware: Any = None,
+    data: Path | None = None,
+    fingerprint: str | None = None,
+    session_type: type[Session] = Session,
+    **overrides: Any,
+) -> Session:
+    """The Session that records, replays or runs ``cfg`` without a bundle (``mode="off"``).
+
+    ``hardware``: the profile to run on (default: the config's). ``data``: the training data's path where
+    the task reads one. ``fingerprint``: the data fingerprint when the caller computed it already.
+    ``session_type``: a :class:`Session` subclass to build (tests use one that keeps the initial weights).
+    ``overrides``: further :class:`Session` arguments (``resume``, ``force``, ``caps``, ``sources``, ...).
+    """
+    task = get(cfg.task)
+    if fingerprint is None and mode != "off":
+        fingerprint = task.fingerprint(cfg, data)
+    options: dict[str, Any] = {
+        "precision": cfg.precision,
+        "sources": Sources.from_config(cfg.sources),
+        "hardware": cfg.hardware if hardware is None else hardware,
+        "checkpoint_every": cfg.verify.checkpoint_every,
+        "margin": cfg.verify.margin,
+        "task": cfg.task,
+        "config": cfg.model_dump(mode="json"),
+        "planned_steps": task.planned_steps(cfg),
+        "data_fingerprint": fingerprint,
+        **task.session_options(cfg),
+        **overrides,
+    }
+    return session_type(run_dir, mode=mode, **options)
