@@ -1,1 +1,1 @@
-"""RL agents built on detrl (the deterministic DQN arrives with its own issue)."""
+"""RL agents built on detrl: the deterministic DQN (dqn.py), its networks, replay buffers, the SB3 bridge."""

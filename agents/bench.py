@@ -47,7 +47,7 @@ from detrl.sources import STREAMS, Sources
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: CleanRL's dqn.py CartPole hyperparameters (the issue's reference: SB3 ~1,500 and CleanRL ~1,940 steps/s here).
+#: CleanRL's dqn.py CartPole hyperparameters (measured here before detrl's DQN: SB3 ~1,500 and CleanRL ~1,940 steps/s).
 CLEANRL_CARTPOLE = {
     "name": "cleanrl_cartpole", "task": "dqn", "precision": "fp32", "threads": 1,
     "env": {"id": "CartPole-v1"},

@@ -385,6 +385,24 @@ CAPS = {
     "env.frame_skip": 16, "env.max_episode_steps": 1_000_000, "eval.episodes": 1000, "threads": 256,
 }  # fmt: skip
 
+
+def size(cfg: Config) -> dict[str, int]:
+    """Parameters (online and target, counted on the meta device) and replay-buffer bytes of ``cfg``."""
+    env = make_env(cfg, Sources())
+    obs_shape, n_actions = env.observation_space.shape, int(env.action_space.n)
+    itemsize = np.dtype(env.observation_space.dtype).itemsize
+    env.close()
+    with torch.device("meta"):
+        net = build_q_network(cfg.agent.network, obs_shape, n_actions, cfg.agent.hidden)
+    per_obs = int(np.prod(obs_shape)) * itemsize
+    # The frame buffer keeps 2 frames per transition; the flat buffer keeps obs and next obs.
+    per_transition = 2 * per_obs // (obs_shape[0] if cfg.agent.network == "nature_cnn" else 1) + 16
+    return {
+        "params": 2 * sum(p.numel() for p in net.parameters()),
+        "data_bytes": cfg.agent.buffer_size * per_transition,
+    }
+
+
 TASK = Task(
     name="dqn",
     config=Config,
@@ -396,4 +414,5 @@ TASK = Task(
     # already recorded, so a DQN bundle resumes only to its planned total.
     resume_keys=frozenset({"train.log_every", "eval.episodes", "eval.seed", "eval.epsilon"}),
     caps=CAPS,
+    size=size,
 )

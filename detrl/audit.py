@@ -35,7 +35,8 @@ from detrl import config as config_mod
 from detrl import tasks
 from detrl.bundle import BundleError
 from detrl.engine import Divergence
-from detrl.roundlog import dense_reference_bytes
+from detrl.roundlog import RoundLogError, dense_reference_bytes
+from detrl.sources import Sources
 
 EXIT_CODES = {"replicated": 0, "diverged": 1, "bad input": 2, "incomplete": 3, "log incomplete": 4}
 #: Unlogged near-midpoint elements (seen within tau/2 here) and refused entries an honest log may show.
@@ -153,14 +154,16 @@ def audit(
         task = tasks.get(m.task)
         check_caps(m.config, {**task.caps, **(caps or {})})
         cfg = config_mod.validate(m.config)
+        if cfg.task != m.task:
+            raise BundleError(f"{bundle_mod.MANIFEST}: task {m.task!r} but a {cfg.task!r} config")
+        # again on the validated values: validation turns "20000" into 20000, which the check above skips
+        check_caps(cfg.model_dump(mode="json"), {**task.caps, **(caps or {})})
+        # and on the totals they multiply into (parameters, data and buffer bytes), computed unallocated
+        check_caps({"size": task.size(cfg)}, {**tasks.SIZE_CAPS, **(caps or {})})
     except (config_mod.ConfigError, tasks.UnknownTask) as e:
         raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
-    if cfg.task != m.task:
-        raise BundleError(f"{bundle_mod.MANIFEST}: task {m.task!r} but a {cfg.task!r} config")
     # The switchboard the manifest claims is the one its config gives (but for unseeded streams' OS-drawn
     # seeds): edited seeds are bad input, not a divergence at step 0.
-    from detrl.sources import Sources
-
     want, got = Sources.from_config(cfg.sources).state_dict(), m.sources.get("seeds")
     if (
         m.sources.get("seed") != want["seed"]
@@ -194,6 +197,15 @@ def audit(
         with session:
             task.run(cfg, session, progress=progress, data=data)
             session.verify_checkpoints()
+    except (BundleError, RoundLogError):
+        raise
+    except (RuntimeError, TypeError, IndexError, ValueError) as e:
+        # A config no recorder could have run (a CNN fed text, a batch larger than the data) fails in the
+        # task's code or in torch: bad input naming the manifest, not exit 70 or a line naming nothing.
+        msg = " ".join(str(e).split())[:200] or type(e).__name__
+        raise BundleError(
+            f"{bundle_mod.MANIFEST}: config: its run fails to replay ({type(e).__name__}: {msg})"
+        ) from e
     except Divergence as d:
         report.verdict = "diverged"
         report.diverged_step = d.step

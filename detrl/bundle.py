@@ -313,6 +313,9 @@ class Bundle:
         if have != list(range(1, self.steps + 1)):
             reader.close()
             raise BundleError(f"{ROUNDLOG}: does not hold one segment for each of steps 1..{self.steps}")
+        if self.status != "recording" and (len(reader.steps) != self.steps or reader.torn_bytes):
+            reader.close()
+            raise BundleError(f"{ROUNDLOG}: segments beyond the end of a finished recording")
         if durable is not None and self.steps and reader.segment_end(self.steps) != durable.roundlog_bytes:
             reader.close()
             raise BundleError(f"{ROUNDLOG}: length through step {self.steps} differs from {MANIFEST}")

@@ -36,8 +36,10 @@ def _resume_config(run_dir: Path, overrides: list[str]) -> Any:
     """The config a ``--resume`` continues: the bundle's own, with only the ``--set`` keys its task allows."""
     from detrl import bundle as bundle_mod
     from detrl import config as config_mod
-    from detrl import tasks
+    from detrl import safeio, tasks
 
+    if run_dir.is_dir() and safeio.DirLock.is_locked(run_dir):  # before reading files another run appends to
+        raise safeio.LockedError(run_dir)
     probe = bundle_mod.Bundle(run_dir)
     m, done = probe.manifest, probe.steps
     probe.close()
@@ -292,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BAD_INPUT
         print(f"detrl: internal error: {type(e).__name__}: {msg}", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        if argv is None:  # the `detrl` process itself: the command is over, and a Ctrl-C that comes now
+            import signal  # (a second one, late) would print a traceback from the interpreter's exit
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

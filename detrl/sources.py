@@ -51,6 +51,15 @@ def state_bytes(state: Mapping[str, Any]) -> bytes:
     return json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _seed(value: Any, what: str) -> int:
+    """A seed as an int in [0, 2**64): the range torch's and numpy's generators take."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"sources.{what} must be an integer seed, not {value!r}")
+    if not 0 <= int(value) < 1 << 64:
+        raise ValueError(f"sources.{what} must be in [0, 2**64), not {value}")
+    return int(value)
+
+
 class Sources:
     """The switchboard of a run.
 
@@ -68,7 +77,7 @@ class Sources:
         streams: Mapping[str, Mapping[str, Any]] | None = None,
         bitflip: bool = False,
     ) -> None:
-        self.base_seed = int(seed)
+        self.base_seed = _seed(seed, "seed")
         self.bitflip = bool(bitflip)
         self._seeds: dict[str, int] = {}
         self._unseeded: set[str] = set()
@@ -82,7 +91,7 @@ class Sources:
                 self._seeds[name] = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
                 self._unseeded.add(name)
             elif spec.get("seed") is not None:
-                self._seeds[name] = int(spec["seed"])
+                self._seeds[name] = _seed(spec["seed"], f"{name}.seed")
             else:
                 self._seeds[name] = derive_seed(self.base_seed, name)
         self._torch: dict[str, torch.Generator] = {}

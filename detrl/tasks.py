@@ -46,7 +46,11 @@ class Task:
             steps already recorded as they were (so the resumed bundle still replays from one config).
         caps: the auditor's default bounds on config values read from a bundle (dotted key -> maximum;
             lists are bounded element by element), so a bundle cannot make the auditor allocate or run
-            without limit. ``detrl audit --cap KEY=VALUE`` overrides them.
+            without limit. ``detrl audit --cap KEY=VALUE`` overrides them. Keys ``size.NAME`` bound the
+            totals that ``size`` reports.
+        size: ``size(cfg) -> {name: amount}``: what the run will allocate, computed without allocating it
+            (parameters counted on torch's meta device, data and buffer bytes from shapes), so values that
+            are each within their caps cannot multiply into a giant run.
     """
 
     name: str
@@ -57,6 +61,11 @@ class Task:
     session_options: Callable[[Any], dict[str, Any]] = lambda cfg: {}
     resume_keys: frozenset[str] = frozenset()
     caps: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    size: Callable[[Any], dict[str, int]] = lambda cfg: {}
+
+
+#: Default caps on the totals ``Task.size`` reports (``detrl audit --cap size.params=N`` raises one).
+SIZE_CAPS = {"size.params": 300_000_000, "size.data_bytes": 4 << 30}
 
 
 _REGISTRY: dict[str, Task] = {}

@@ -29,8 +29,8 @@ from detrl.roundlog import RoundLogError, RoundLogReader
 
 TRAIN = ["configs/supervised/digits_cnn.yaml", "--set", "train.steps=8", "--set", "verify.checkpoint_every=4",
          "--no-tensorboard", "--quiet"]  # fmt: skip
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,25 @@ def test_decode_checkpoint_wrong_json_value(
         ).decode()
     else:
         header = replace_node(header, index, value)
+    raw = encode(header)
+    raw += b" " * (-len(raw) % 8)
+    only_bundle_error(
+        bundle_mod.decode_checkpoint, len(raw).to_bytes(8, "little") + raw + data[8 + n :], rel, Caps()
+    )
+
+
+@FAST
+@given(
+    text=st.text(st.characters(categories=["Cs", "Cc", "Nd", "Po", "Ll"]), max_size=40)
+    | st.sampled_from(fuzzing.HOSTILE_TEXTS)
+)
+def test_decode_checkpoint_metadata_string(base: fuzzing.BaseBundle, text: str) -> None:
+    """The detrl metadata string itself: not JSON, a lone surrogate (once a crash: UnicodeEncodeError)."""
+    rel = base.checkpoint_rels()[0]
+    data = base.files[rel]
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"]["detrl"] = text
     raw = encode(header)
     raw += b" " * (-len(raw) % 8)
     only_bundle_error(

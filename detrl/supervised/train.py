@@ -134,6 +134,23 @@ CAPS = {
     "model.layers": 64, "train.steps": 1_000_000, "train.batch_size": 4096, "threads": 256,
 }  # fmt: skip
 
+
+def size(cfg: RunConfig) -> dict[str, int]:
+    """Parameters (counted on the meta device: nothing allocated) and training-data bytes of ``cfg``."""
+    d = cfg.data
+    if d.name == "digits":
+        x_shape, x_bytes, y_bytes = (1797, 1, 8, 8), 4, 8
+    elif d.name == "synthetic_images":
+        x_shape, x_bytes, y_bytes = (d.n, 3, 32, 32), 4, 8
+    else:  # token windows: x and y both (n, seq_len) int64
+        x_shape, x_bytes, y_bytes = (d.n, d.seq_len), 8, 8 * d.seq_len
+    with torch.device("meta"):
+        model = model_builder(cfg, torch.empty(x_shape, device="meta"))()
+    n = x_shape[0]
+    data_bytes = n * int(torch.Size(x_shape[1:]).numel()) * x_bytes + n * y_bytes
+    return {"params": sum(p.numel() for p in model.parameters()), "data_bytes": data_bytes}
+
+
 TASK = Task(
     name="supervised",
     config=RunConfig,
@@ -143,4 +160,5 @@ TASK = Task(
     # The loader's order does not depend on the total, so a finished run can be extended.
     resume_keys=frozenset({"train.steps", "train.log_every"}),
     caps=CAPS,
+    size=size,
 )
