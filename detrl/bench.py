@@ -741,6 +741,79 @@ def bench_fsync(rest: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- hostile
+@benchmark("hostile", "audit hostile bundles (bombs, caps, FIFOs, links, deep JSON, pickles): time, peak RSS")
+def bench_hostile(rest: list[str]) -> int:
+    """Record a digits CNN bundle (8 steps, checkpoints at 4 and 8), plant each case of
+    :func:`detrl.fuzzing.hostile_cases` (the constructions of tests/test_hostile.py) in a copy of it and
+    audit the copy in a fresh ``python -m detrl.cli audit COPY --quiet`` under a timeout: exit code, first
+    line of output, wall time and the child's own peak RSS (``os.wait4``). Exits 1 if any case exits
+    outside 0-4, prints a traceback or an internal error, times out, trips a tripwire (a planted pickle
+    ran) or peaks over 1 GB."""
+    import contextlib
+
+    from detrl import fuzzing
+    from detrl.cli import main as cli_main
+
+    p = argparse.ArgumentParser(prog="detrl bench hostile", description=bench_hostile.__doc__)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per audit (more: a hang)")
+    args = p.parse_args(rest)
+    if args.timeout <= 0:
+        raise ValueError("--timeout must be positive")
+    rss_limit = 10**9  # 1 GB
+    print(machine_line(1))
+    t_start = time.perf_counter()
+    rows, results, failures = [], [], []
+    with tempfile.TemporaryDirectory(prefix="detrl-hostile-") as tmp:
+        recorded = Path(tmp) / "recorded"
+        _log("recording the base bundle (digits_cnn, 8 steps, checkpoints at 4 and 8) ...")
+        with contextlib.redirect_stdout(sys.stderr):
+            rc = cli_main([
+                "train", "configs/supervised/digits_cnn.yaml", "--out", str(recorded),
+                "--set", "train.steps=8", "--set", "verify.checkpoint_every=4", "--no-tensorboard", "--quiet",
+            ])  # fmt: skip
+        if rc != 0:
+            raise RuntimeError("hostile: recording the base bundle failed")
+        for i, (name, plant) in enumerate(fuzzing.hostile_cases()):
+            scratch = Path(tmp) / f"case-{i:02d}"
+            run = scratch / "run"
+            shutil.copytree(recorded, run)
+            _log(f"{name}: planting and auditing ...")
+            tripwires = plant(run, scratch)
+            rc, out, err, rss, wall = fuzzing.audit_subprocess(run, timeout=args.timeout)
+            first = next((ln.strip() for ln in (err + "\n" + out).splitlines() if ln.strip()), "")
+            problems = []
+            if rc is None:
+                problems.append(f"timed out after {args.timeout:g} s")
+            elif rc not in (0, 1, 2, 3, 4):
+                problems.append(f"exit {rc}")
+            problems += [f"printed {bad!r}" for bad in ("Traceback", "internal error") if bad in out + err]
+            if rss is None and rc is not None:
+                problems.append("peak RSS unknown (the launcher failed)")
+            elif rss is not None and rss > rss_limit:
+                problems.append(f"peak RSS {rss / 1e6:.0f} MB > 1 GB")
+            problems += [f"tripwire {t.name} exists (a planted pickle ran)" for t in tripwires if t.exists()]
+            shutil.rmtree(scratch)
+            if problems:
+                failures.append(f"{name}: {'; '.join(problems)}")
+            results.append((name, rss or 0, wall))
+            code = "timeout" if rc is None else f"{rc} ({_VERDICTS[rc]})" if rc in _VERDICTS else str(rc)
+            rows.append([name, code, first[:70], f"{wall:.2f}", "?" if rss is None else f"{rss / 1e6:.0f}"])
+    width = max(len(r[2]) for r in rows)
+    rows = [[*r[:2], r[2].ljust(width), *r[3:]] for r in rows]  # _table right-aligns all but the first
+    print(_table(["case", "exit", "first line of stderr/stdout", "wall s", "peak RSS MB"], rows))
+    by_rss, by_time = max(results, key=lambda r: r[1]), max(results, key=lambda r: r[2])
+    print(
+        f"worst by peak RSS: {by_rss[0]} ({by_rss[1] / 1e6:.0f} MB); worst by time: {by_time[0]} "
+        f"({by_time[2]:.2f} s); {len(results)} cases, {time.perf_counter() - t_start:.0f} s in all "
+        "(recording and planting included)"
+    )
+    if rows[0][1] != f"0 ({_VERDICTS[0]})":
+        print(f"note: the honest bundle (the control) did not replicate: exit {rows[0][1]}")
+    print(f"failures: {len(failures)}" + "".join(f"\n  {f}" for f in failures))
+    return 1 if failures else 0
+
+
 # ------------------------------------------------------------------------------- contributed benchmarks
 _entry_points_loaded = False
 

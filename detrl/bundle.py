@@ -46,6 +46,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from detrl import commit, safeio
 from detrl.roundlog import (
+    HEADER_BYTES as ROUNDLOG_HEADER_BYTES,
+)
+from detrl.roundlog import (
     OpEntries,
     RoundLogError,
     RoundLogReader,
@@ -267,9 +270,12 @@ class Bundle:
         self.planned_steps = m.planned_steps
         #: the steps an audit replays: through the durable point
         self.steps = m.durable.step if m.durable is not None else 0
-        self.written, self.torn_bytes = parse_commitments(
-            self._read(COMMITMENTS, self.caps.commitments_bytes)
-        )
+        if m.durable is None and not _exists(self.dir / COMMITMENTS):
+            # Killed between writing the first manifest and creating the files: nothing recorded yet.
+            self.written, self.torn_bytes = [], 0
+        else:
+            data = self._read(COMMITMENTS, self.caps.commitments_bytes, append_only=True)
+            self.written, self.torn_bytes = parse_commitments(data)
         if m.durable is None:
             self.leaves: list[tuple[bytes, bytes]] = []
         else:
@@ -289,12 +295,12 @@ class Bundle:
         if self.checkpoint_steps and self.checkpoint_steps[-1] > self.steps:
             raise BundleError(f"{MANIFEST}: a checkpoint beyond the durable point")
         self.roundlog: RoundLogReader | None = None
-        if m.precision == "verifiable":
+        if m.precision == "verifiable" and (m.durable is not None or _exists(self.dir / ROUNDLOG)):
             self.roundlog = self._open_log()
 
-    def _read(self, rel: str, cap: int) -> bytes:
+    def _read(self, rel: str, cap: int, append_only: bool = False) -> bytes:
         try:
-            return safeio.read_file(self.dir, rel, cap)
+            return safeio.read_file(self.dir, rel, cap, append_only)
         except safeio.UnsafeInput as e:
             raise BundleError(str(e)) from None
 
@@ -451,13 +457,14 @@ class BundleWriter:
             else:
                 p.unlink(missing_ok=True)
         self.header.setdefault("created", utc_now())
+        # The manifest first: from here on the directory is a bundle (incomplete at step 0) whatever happens.
+        self._write_manifest()
         self._commits = open(self.dir / COMMITMENTS, "wb")  # noqa: SIM115 - closed in close()
         self._commits.write(_COMMIT_HEADER.pack(_COMMIT_MAGIC, 1, 0, 0))
         self._commits.flush()
         if self.verifiable:
             self._log = RoundLogWriter(self.dir / ROUNDLOG, level=LOG_ZSTD_LEVEL)
             self._log_end = self._log.bytes_written
-        self._write_manifest()
 
     def _start_resume(self) -> None:
         r = self.resume
@@ -473,6 +480,8 @@ class BundleWriter:
         if self.verifiable and b.roundlog is not None:
             self._compare_log = b.roundlog
             self._log_end = b.roundlog.segment_end(r.step) if r.step else b.roundlog.segment_end(0)
+        elif self.verifiable:  # killed before the log was created: it starts after its header
+            self._log_end = ROUNDLOG_HEADER_BYTES
         # Files are opened for appending only when the first step beyond the records on disk arrives.
 
     def _begin_append(self) -> None:
@@ -484,6 +493,10 @@ class BundleWriter:
             # between would leave "records beyond the end of a finished recording".
             self.status, self.stopped_at = "recording", None
             self._write_manifest()
+        if not (self.dir / COMMITMENTS).exists():  # killed before the files were created
+            (self.dir / COMMITMENTS).write_bytes(_COMMIT_HEADER.pack(_COMMIT_MAGIC, 1, 0, 0))
+        if self.verifiable and not (self.dir / ROUNDLOG).exists():
+            RoundLogWriter(self.dir / ROUNDLOG, level=LOG_ZSTD_LEVEL).close()
         self._commits = open(self.dir / COMMITMENTS, "r+b")  # noqa: SIM115 - closed in close()
         self._commits.truncate(_COMMIT_HEADER.size + n * _COMMIT_RECORD.size)
         self._commits.seek(0, os.SEEK_END)
@@ -650,6 +663,11 @@ def reseal(run_dir: str | os.PathLike) -> None:
             with RoundLogReader(run_dir / ROUNDLOG) as r:
                 m["durable"]["roundlog_bytes"] = r.segment_end(step)
     safeio.write_atomic(run_dir, MANIFEST, safeio.dumps_json(m))
+
+
+def _exists(path: Path) -> bool:
+    """Whether anything (a file, a link, a FIFO) is at ``path``: only a true absence is tolerated."""
+    return os.path.lexists(path)
 
 
 def _ckpt_step(rel: str) -> int:

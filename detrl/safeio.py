@@ -176,12 +176,13 @@ def open_regular(root: Path, rel: str, max_bytes: int) -> tuple[BinaryIO, int]:
             os.close(d)
 
 
-def read_bounded(f: BinaryIO, size: int, what: str) -> bytes:
+def read_bounded(f: BinaryIO, size: int, what: str, append_only: bool = False) -> bytes:
     """Read exactly ``size`` bytes (the size ``fstat`` reported) from ``f``, in chunks of at most 1 MiB.
 
     Raises :class:`UnsafeInput` (message prefixed with ``what``, the bundle-relative name) if the file
     ends early (``truncated while reading``) or has more bytes than ``size`` (``changed while
-    reading``): either means someone is changing the file under the auditor.
+    reading``): either means someone is changing the file under the auditor. ``append_only``: the file
+    is one a live recording appends to (commitments): growth is expected, and the prefix seen is read.
     """
     buf = bytearray()
     try:
@@ -190,18 +191,19 @@ def read_bounded(f: BinaryIO, size: int, what: str) -> bytes:
             if not chunk:
                 raise UnsafeInput(f"{what}: truncated while reading ({len(buf)} of {size} bytes)")
             buf += chunk
-        if f.read(1):
+        if not append_only and f.read(1):
             raise UnsafeInput(f"{what}: changed while reading (more than {size} bytes)")
     except OSError as e:
         raise UnsafeInput(f"{what}: cannot read ({e.strerror or e})") from None
     return bytes(buf)
 
 
-def read_file(root: Path, rel: str, max_bytes: int) -> bytes:
-    """The whole of the regular file ``root/rel``, at most ``max_bytes`` bytes (:func:`open_regular` rules)."""
+def read_file(root: Path, rel: str, max_bytes: int, append_only: bool = False) -> bytes:
+    """The whole of the regular file ``root/rel``, at most ``max_bytes`` bytes (:func:`open_regular` rules;
+    ``append_only`` as in :func:`read_bounded`)."""
     f, size = open_regular(root, rel, max_bytes)
     with f:
-        return read_bounded(f, size, rel)
+        return read_bounded(f, size, rel, append_only)
 
 
 # ---------------------------------------------------------------------------------------------------- JSON

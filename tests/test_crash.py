@@ -336,3 +336,21 @@ def test_an_extended_supervised_bundle_is_the_longer_run(tmp_path, refs, capsys)
     fresh = tmp_path / "fresh"
     assert cli(capsys, *ct.train_cmd("digits", fresh), "--set", "train.steps=50")[0] == 0
     assert ct.bundle_files_equal(d, fresh) == []
+
+
+def test_a_bundle_audited_while_it_records_is_incomplete_not_bad_input(tmp_path):
+    """The auditor reads what is durable while the writer appends: never "changed while reading"."""
+    d = tmp_path / "live"
+    proc = popen(*ct.train_cmd("dqn", d, "--set", "train.steps=3000"))
+    try:
+        assert wait_until(lambda: (ct.durable_step(d) or 0) > 0, proc)
+        codes = []
+        while proc.poll() is None and len(codes) < 4:
+            try:
+                codes.append(audit(d).exit_code)
+            except BundleError as e:  # pragma: no cover - the message is the point
+                pytest.fail(f"a live bundle was bad input: {e}")
+        assert codes and set(codes) <= {0, 3}, codes
+    finally:
+        proc.kill()
+        proc.communicate()

@@ -10,28 +10,29 @@ and copied for each test.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import json
 import os
 import shutil
 import signal
 import struct
-import subprocess
-import sys
-import tempfile
 import time
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import zstandard
 
 from detrl import bundle as bundle_mod
-from detrl import safeio
 from detrl.cli import main
+from detrl.fuzzing import (
+    audit_subprocess,
+    plant_bomb,
+    read_manifest,
+    rehash_checkpoints,
+    set_field,
+    set_literal,
+    write_manifest,
+)
 from detrl.roundlog import RoundLogReader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,41 +78,6 @@ def bundle(recorded: Path, tmp_path: Path) -> Path:
 def dqn_bundle(recorded_dqn: Path, tmp_path: Path) -> Path:
     shutil.copytree(recorded_dqn, tmp_path / "dqn")
     return tmp_path / "dqn"
-
-
-def read_manifest(run: Path) -> dict[str, Any]:
-    return json.loads((run / "manifest.json").read_text())
-
-
-def write_manifest(run: Path, manifest: Any) -> None:
-    (run / "manifest.json").write_bytes(safeio.dumps_json(manifest))
-
-
-def set_field(run: Path, path: tuple[str, ...], value: Any, validate: bool = True) -> None:
-    """Set one manifest field; with ``validate`` the result must still parse as a manifest (what the test
-    changes is then checked past the schema: caps, config, switchboard)."""
-    m = read_manifest(run)
-    node = m
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    write_manifest(run, m)
-    if validate:
-        bundle_mod.parse_manifest((run / "manifest.json").read_bytes())
-
-
-def set_literal(run: Path, path: tuple[str, ...], literal: bytes) -> None:
-    """Put a raw JSON literal (one ``json`` cannot write, e.g. ``1e999``) at a manifest field."""
-    set_field(run, path, "__LITERAL__", validate=False)
-    p = run / "manifest.json"
-    p.write_bytes(p.read_bytes().replace(b'"__LITERAL__"', literal))
-
-
-def rehash_checkpoints(run: Path) -> None:
-    m = read_manifest(run)
-    for rel in m["checkpoints"]:
-        m["checkpoints"][rel] = hashlib.sha256((run / rel).read_bytes()).hexdigest()
-    write_manifest(run, m)
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -163,27 +129,14 @@ def deadline(seconds: float) -> Iterator[None]:
 
 def audit_process(run: Path, *args: str, timeout: float = 120) -> tuple[int, str, str, int]:
     """``python -m detrl.cli audit RUN --quiet ARGS`` in a fresh process: (exit code, stdout, stderr, peak
-    RSS in bytes). The peak is the child's own ``ru_maxrss``, what ``getrusage(RUSAGE_CHILDREN)`` reports
-    for it alone; a child still running after ``timeout`` s is killed and the test fails (it hung)."""
-    env = {k: v for k, v in os.environ.items() if k != "DETRL_DEBUG"}
-    cmd = [sys.executable, "-m", "detrl.cli", "audit", str(run), "--quiet", *args]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env)
-        end = time.monotonic() + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > end:
-                proc.kill()
-                os.wait4(proc.pid, 0)
-                proc.returncode = -9
-                pytest.fail(f"audit still running after {timeout} s (hung): {cmd}")
-            time.sleep(0.05)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return proc.returncode, out.read().decode(), err.read().decode(), usage.ru_maxrss * 1024
+    RSS in bytes, the child's own ``ru_maxrss``), by :func:`detrl.fuzzing.audit_subprocess`; a child still
+    running after ``timeout`` s is killed and the test fails (it hung)."""
+    rc, out, err, rss, _ = audit_subprocess(run, *args, timeout=timeout, cwd=REPO)
+    if rc is None:
+        pytest.fail(f"audit still running after {timeout} s (hung): {run}")
+    if rss is None:
+        pytest.fail(f"the audit's launcher failed (exit {rc}): {err}")
+    return rc, out, err, rss
 
 
 def test_recorded_bundles_replicate(
@@ -372,39 +325,6 @@ def test_link_to_dev_zero_is_refused_without_a_big_read(bundle: Path, entry: str
 
 
 # --- a decompression bomb in the rounding log --------------------------------------------------------------
-
-
-def zstd_bomb_segment(step: int, raw_bytes: int) -> bytes:
-    """A well-formed log segment for ``step`` (valid CRC, one zstd frame declaring its size) whose one
-    record, for an op position no replay asks for, is ``raw_bytes`` of zeros once decompressed."""
-    count = (raw_bytes - 9) * 8 // 33  # 9-byte record header, 4-byte deltas, 1 bit per entry
-    raw_len = 9 + count * 4 + (count + 7) // 8
-    buf = io.BytesIO()
-    cctx = zstandard.ZstdCompressor(level=3, write_content_size=True)
-    with cctx.stream_writer(buf, size=raw_len, closefd=False) as w:
-        w.write(struct.pack("<IIB", 2**32 - 1, count, 4))
-        zeros, left = bytes(1 << 20), raw_len - 9
-        while left:
-            w.write(zeros[: min(left, len(zeros))])
-            left -= min(left, len(zeros))
-    comp = buf.getvalue()
-    head = struct.pack("<4sQIQQ", b"RSEG", step, 1, raw_len, len(comp))
-    return head + struct.pack("<I", zlib.crc32(comp, zlib.crc32(head))) + comp
-
-
-def plant_bomb(run: Path, step: int, raw_bytes: int) -> bytes:
-    """Replace ``step``'s log segment with a bomb and re-sign the log length in the manifest."""
-    log = run / "roundlog"
-    data = log.read_bytes()
-    with RoundLogReader(log) as reader:
-        start, end = reader.segment_end(step - 1), reader.segment_end(step)
-    bomb = zstd_bomb_segment(step, raw_bytes)
-    log.write_bytes(data[:start] + bomb + data[end:])
-    m = read_manifest(run)
-    with RoundLogReader(log) as reader:
-        m["durable"]["roundlog_bytes"] = reader.segment_end(m["durable"]["step"])
-    write_manifest(run, m)
-    return bomb
 
 
 def test_zstd_bomb_in_a_durable_segment(bundle: Path) -> None:
