@@ -8,6 +8,7 @@ Runs use ``configs/dqn/tiny.yaml`` (CartPole, small networks) through :func:`age
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -406,6 +407,9 @@ def test_train_cli_writes_tensorboard_scalars_and_evaluates(tmp_path, capsys):
     tags = set(acc.Tags()["scalars"])
     assert {"charts/episodic_return", "charts/episodic_length", "losses/td_loss", "losses/q_values",
             "charts/epsilon", "charts/SPS"} <= tags  # fmt: skip
+    losses = acc.Scalars("losses/td_loss")
+    # No loss is logged before learning starts (it used to be NaN there), and every one is a number.
+    assert losses and min(e.step for e in losses) > 500 and all(math.isfinite(e.value) for e in losses)
 
 
 def test_a_false_frozen_claim_is_caught_at_its_step(tmp_path, capsys):
