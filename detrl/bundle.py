@@ -294,6 +294,12 @@ class Bundle:
         self.checkpoint_steps = sorted(_ckpt_step(rel) for rel in m.checkpoints)
         if self.checkpoint_steps and self.checkpoint_steps[-1] > self.steps:
             raise BundleError(f"{MANIFEST}: a checkpoint beyond the durable point")
+        for rel in m.checkpoints:  # up front: a linked or missing checkpoint is bad input before any replay
+            try:
+                f, _ = safeio.open_regular(self.dir, rel, self.caps.checkpoint_bytes)
+            except safeio.UnsafeInput as e:
+                raise BundleError(str(e)) from None
+            f.close()
         self.roundlog: RoundLogReader | None = None
         if m.precision == "verifiable" and (m.durable is not None or _exists(self.dir / ROUNDLOG)):
             self.roundlog = self._open_log()

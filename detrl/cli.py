@@ -120,7 +120,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                     shutil.rmtree(out / "tb", ignore_errors=True)
                 writer = SummaryWriter(str(out / "tb"))
                 writer.add_text("config", "```yaml\n" + json.dumps(cfg.model_dump(), indent=1) + "\n```")
-            metrics = task.run(cfg, session, progress=not args.quiet, writer=writer)
+            try:
+                metrics = task.run(cfg, session, progress=not args.quiet, writer=writer)
+            except (RuntimeError, TypeError, IndexError) as e:
+                # A config whose parts do not fit (a CNN fed text, a batch larger than the data) fails
+                # inside torch or the task: the user's error, one line; the bundle keeps its durable steps.
+                msg = " ".join(str(e).split())[:200] or type(e).__name__
+                raise config_mod.ConfigError(
+                    f"config {cfg.name}: the run fails ({type(e).__name__}: {msg})"
+                ) from e
     finally:
         signal.signal(signal.SIGINT, previous)
         if writer is not None:

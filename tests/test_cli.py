@@ -111,3 +111,11 @@ def test_packaged_config_resolves_outside_a_checkout(tmp_path, monkeypatch):
         config.ConfigError, match=r"config file not found: configs/nope\.yaml .*dqn/tiny\.yaml"
     ):
         config.load("configs/nope.yaml")
+
+
+def test_a_config_whose_parts_do_not_fit_is_one_line(tmp_path, capsys):
+    """A CNN fed token windows fails inside torch: the user's config error, exit 2, not an internal error."""
+    rc = main(["train", "configs/supervised/digits_cnn.yaml", "--set", "data.name=synthetic_text", "--out",
+               str(tmp_path / "r"), "--quiet", "--no-tensorboard"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "the run fails" in err and "internal error" not in err, err
