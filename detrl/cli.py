@@ -213,6 +213,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.main(args.name, args.rest)
 
 
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from detrl import ablation
+
+    sources = ablation.parse_sources(args.sources) if args.sources is not None else None
+    spec = ablation.load_spec(args.config, runs=args.runs, sources=sources)
+    out = Path(args.out or f"runs/ablate/{Path(args.config).stem}")
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, not {args.workers}")
+    workers = args.workers or os.cpu_count() or 1
+    n_jobs = len(ablation.jobs(spec))
+    print(
+        f"ablate {args.config}: {len(ablation.conditions(spec))} conditions x {spec.runs} runs = {n_jobs} runs "
+        f"in {out}, {workers} worker processes with 1 torch thread each"
+    )
+    t0 = time.perf_counter()
+    counts = ablation.run_sweep(spec, out, workers=workers, progress=not args.quiet)
+    summary = ablation.summarise(out)
+    ablation.write_summary(out, summary)
+    seconds = time.perf_counter() - t0
+    print(f"ran {counts['done']} runs, skipped {counts['skipped']} already finished, in {seconds:.1f} s")
+    print(ablation.format_table(summary))
+    print(
+        f"summary: {out / 'summary.json'}, {out / 'summary.csv'}; each run is a bundle: detrl audit {out}/runs/C/K"
+    )
+    reproduce = (
+        f"detrl ablate {args.config} --runs {spec.runs} --sources {','.join(spec.sources)} --out {out}"
+    )
+    print(f"reproduce with: {reproduce}  (--workers does not change the results)")
+    return 0
+
+
 class _BenchHelp(argparse.Action):
     """``detrl bench --help``: the usage, then every benchmark with its description (plugins load only here)."""
 
@@ -269,6 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--quiet", action="store_true")
     a.set_defaults(func=cmd_audit)
     sub.add_parser("profiles", help="list hardware profiles").set_defaults(func=cmd_profiles)
+    ab = sub.add_parser("ablate", help="vary each source of randomness in turn (an ablation sweep)")
+    ab.add_argument("config", help="ablation config (e.g. configs/ablate/dqn_tiny.yaml)")
+    ab.add_argument("--runs", type=int, metavar="N", help="runs per condition (default: the config's)")
+    ab.add_argument("--sources", metavar="A,B", help="sources to vary (default: the config's)")
+    ab.add_argument("--workers", type=int, metavar="N", help="worker processes (default: all CPUs)")
+    ab.add_argument("--out", metavar="DIR", help="sweep directory (default runs/ablate/NAME); reruns resume")
+    ab.add_argument("--quiet", action="store_true", help="no progress bar")
+    ab.set_defaults(func=cmd_ablate)
     b = sub.add_parser(
         "bench", help="run a benchmark from BENCHMARKS.md (list: detrl bench --help)", add_help=False,
         formatter_class=argparse.RawDescriptionHelpFormatter, description="Run a benchmark from BENCHMARKS.md.",
