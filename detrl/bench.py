@@ -132,7 +132,7 @@ def _model_list(text: str) -> list[str]:
     return models
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
+def table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(
         c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
@@ -310,7 +310,7 @@ def bench_overhead(rest: list[str]) -> int:
             ])  # fmt: skip
     headers = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp32",
                "peak MB", "peak /fp64", "peak MB incl. step 1", "abs. peak RSS MB", "logged/step"]  # fmt: skip
-    print(_table(headers, rows))
+    print(table(headers, rows))
     for n in notes:
         print("note: " + n)
     print(
@@ -372,7 +372,7 @@ def bench_roundlog(rest: list[str]) -> int:
                 ])  # fmt: skip
     headers = ["model", "steps", "logged el./step", "log B/step", "rounded el./step", "dense B/step",
                "dense/log", "26.2MB/log"]  # fmt: skip
-    print(_table(headers, rows))
+    print(table(headers, rows))
     print(
         f"paper: its code writes {format_bytes(PAPER_LOG_BYTES_PER_STEP)} of log per ResNet-50 step at batch 8; "
         f"goal >= {LOG_GOAL_FACTOR}x smaller, i.e. <= {format_bytes(PAPER_LOG_BYTES_PER_STEP / LOG_GOAL_FACTOR)}/step"
@@ -442,9 +442,7 @@ def bench_nolog(rest: list[str]) -> int:
                 first = str(r.diverged_step) if r.diverged_step is not None else f"none in {args.steps} steps"
                 rows.append([prof, label, r.verdict, first, str(r.corrected), str(r.unlogged_near)])
     print(f"recorded log: {total_logged:,} logged elements over {args.steps} steps")
-    print(
-        _table(["profile", "bundle", "verdict", "first diverging step", "corrected", "unlogged near"], rows)
-    )
+    print(table(["profile", "bundle", "verdict", "first diverging step", "corrected", "unlogged near"], rows))
     print(
         "corrected: logged elements whose replayer-nearest rounding differed from the log (where the log "
         "mattered); unlogged near: near-midpoint elements the replayer saw that the log did not list"
@@ -462,13 +460,11 @@ def bench_fuzz(rest: list[str]) -> int:
     """Run --cases cases of :func:`detrl.fuzzing.fuzz_case` over a freshly recorded bundle, in-process, each
     under a time limit. A crash (an exception other than the reader's own error) or a timeout exits 1."""
     import collections
-    import contextlib
     import random
     import signal
     import traceback
 
     from detrl import fuzzing
-    from detrl.cli import main as cli_main
 
     p = argparse.ArgumentParser(prog="detrl bench fuzz", description=bench_fuzz.__doc__)
     p.add_argument("--cases", type=int, default=100_000, help="fuzz cases to run (default 100000)")
@@ -497,11 +493,7 @@ def bench_fuzz(rest: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="detrl-fuzz-") as tmp:
         run, work = Path(tmp) / "run", Path(tmp) / "work" / "run"
         _log("recording the base bundle (digits_cnn, 8 steps, checkpoints at 4 and 8) ...")
-        with contextlib.redirect_stdout(sys.stderr):
-            rc = cli_main(["train", "configs/supervised/digits_cnn.yaml", "--out", str(run), "--set", "train.steps=8",
-                           "--set", "verify.checkpoint_every=4", "--no-tensorboard", "--quiet"])  # fmt: skip
-        if rc != 0:
-            raise RuntimeError("fuzz: recording the base bundle failed")
+        _record_small_digits(run)
         base = fuzzing.BaseBundle.load(run, work)
         reset_ok = _reset_peak_rss()
         t_start = time.perf_counter()
@@ -544,7 +536,7 @@ def bench_fuzz(rest: list[str]) -> int:
          f"{slowest[t] * 1e3:.1f}"]
         for t in targets
     ]  # fmt: skip
-    print(_table(["target", "cases", *kinds, "slowest ms"], rows))
+    print(table(["target", "cases", *kinds, "slowest ms"], rows))
     ran, found = sum(outcomes.values()), outcomes_of("crash", "timeout")
     print(f"cases run: {ran} in {elapsed:.1f} s ({ran / elapsed:.0f}/s)")
     print("outcomes: " + ", ".join(f"{k} {outcomes_of(k)}" for k in kinds))
@@ -564,68 +556,21 @@ def bench_fuzz(rest: list[str]) -> int:
     return 1 if found else 0
 
 
-# ------------------------------------------------------------------------------------------------ crash
-_VERDICTS = {0: "replicated", 1: "diverged", 2: "bad input", 3: "incomplete", 4: "log incomplete"}
+def _record_small_digits(run_dir: Path) -> None:
+    """The base bundle of the fuzz and hostile benchmarks: digits_cnn, 8 steps, checkpoints at 4 and 8."""
+    from detrl import config as config_mod
+    from detrl import tasks
 
-
-@benchmark("crash", "kill a recording at each durable point (and its resumes); resumed bundles identical?")
-def bench_crash(rest: list[str]) -> int:
-    """Run the kill/resume matrix of :mod:`detrl.crashtest` (the slow test's driver): every kill point, the
-    durable step it left, the audit verdict, and whether a plain ``--resume`` gave the uninterrupted
-    bundle byte for byte. Exits 1 if any point failed."""
-    from detrl import crashtest as ct
-
-    p = argparse.ArgumentParser(prog="detrl bench crash", description=bench_crash.__doc__)
-    p.add_argument("--points", type=int, default=None, help="at most N points, spread over the matrix")
-    p.add_argument("--kinds", default=",".join(ct.KINDS), help="comma list of " + ",".join(ct.KINDS))
-    p.add_argument("--core", action="store_true", help="only the core points (what the slow test runs)")
-    p.add_argument("--jobs", type=int, default=2, help="points run at a time")
-    p.add_argument("--fresh", action="store_true", help="a fresh interpreter per command (not a warm fork)")
-    p.add_argument("--keep", metavar="DIR", help="work here and keep failed points (default: a temp dir)")
-    args = p.parse_args(rest)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    for k in kinds:
-        if k not in ct.KINDS:
-            raise ValueError(f"unknown kind {k!r}; known: {', '.join(ct.KINDS)}")
-    print(machine_line(1))
-    print("recordings: " + "; ".join(f"{k}: {' '.join(ct.KINDS[k])}" for k in kinds))
-    t0 = time.perf_counter()
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="detrl-bench-crash-"))
-    done = [0]
-
-    def progress(o: Any) -> None:
-        done[0] += 1
-        _log(f"{done[0]} {o.point.kind} {o.point.name}: {'ok' if o.ok else 'FAILED'} ({o.seconds:.0f} s)")
-
-    try:
-        outcomes = ct.run_matrix(
-            kinds, work, points=args.points, jobs=args.jobs, core_only=args.core, warm=not args.fresh,
-            on_done=progress,
-        )  # fmt: skip
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    rows = []
-    for o in outcomes:
-        durable = " -> ".join("-" if d is None else str(d) for d in o.durable)
-        verdicts = " -> ".join(_VERDICTS.get(v, str(v)) for v in o.verdicts)
-        rows.append([o.point.name, o.point.kind, durable, verdicts, "yes" if o.identical else "NO",
-                     "ok" if o.ok else "; ".join(o.problems)[:120], o.point.note])  # fmt: skip
-    headers = ["kill point", "kind", "durable step", "verdict", "resumed identical", "checks", "where"]
-    print(_table(headers, rows))
-    bad = [o for o in outcomes if not o.ok]
-    no_bundle = sum(1 for o in outcomes if o.notes)
-    print(
-        f"points tried: {len(outcomes)}; resumed identical: {sum(o.identical for o in outcomes)}/{len(outcomes)}; "
-        f"all identical: {'yes' if all(o.identical for o in outcomes) else 'NO'}; "
-        f"failed checks: {len(bad)}; {time.perf_counter() - t0:.0f} s with {args.jobs} jobs"
+    cfg = config_mod.load(
+        "configs/supervised/digits_cnn.yaml", ["train.steps=8", "verify.checkpoint_every=4"]
     )
-    if no_bundle:
-        print(
-            f"note: {no_bundle} point(s) killed the recording before it wrote its first manifest: no bundle yet "
-            "(nothing was recorded; audit says bad input: manifest.json missing); recorded afresh with --force"
-        )
-    return 1 if bad else 0
+    torch.set_num_threads(cfg.threads)
+    with tasks.session_for(cfg, run_dir, "record", force=True) as session:
+        tasks.get(cfg.task).run(cfg, session)
+
+
+# ------------------------------------------------------------------------------------------------ verdicts
+VERDICTS = {0: "replicated", 1: "diverged", 2: "bad input", 3: "incomplete", 4: "log incomplete"}
 
 
 # ------------------------------------------------------------------------------------------------ fsync
@@ -727,7 +672,7 @@ def bench_fsync(rest: list[str]) -> int:
         ])  # fmt: skip
     headers = ["variant", "runs", "run s", "durable-point s", "in fsync s", "share of run", "durable points",
                "checkpoints", "s/checkpoint", "bundle", "ms/step"]  # fmt: skip
-    print(_table(headers, rows))
+    print(table(headers, rows))
     on, off = (med([o["run_s"] for o in res[v]]) for v in (True, False))
     share = med([o["durable_s"] / o["run_s"] for o in res[True]])
     cost = med([o["durable_s"] for o in res[True]]) - med([o["durable_s"] for o in res[False]])
@@ -750,10 +695,8 @@ def bench_hostile(rest: list[str]) -> int:
     line of output, wall time and the child's own peak RSS (``os.wait4``). Exits 1 if any case exits
     outside 0-4, prints a traceback or an internal error, times out, trips a tripwire (a planted pickle
     ran) or peaks over 1 GB."""
-    import contextlib
 
     from detrl import fuzzing
-    from detrl.cli import main as cli_main
 
     p = argparse.ArgumentParser(prog="detrl bench hostile", description=bench_hostile.__doc__)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per audit (more: a hang)")
@@ -767,13 +710,7 @@ def bench_hostile(rest: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="detrl-hostile-") as tmp:
         recorded = Path(tmp) / "recorded"
         _log("recording the base bundle (digits_cnn, 8 steps, checkpoints at 4 and 8) ...")
-        with contextlib.redirect_stdout(sys.stderr):
-            rc = cli_main([
-                "train", "configs/supervised/digits_cnn.yaml", "--out", str(recorded),
-                "--set", "train.steps=8", "--set", "verify.checkpoint_every=4", "--no-tensorboard", "--quiet",
-            ])  # fmt: skip
-        if rc != 0:
-            raise RuntimeError("hostile: recording the base bundle failed")
+        _record_small_digits(recorded)
         for i, (name, plant) in enumerate(fuzzing.hostile_cases()):
             scratch = Path(tmp) / f"case-{i:02d}"
             run = scratch / "run"
@@ -797,18 +734,18 @@ def bench_hostile(rest: list[str]) -> int:
             if problems:
                 failures.append(f"{name}: {'; '.join(problems)}")
             results.append((name, rss or 0, wall))
-            code = "timeout" if rc is None else f"{rc} ({_VERDICTS[rc]})" if rc in _VERDICTS else str(rc)
+            code = "timeout" if rc is None else f"{rc} ({VERDICTS[rc]})" if rc in VERDICTS else str(rc)
             rows.append([name, code, first[:70], f"{wall:.2f}", "?" if rss is None else f"{rss / 1e6:.0f}"])
     width = max(len(r[2]) for r in rows)
     rows = [[*r[:2], r[2].ljust(width), *r[3:]] for r in rows]  # _table right-aligns all but the first
-    print(_table(["case", "exit", "first line of stderr/stdout", "wall s", "peak RSS MB"], rows))
+    print(table(["case", "exit", "first line of stderr/stdout", "wall s", "peak RSS MB"], rows))
     by_rss, by_time = max(results, key=lambda r: r[1]), max(results, key=lambda r: r[2])
     print(
         f"worst by peak RSS: {by_rss[0]} ({by_rss[1] / 1e6:.0f} MB); worst by time: {by_time[0]} "
         f"({by_time[2]:.2f} s); {len(results)} cases, {time.perf_counter() - t_start:.0f} s in all "
         "(recording and planting included)"
     )
-    if rows[0][1] != f"0 ({_VERDICTS[0]})":
+    if rows[0][1] != f"0 ({VERDICTS[0]})":
         print(f"note: the honest bundle (the control) did not replicate: exit {rows[0][1]}")
     print(f"failures: {len(failures)}" + "".join(f"\n  {f}" for f in failures))
     return 1 if failures else 0
