@@ -263,11 +263,7 @@ class Bundle:
         if not self.dir.is_dir():
             raise BundleError(f"{self.dir}: not a run bundle directory")
         self.manifest = m = parse_manifest(self._read(MANIFEST, self.caps.manifest_bytes))
-        self.config = m.config
-        self.precision = m.precision
-        self.sources = m.sources
         self.status = m.status
-        self.planned_steps = m.planned_steps
         #: the steps an audit replays: through the durable point
         self.steps = m.durable.step if m.durable is not None else 0
         if m.durable is None and not _exists(self.dir / COMMITMENTS):
