@@ -31,13 +31,30 @@ class DataConfig(Strict):
     seq_len: int = Field(32, ge=2, description="tokens per example (text data)")
     n: int = Field(512, ge=1, description="examples to generate or read (text, synthetic images)")
     vocab: int = Field(65, ge=2, description="vocabulary size of synthetic_text")
+    holdout: int = Field(
+        0,
+        ge=0,
+        description="images: examples held out as the test set (a fixed split, the same on every machine)",
+    )
+    augment: Literal["none", "crop", "crop_flip"] = Field(
+        "none",
+        description="images: random crop with zero padding (and horizontal flip), from the augment stream",
+    )
+    crop_padding: int = Field(
+        1, ge=0, le=64, description="pixels of zero padding around each image for crops"
+    )
 
 
 class ModelConfig(Strict):
     name: Literal["cnn_bn", "mlp_dropout", "tiny_transformer", "resnet50"] = "cnn_bn"
     channels: int = Field(16, ge=1, description="cnn_bn: channels of the first conv")
     hidden: int = Field(128, ge=1, description="mlp_dropout: hidden units")
-    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="dropout probability (mlp, transformer)")
+    dropout: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="dropout probability (default: 0 for cnn_bn, 0.1 for mlp and transformer)",
+    )
     d_model: int = Field(32, ge=2)
     heads: int = Field(2, ge=1)
     layers: int = Field(1, ge=1)
@@ -50,6 +67,10 @@ class OptimizerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
+    schedule: Literal["constant", "cosine", "cyclic"] = Field(
+        "constant", description="learning rate over steps: constant, cosine to 0, or `cycles` cosine cycles"
+    )
+    cycles: int = Field(1, ge=1, description="cyclic: cosine cycles over train.steps (snapshot ensembles)")
 
 
 class TrainConfig(Strict):
@@ -69,6 +90,12 @@ class RunBase(Strict):
     name: str = "run"
     precision: Literal["verifiable", "fp64", "fp32"] = "verifiable"
     hardware: str = "native"
+    hardware_seed: int | None = Field(
+        None,
+        ge=0,
+        lt=2**63,
+        description="seeds emulated:atomic's random orders (default: the OS, like real atomics)",
+    )
     threads: int = Field(1, ge=1, description="torch intra-op threads")
     sources: dict[str, Any] = Field(default_factory=lambda: {"seed": 0})
     verify: VerifyConfig = Field(default_factory=VerifyConfig)

@@ -12,9 +12,10 @@ Precipice" (NeurIPS 2021, the ``rliable`` library). ``scores`` are final returns
 ``(runs,)`` or ``(runs, tasks)``. ``curves`` are returns over training with shape
 ``(runs, points)``, recorded at ``steps`` of shape ``(points,)``.
 
-Only numpy and scipy are needed. ``rliable`` is optional: :func:`iqm_with_interval` reimplements
-its stratified-bootstrap IQM and reproduces it bit for bit. ``backend="rliable"`` calls the
-library itself when it is installed.
+Only numpy and scipy are needed. :func:`iqm_with_interval` calls ``rliable`` itself when it is
+installed (the ``stats`` extra) and otherwise a reimplementation of its stratified-bootstrap IQM that
+reproduces it bit for bit (a test checks this wherever rliable imports): rliable 1.2 pins arch < 8, which
+does not import under pandas 3.
 
 Determinism: every function is a pure function of its inputs and ``seed``. The bootstraps here use
 a private generator and never touch numpy's global RNG, apart from ``backend="rliable"`` (see
@@ -26,7 +27,9 @@ deterministic control row read exactly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Literal
 
@@ -454,6 +457,20 @@ def _global_numpy_seed(seed: int) -> Iterator[None]:
         np.random.set_state(state)
 
 
+@functools.cache
+def rliable_available() -> bool:
+    """Whether ``rliable`` imports (arch 7.x, which rliable pins, fails to import under pandas 3 with a
+    TypeError rather than an ImportError, so any exception means no)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import rliable.library  # noqa: F401
+            import rliable.metrics  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def _iqm(x: np.ndarray, axis: int | None) -> FloatArray:
     return scipy.stats.trim_mean(x, proportiontocut=0.25, axis=axis)
 
@@ -463,7 +480,7 @@ def iqm_with_interval(
     resamples: int = 10_000,
     confidence: float = 0.95,
     seed: int = 0,
-    backend: Literal["numpy", "rliable"] = "numpy",
+    backend: Literal["auto", "numpy", "rliable"] = "auto",
 ) -> tuple[float, float, float]:
     """Interquartile mean (IQM) of scores, with a stratified-bootstrap percentile interval (rliable).
 
@@ -487,6 +504,8 @@ def iqm_with_interval(
       vectorised.
     * ``backend="rliable"`` calls rliable inside a context that seeds the global RNG with ``seed``
       and restores its previous state afterwards. It is not thread-safe.
+    * ``backend="auto"`` (the default) calls rliable when it imports (``pip install 'detrl[stats]'``)
+      and the reimplementation otherwise; the numbers are the same either way.
 
     For the same seed, both backends return identical floats. That was checked against rliable
     1.2.0 with arch 7.2.0 and pandas 2.3.3; arch 7.2.0 fails to import with pandas 3.
@@ -496,7 +515,7 @@ def iqm_with_interval(
         resamples: bootstrap replications (rliable's ``reps``; rliable's own default is 50,000).
         confidence: coverage of the two-sided interval, in (0, 1).
         seed: seed of the legacy MT19937 stream, as for ``np.random.seed``.
-        backend: "numpy" or "rliable".
+        backend: "auto", "numpy" or "rliable".
 
     Returns:
         (iqm, lo, hi), in the unit of ``scores``.
@@ -512,6 +531,8 @@ def iqm_with_interval(
         raise ValueError(f"confidence must lie in (0, 1); got {confidence}")
     if resamples < 1:
         raise ValueError(f"resamples must be >= 1; got {resamples}")
+    if backend == "auto":
+        backend = "rliable" if rliable_available() else "numpy"
     if backend == "rliable":
         from rliable import library as rly
         from rliable import metrics as rlm

@@ -133,20 +133,21 @@ class Sources:
         return torch.randperm(n, generator=self.torch(name))
 
     def apply_bitflip(self, module: torch.nn.Module) -> str | None:
-        """Move one floating parameter element to its next float (``nextafter``), if bitflip is on.
+        """Move one weight of the first layer to its next float (``nextafter``), if bitflip is on.
 
-        The parameter and element are chosen by the ``bitflip`` stream. Returns ``"name[index]"`` of the
-        changed element, or None when the switch is off.
+        The first layer's weight is the first floating parameter with two or more dimensions in registration
+        order (Summers & Dinneen 2021 flip a first-layer weight; a bias or a batch-norm scale would also do,
+        but a weight is what the protocol names). The element is drawn from the ``bitflip`` stream. Returns
+        ``"name[index]"`` of the changed element, or None when the switch is off.
         """
         if not self.bitflip:
             return None
-        params = [(n, p) for n, p in sorted(module.named_parameters()) if p.is_floating_point()]
-        if not params:
+        floating = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
+        weights = [(n, p) for n, p in floating if p.dim() >= 2] or floating
+        if not weights:
             return None
-        g = self.torch("bitflip")
-        k = int(torch.randint(len(params), (1,), generator=g))
-        name, p = params[k]
-        i = int(torch.randint(p.numel(), (1,), generator=g))
+        name, p = weights[0]
+        i = int(torch.randint(p.numel(), (1,), generator=self.torch("bitflip")))
         with torch.no_grad():
             flat = p.view(-1)
             flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf"), dtype=p.dtype))

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from detrl.engine import Session
+from detrl.hardware import get_profile
 from detrl.sources import Sources
 
 ENTRY_POINT_GROUP = "detrl.tasks"
@@ -126,12 +127,15 @@ def session_for(
     ``overrides``: further :class:`Session` arguments (``resume``, ``force``, ``caps``, ``sources``, ...).
     """
     task = get(cfg.task)
+    if hardware is None:
+        seed = getattr(cfg, "hardware_seed", None)
+        hardware = cfg.hardware if seed is None else get_profile(cfg.hardware, seed=seed)
     if fingerprint is None and mode != "off":
         fingerprint = task.fingerprint(cfg, data)
     options: dict[str, Any] = {
         "precision": cfg.precision,
         "sources": Sources.from_config(cfg.sources),
-        "hardware": cfg.hardware if hardware is None else hardware,
+        "hardware": hardware,
         "checkpoint_every": cfg.verify.checkpoint_every,
         "margin": cfg.verify.margin,
         "task": cfg.task,

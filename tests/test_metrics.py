@@ -255,20 +255,13 @@ def test_iqm_of_one_to_eight():
     assert M.iqm_with_interval(scores.reshape(4, 2), resamples=100)[0] == 4.5
 
 
-def _rliable_importable() -> bool:
-    try:  # arch 7.x (rliable pins arch < 8) fails to import under pandas 3 with a TypeError, not ImportError
-        import rliable.library  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _rliable_importable(), reason="rliable is not installed (or does not import)")
+@pytest.mark.skipif(not M.rliable_available(), reason="rliable is not installed (or does not import)")
 @pytest.mark.filterwarnings("ignore")
 def test_iqm_matches_rliable_bit_for_bit():
     scores = np.random.default_rng(2).normal(size=(6, 4))
     state = np.random.get_state()[1].copy()
-    ours = M.iqm_with_interval(scores, resamples=500, confidence=0.9, seed=11)
+    ours = M.iqm_with_interval(scores, resamples=500, confidence=0.9, seed=11, backend="numpy")
+    assert M.iqm_with_interval(scores, resamples=500, confidence=0.9, seed=11) == ours  # auto: rliable
     theirs = M.iqm_with_interval(scores, resamples=500, confidence=0.9, seed=11, backend="rliable")
     assert ours == theirs
     assert np.array_equal(np.random.get_state()[1], state)

@@ -14,20 +14,25 @@ from torch.nn import functional as F
 
 
 class DigitsCNN(nn.Module):
-    """Conv-BN-ReLU x2, max-pool, linear. Input ``(N, 1, 8, 8)``, output logits ``(N, classes)``."""
+    """Conv-BN-ReLU x2, max-pool, dropout, linear. Input ``(N, 1, 8, 8)``, output logits ``(N, classes)``.
 
-    def __init__(self, channels: int = 16, classes: int = 10) -> None:
+    ``dropout`` (default 0: none) drops features before the linear head, drawing from the ``dropout`` stream.
+    """
+
+    def __init__(self, channels: int = 16, classes: int = 10, dropout: float = 0.0) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, channels, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(channels)
         self.conv2 = nn.Conv2d(channels, 2 * channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(2 * channels)
         self.fc = nn.Linear(2 * channels * 4 * 4, classes)
+        # No module at p=0: a run without dropout has exactly the op sequence it always had.
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.bn1(self.conv1(x)))
         x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
-        return self.fc(x.flatten(1))
+        return self.fc(self.dropout(x.flatten(1)))
 
 
 class MLPDropout(nn.Module):

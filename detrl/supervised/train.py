@@ -5,6 +5,7 @@ It reads top to bottom: data, model, optimizer, then the loop through :class:`de
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,32 @@ from detrl.tasks import Task
 
 
 def load_data(cfg: RunConfig, path: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The training set ``(x, y)`` named by ``cfg.data``.
+    """The training set ``(x, y)`` named by ``cfg.data`` (without its ``data.holdout`` test examples).
 
     ``path``: where to read a corpus (``text_file``). The auditor always passes its own (``--data``): a
     bundle's config never names a file the auditor opens. Without it, a recording reads ``data.path``.
     """
+    return load_split(cfg, path)[0]
+
+
+def load_test_data(cfg: RunConfig, path: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``data.holdout`` held-out test examples ``(x, y)`` (a fixed split: see :func:`data.split`)."""
+    if cfg.data.holdout < 1:
+        raise ValueError("config error: data.holdout must be positive to hold out a test set")
+    return load_split(cfg, path)[1]
+
+
+def load_split(
+    cfg: RunConfig, path: Path | None = None
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """``(train, test)``, each ``(x, y)``; the test set is empty unless ``data.holdout`` is positive."""
+    x, y = _load_all(cfg, path)
+    if cfg.data.holdout == 0:
+        return (x, y), (x[:0], y[:0])
+    return datasets.split(x, y, cfg.data.holdout)
+
+
+def _load_all(cfg: RunConfig, path: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
     d = cfg.data
     if d.name == "digits":
         return datasets.digits()
@@ -40,10 +62,11 @@ def load_data(cfg: RunConfig, path: Path | None = None) -> tuple[torch.Tensor, t
 def model_builder(cfg: RunConfig, x: torch.Tensor) -> Any:
     """A zero-argument callable building the model for inputs shaped like ``x``."""
     m, name = cfg.model, cfg.model.name
+    dropout = m.dropout if m.dropout is not None else (0.0 if name == "cnn_bn" else 0.1)
     if name == "cnn_bn":
-        return lambda: MODELS[name](channels=m.channels)
+        return lambda: MODELS[name](channels=m.channels, dropout=dropout)
     if name == "mlp_dropout":
-        return lambda: MODELS[name](features=int(x[0].numel()), hidden=m.hidden, dropout=m.dropout)
+        return lambda: MODELS[name](features=int(x[0].numel()), hidden=m.hidden, dropout=dropout)
     if name == "tiny_transformer":
         vocab = cfg.data.vocab if cfg.data.name == "synthetic_text" else 256
         kw = dict(
@@ -52,7 +75,7 @@ def model_builder(cfg: RunConfig, x: torch.Tensor) -> Any:
             heads=m.heads,
             layers=m.layers,
             seq_len=x.shape[1],
-            dropout=m.dropout,
+            dropout=dropout,
         )
         return lambda: MODELS[name](**kw)
     return lambda: MODELS[name]()
@@ -65,6 +88,50 @@ def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimi
     return torch.optim.AdamW(
         model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
     )
+
+
+def learning_rate(cfg: RunConfig, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (1-based) of ``train.steps``.
+
+    ``constant``: ``lr``. ``cosine``: from ``lr`` down a half cosine over the run. ``cyclic``: ``cycles``
+    such half cosines, each restarting at ``lr`` (Huang et al. 2017's snapshot ensembles): the model at the
+    end of each cycle (:func:`cycle_ends`) is one member of the ensemble.
+    """
+    o, steps = cfg.optimizer, cfg.train.steps
+    if o.schedule == "constant":
+        return o.lr
+    cycles = o.cycles if o.schedule == "cyclic" else 1
+    ends = cycle_ends(steps, cycles)
+    start = max([0, *(e for e in ends if e < step)])
+    end = min(e for e in ends if e >= step)
+    return o.lr * 0.5 * (1.0 + math.cos(math.pi * (step - 1 - start) / (end - start)))
+
+
+def cycle_ends(steps: int, cycles: int) -> list[int]:
+    """The last step of each of ``cycles`` near-equal cycles of ``steps`` steps."""
+    if not 1 <= cycles <= steps:
+        raise ValueError(f"config error: optimizer.cycles={cycles} must lie in [1, train.steps={steps}]")
+    return [(k * steps) // cycles for k in range(1, cycles + 1)]
+
+
+def predict(cfg: RunConfig, model: torch.nn.Module, x: torch.Tensor, tta: bool = False) -> torch.Tensor:
+    """Test logits ``(N, classes)`` as float64, the model in eval mode (restored afterwards).
+
+    ``tta``: the log of the mean softmax over :func:`data.tta_views` (so argmax, cross-entropy and
+    correlations read it as logits). Outside any step: nothing here is committed or logged.
+    """
+    dtype = next(model.parameters()).dtype
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if not tta:
+                return model(x.to(dtype)).double()
+            views = datasets.tta_views(x, cfg.data.augment, cfg.data.crop_padding)
+            probs = torch.stack([model(v.to(dtype)).double().softmax(-1) for v in views]).mean(0)
+            return probs.log()
+    finally:
+        model.train(was_training)
 
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -82,6 +149,8 @@ def run(
     opt = session.track(make_optimizer(cfg, model))
     model.train()
     steps = cfg.train.steps
+    if cfg.optimizer.schedule == "cyclic":
+        cycle_ends(steps, cfg.optimizer.cycles)  # a bad cycle count fails before the first step
     batches = session.loader((x, y), batch_size=cfg.train.batch_size, steps=steps)
     start = session.restore()
     bar = None
@@ -98,8 +167,18 @@ def run(
         )
     loss_value = float("nan")
     for batch in batches if not session.stop_requested else ():
+        if cfg.optimizer.schedule != "constant":  # a function of the step: a resumed run picks it up
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(cfg, session.step_index + 1)
+        # Crops and flips are data movement, exact in any precision: they run outside the step, on the
+        # augment stream, so the rounding mode and the dropout routing never see them.
+        inputs = batch.x
+        if cfg.data.augment != "none":
+            inputs = datasets.augment(
+                inputs, cfg.data.augment, cfg.data.crop_padding, session.sources.torch("augment")
+            )
         with session.step():
-            loss = loss_fn(model(batch.x), batch.y)
+            loss = loss_fn(model(inputs), batch.y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
