@@ -686,6 +686,59 @@ def bench_fsync(rest: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- sweep
+@benchmark("sweep", "ablation sweep throughput: 1 worker against N on this machine, side by side")
+def bench_sweep(rest: list[str]) -> int:
+    """Run the same ablation sweep with 1 worker and with ``--workers`` workers (local process pool, one
+    torch thread each), interleaved (1, N, N, 1, ...), each into a fresh directory: wall time per sweep,
+    runs per second and the speed-up. Also checks that both give byte-identical ``summary.json``."""
+    from detrl import ablation
+
+    p = argparse.ArgumentParser(prog="detrl bench sweep", description=bench_sweep.__doc__)
+    p.add_argument("--config", default="configs/ablate/digits_tiny.yaml", help="the ablation config")
+    p.add_argument("--sources", default="init,data_order,dropout", help="sources to vary")
+    p.add_argument("--runs", type=int, default=4, help="runs per condition")
+    p.add_argument("--workers", type=int, default=2, help="workers of the parallel variant")
+    p.add_argument("--repeats", type=int, default=2, help="sweeps per variant, interleaved")
+    args = p.parse_args(rest)
+    spec = ablation.load_spec(args.config, runs=args.runs, sources=ablation.parse_sources(args.sources))
+    spec = spec.model_copy(update={"verifiable_hardware": False, "remedies": []})
+    n = len(ablation.jobs(spec))
+    print(machine_line(1))
+    print(
+        f"{args.config}: {n} runs per sweep ({', '.join(ablation.conditions(spec))}; {spec.runs} runs each)"
+    )
+    work = Path(tempfile.mkdtemp(prefix="detrl-bench-sweep-"))
+    times: dict[int, list[float]] = {1: [], args.workers: []}
+    summaries: dict[int, bytes] = {}
+    try:
+        for r in range(args.repeats):
+            for w in (1, args.workers) if r % 2 == 0 else (args.workers, 1):
+                out = work / f"sweep-{r}-{w}"
+                t0 = time.perf_counter()
+                ablation.run_sweep(spec, out, workers=w, progress=False)
+                times[w].append(time.perf_counter() - t0)
+                ablation.write_summary(out, ablation.summarise(out))
+                summaries[w] = (out / "summary.json").read_bytes()
+                _log(f"repeat {r + 1}/{args.repeats}, {w} worker(s): {times[w][-1]:.1f} s")
+                shutil.rmtree(out, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for w, ts in times.items():
+        med = statistics.median(ts)
+        rows.append([str(w), str(len(ts)), f"{med:.1f}", f"{n / med:.3f}"])
+    print(table(["workers", "sweeps", "median s", "runs/s"], rows))
+    speedup = statistics.median(times[1]) / statistics.median(times[args.workers])
+    same = len(set(summaries.values())) == 1
+    print(
+        f"speed-up {args.workers} workers / 1: {speedup:.2f}x; summaries byte-identical: {'yes' if same else 'NO'}"
+    )
+    verdict = "MET" if speedup >= 0.9 * args.workers else "MISSED"
+    print(f"goal: at least {0.9 * args.workers:.1f}x -> {verdict}")
+    return 0 if same else 1
+
+
 # ---------------------------------------------------------------------------------------------- hostile
 @benchmark("hostile", "audit hostile bundles (bombs, caps, FIFOs, links, deep JSON, pickles): time, peak RSS")
 def bench_hostile(rest: list[str]) -> int:

@@ -223,13 +223,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be at least 1, not {args.workers}")
     workers = args.workers or os.cpu_count() or 1
     n_jobs = len(ablation.jobs(spec))
+    where = f"on Ray ({args.ray})" if args.ray else f"in {workers} worker processes"
     print(
         f"ablate {args.config}: {len(ablation.conditions(spec))} conditions x {spec.runs} runs = {n_jobs} runs "
-        f"in {out}, {workers} worker processes with 1 torch thread each"
+        f"in {out}, {where} with 1 torch thread each"
     )
     t0 = time.perf_counter()
-    counts = ablation.run_sweep(spec, out, workers=workers, progress=not args.quiet)
-    summary = ablation.summarise(out)
+    counts = ablation.run_sweep(spec, out, workers=workers, progress=not args.quiet, ray=args.ray)
+    summary = ablation.summarise(out, command="detrl " + " ".join(args.argv), config=args.config)
     ablation.write_summary(out, summary)
     seconds = time.perf_counter() - t0
     print(f"ran {counts['done']} runs, skipped {counts['skipped']} already finished, in {seconds:.1f} s")
@@ -237,10 +238,19 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     print(
         f"summary: {out / 'summary.json'}, {out / 'summary.csv'}; each run is a bundle: detrl audit {out}/runs/C/K"
     )
-    reproduce = (
-        f"detrl ablate {args.config} --runs {spec.runs} --sources {','.join(spec.sources)} --out {out}"
-    )
-    print(f"reproduce with: {reproduce}  (--workers does not change the results)")
+    print(f"report: detrl report {out}  (rerun this command to resume; --workers and --ray change no number)")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from detrl import report
+
+    made = report.make_report(args.dir)
+    print(f"report: {made.markdown}")
+    for path in made.files:
+        print(f"  {path}")
+    for name, why in made.skipped.items():
+        print(f"  (not drawn: {name}: {why})")
     return 0
 
 
@@ -305,9 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--runs", type=int, metavar="N", help="runs per condition (default: the config's)")
     ab.add_argument("--sources", metavar="A,B", help="sources to vary (default: the config's)")
     ab.add_argument("--workers", type=int, metavar="N", help="worker processes (default: all CPUs)")
+    ab.add_argument(
+        "--ray",
+        metavar="auto|local|ADDRESS",
+        help="run on Ray: auto (this machine's cluster, else a local instance), local, or a cluster address",
+    )
     ab.add_argument("--out", metavar="DIR", help="sweep directory (default runs/ablate/NAME); reruns resume")
     ab.add_argument("--quiet", action="store_true", help="no progress bar")
     ab.set_defaults(func=cmd_ablate)
+    rp = sub.add_parser(
+        "report", help="turn an ablation sweep into a Markdown report with plots (DIR/report/)",
+        description="Write DIR/report/report.md, PNG plots and numbers.csv/json from DIR/summary.json of "
+        "`detrl ablate --out DIR`. Regenerating from the same summary.json gives the same bytes.",
+    )  # fmt: skip
+    rp.add_argument("dir", metavar="DIR", help="the sweep directory (the --out of detrl ablate)")
+    rp.set_defaults(func=cmd_report)
     b = sub.add_parser(
         "bench", help="run a benchmark from BENCHMARKS.md (list: detrl bench --help)", add_help=False,
         formatter_class=argparse.RawDescriptionHelpFormatter, description="Run a benchmark from BENCHMARKS.md.",
@@ -324,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for reports
         return int(args.func(args))
     except KeyboardInterrupt:
         print("detrl: interrupted", file=sys.stderr)

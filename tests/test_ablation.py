@@ -214,6 +214,29 @@ def test_supervised_protocol(supervised: tuple) -> None:
     assert "accuracy_sd" in (out / "summary.csv").read_text().splitlines()[0]
 
 
+@pytest.mark.parametrize("protocol", ["rl", "supervised"])
+def test_a_tiny_sweep_of_each_protocol_makes_the_report(
+    protocol: str, sweep: tuple, supervised: tuple, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, out, summary = sweep if protocol == "rl" else supervised
+    assert main(["report", str(out)]) == 0
+    md = (out / "report" / "report.md").read_text()
+    assert "**The control is bitwise identical**" in md
+    for cond in summary["conditions"]:
+        assert f"| `{cond}` |" in md
+    pngs = ["learning_curves.png", "metrics.png", "divergence.png", "distance.png"]
+    if protocol == "supervised":
+        pngs.append("instability.png")
+        assert "all 2 runs are bitwise identical to each other" in md  # hardware@verifiable
+        assert "## Remedies" in md
+    for name in pngs:
+        assert f"]({name})" in md
+        assert (out / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    numbers = json.loads((out / "report" / "numbers.json").read_text())
+    assert numbers and (out / "report" / "numbers.csv").is_file()
+
+
+@pytest.mark.slow  # starting Ray takes ~10 s of the 2 cores
 def test_local_pool_and_ray_give_the_same_files(supervised: tuple, tmp_path: Path) -> None:
     pytest.importorskip("ray")
     s, out, _ = supervised
