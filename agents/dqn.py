@@ -10,8 +10,8 @@ init       the Q-network's initial weights (the target starts as an exact copy)
 explore    epsilon-greedy: one uniform and one random action drawn every step, used or not
 replay     the minibatch rows of every update (``batch_size`` draws per update)
 env        each training episode's reset seed (see :mod:`envs`)
-noop       the number of no-op actions at each Atari episode's start
-sticky     whether each emulator frame repeats the previous action (sticky actions)
+noop       the number of no-op actions at each Atari (or MinAtar) episode's start
+sticky     whether each emulator frame (MinAtar: step) repeats the previous action (sticky actions)
 bitflip    (if on) one initial weight moved to its neighbouring float
 hardware   the accumulation order of reductions: the ``hardware`` profile in the config
 =========  ==================================================================================
@@ -45,12 +45,15 @@ from detrl.tasks import Task
 # ---------------------------------------------------------------------------------------------- config
 class EnvConfig(Strict):
     id: str = Field(
-        "CartPole-v1", description="gymnasium id: CartPole-v1, Acrobot-v1, MountainCar-v0, ALE/<Game>-v5"
+        "CartPole-v1",
+        description="CartPole-v1, Acrobot-v1, MountainCar-v0, ALE/<Game>-v5, MinAtar/<Game>-v1",
     )
     sticky_prob: float | None = Field(
-        None, ge=0.0, lt=1.0, description="sticky actions (default: 0.25 Atari, 0 else)"
+        None, ge=0.0, lt=1.0, description="sticky actions (default: 0.25 Atari, 0.1 MinAtar, 0 else)"
     )
-    noop_max: int | None = Field(None, ge=0, description="max no-ops at an Atari episode start (default 30)")
+    noop_max: int | None = Field(
+        None, ge=0, description="max no-ops at an Atari/MinAtar episode start (default 30 Atari, 0 MinAtar)"
+    )
     frame_skip: int = Field(4, ge=1, description="Atari: emulator frames per agent step")
     frame_stack: int = Field(4, ge=1, description="Atari: frames per observation")
     screen_size: int = Field(84, ge=8, description="Atari: square grayscale frame side in pixels")
@@ -68,7 +71,9 @@ class EnvConfig(Strict):
 
 
 class AgentConfig(Strict):
-    network: Literal["mlp", "nature_cnn"] = "mlp"
+    network: Literal["mlp", "nature_cnn", "minatar_cnn"] = Field(
+        "mlp", description="mlp: vectors; nature_cnn: Atari frame stacks; minatar_cnn: MinAtar boards"
+    )
     hidden: list[int] = Field([120, 84], description="mlp: hidden layer widths")
     buffer_size: int = Field(10_000, ge=1, description="replay capacity in transitions")
     batch_size: int = Field(128, ge=1, description="transitions per update")
@@ -221,10 +226,12 @@ def run(
     )
     frames = a.network == "nature_cnn"
     chain = session.mode != "off"  # the buffer's hash chain is committed: not needed without a bundle
+    # Observations are stored in the env's own dtype: float32 vectors, uint8 MinAtar boards (a quarter of
+    # the memory of float32, and the network casts them anyway).
     buffer = (
         FrameReplayBuffer(a.buffer_size, obs_shape, chain=chain)
         if frames
-        else ReplayBuffer(a.buffer_size, obs_shape, chain=chain)
+        else ReplayBuffer(a.buffer_size, obs_shape, obs_dtype=env.observation_space.dtype, chain=chain)
     )
     session.attach("replay", buffer)
     episodes = session.attach("env", EnvPart(env))
@@ -382,7 +389,8 @@ def fingerprint(cfg: Config, data: Path | None = None) -> str | None:
 CAPS = {
     "agent.hidden": 4096, "agent.buffer_size": 1_000_000, "agent.batch_size": 4096,
     "agent.gradient_steps": 64, "train.steps": 10_000_000, "env.screen_size": 256, "env.frame_stack": 16,
-    "env.frame_skip": 16, "env.max_episode_steps": 1_000_000, "eval.episodes": 1000, "threads": 256,
+    "env.frame_skip": 16, "env.max_episode_steps": 1_000_000, "env.noop_max": 10_000, "eval.episodes": 1000,
+    "threads": 256,
 }  # fmt: skip
 
 

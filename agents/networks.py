@@ -1,4 +1,5 @@
-"""Q-networks: an MLP for vector observations and the Nature CNN (Mnih et al. 2015) for Atari frames.
+"""Q-networks: an MLP for vector observations, the Nature CNN (Mnih et al. 2015) for Atari frames and the
+MinAtar CNN (Young & Tian 2019) for MinAtar's 10x10 boards.
 
 :class:`QNetworks` holds the online and the target network in one module, so the run's commitments and
 checkpoints cover both, and the target starts as an exact copy of the online network.
@@ -57,6 +58,28 @@ class NatureCNN(nn.Module):
         return self.head(self.features(x))
 
 
+class MinAtarCNN(nn.Module):
+    """``board (N, channels, 10, 10) uint8 -> Q (N, n_actions)``: Young & Tian (2019)'s DQN network, one 3x3
+    convolution of 16 channels (stride 1, no padding), then a 128-unit layer.
+
+    The board's 0/1 cells are fed as they are (no scaling). Like :class:`MLPQNetwork`, the forward pass is
+    functional: a DQN acts on one board per env step, where module calls cost about as much as the maths.
+    """
+
+    def __init__(self, n_actions: int, channels: int, height: int = 10, width: int = 10) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, 16, 3, stride=1)
+        self.hidden = nn.Linear(16 * (height - 2) * (width - 2), 128)
+        self.out = nn.Linear(128, n_actions)
+
+    def forward(self, board: torch.Tensor) -> torch.Tensor:
+        conv, hidden, out = self.conv._parameters, self.hidden._parameters, self.out._parameters
+        x = board.to(conv["weight"].dtype)
+        x = torch.relu(F.conv2d(x, conv["weight"], conv["bias"])).flatten(1)
+        x = torch.relu(F.linear(x, hidden["weight"], hidden["bias"]))
+        return F.linear(x, out["weight"], out["bias"])
+
+
 class QNetworks(nn.Module):
     """The online network and its target (a frozen copy, refreshed by :meth:`update_target`)."""
 
@@ -79,11 +102,22 @@ class QNetworks(nn.Module):
 def build_q_network(
     kind: str, obs_shape: tuple[int, ...], n_actions: int, hidden: Sequence[int]
 ) -> nn.Module:
-    """``kind`` ``"mlp"`` (flat observations) or ``"nature_cnn"`` (``(stack, H, W)`` frames)."""
+    """``kind`` ``"mlp"`` (flat observations), ``"nature_cnn"`` (``(stack, H, W)`` Atari frames) or
+    ``"minatar_cnn"`` (``(channels, 10, 10)`` MinAtar boards)."""
     if kind == "mlp":
         if len(obs_shape) != 1:
             raise ValueError(f"agent.network=mlp needs vector observations, got shape {obs_shape}")
         return MLPQNetwork(obs_shape[0], n_actions, hidden)
     if len(obs_shape) != 3:
-        raise ValueError(f"agent.network=nature_cnn needs (stack, H, W) frames, got shape {obs_shape}")
+        raise ValueError(f"agent.network={kind} needs (channels, H, W) observations, got shape {obs_shape}")
+    if kind == "minatar_cnn":
+        if min(obs_shape[1:]) < 3:
+            raise ValueError(f"agent.network=minatar_cnn needs boards of at least 3x3, got shape {obs_shape}")
+        return MinAtarCNN(n_actions, channels=obs_shape[0], height=obs_shape[1], width=obs_shape[2])
+    # The Nature CNN's 8x8/4, 4x4/2 and 3x3/1 convolutions need 36 pixels a side.
+    if min(obs_shape[1:]) < 36:
+        raise ValueError(
+            f"agent.network=nature_cnn needs frames of at least 36x36, got shape {obs_shape} "
+            "(MinAtar boards: agent.network=minatar_cnn)"
+        )
     return NatureCNN(n_actions, stack=obs_shape[0], screen=obs_shape[1])

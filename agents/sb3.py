@@ -40,6 +40,8 @@ def sb3_dqn(cfg: Config, env: Any, seed: int, allow_double: bool = False) -> Any
 
     if cfg.agent.double_dqn and not allow_double:
         raise ValueError("SB3's DQN has no Double DQN (pass allow_double=True to run it as vanilla DQN)")
+    if cfg.agent.network == "minatar_cnn":
+        raise ValueError("SB3 has no MinAtar CNN: its CnnPolicy is the Nature CNN, too big for 10x10 boards")
     kw = sb3_kwargs(cfg)
     policy = "CnnPolicy" if cfg.agent.network == "nature_cnn" else "MlpPolicy"
     return DQN(policy, env, seed=seed, verbose=0, device="cpu", **kw)

@@ -5,8 +5,8 @@ Every random decision (initial states, sticky actions, no-op starts) draws from 
 mid-episode. ``envs`` imports ``detrl``; ``detrl`` never imports ``envs``.
 """
 
-from envs.ids import check_env_id, is_atari
+from envs.ids import check_env_id, is_atari, is_minatar
 from envs.make import make
 from envs.state import get_state, set_state
 
-__all__ = ["check_env_id", "get_state", "is_atari", "make", "set_state"]
+__all__ = ["check_env_id", "get_state", "is_atari", "is_minatar", "make", "set_state"]

@@ -1,4 +1,5 @@
-"""Which environment ids detrl supports, checked cheaply (no emulator is built, no ROM is loaded)."""
+"""Which environment ids detrl supports, checked cheaply (no emulator is built, no ROM is loaded, no MinAtar
+import)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,18 @@ import re
 #: saves and checks).
 CLASSIC_CONTROL: dict[str, int] = {"CartPole-v1": 4, "Acrobot-v1": 4, "MountainCar-v0": 2}
 
+#: MinAtar ids (Young & Tian 2019), each with its game module in ``minatar.environments``. ``-v1`` means the
+#: game's minimal action set, as in minatar's own gymnasium registration.
+MINATAR: dict[str, str] = {
+    "MinAtar/Asterix-v1": "asterix",
+    "MinAtar/Breakout-v1": "breakout",
+    "MinAtar/Freeway-v1": "freeway",
+    "MinAtar/Seaquest-v1": "seaquest",
+    "MinAtar/SpaceInvaders-v1": "space_invaders",
+}
+
 _ALE_ID = re.compile(r"ALE/(\w+)-v5")
-_SUPPORTED = ", ".join(CLASSIC_CONTROL) + ", ALE/<Game>-v5 (e.g. ALE/Breakout-v5)"
+_SUPPORTED = ", ".join(CLASSIC_CONTROL) + ", ALE/<Game>-v5 (e.g. ALE/Breakout-v5), " + ", ".join(MINATAR)
 
 
 def is_atari(env_id: str) -> bool:
@@ -18,9 +29,15 @@ def is_atari(env_id: str) -> bool:
     return _ALE_ID.fullmatch(env_id) is not None
 
 
+def is_minatar(env_id: str) -> bool:
+    """True for the ids of :data:`MINATAR`, e.g. ``MinAtar/Breakout-v1``."""
+    return env_id in MINATAR
+
+
 def check_env_id(env_id: str) -> None:
-    """Raise ``ValueError`` (one line) unless ``env_id`` is a supported classic-control id or an ALE game."""
-    if env_id in CLASSIC_CONTROL:
+    """Raise ``ValueError`` (one line) unless ``env_id`` is a supported classic-control id, an ALE game or a
+    MinAtar game."""
+    if env_id in CLASSIC_CONTROL or env_id in MINATAR:
         return
     m = _ALE_ID.fullmatch(env_id)
     if m is not None and m.group(1) in _ale_games():
@@ -35,6 +52,14 @@ def ale_rom(env_id: str) -> str:
     if m is None:
         raise ValueError(f"{env_id!r} is not an Atari id")
     return _ale_games()[m.group(1)]
+
+
+def minatar_game(env_id: str) -> str:
+    """The minatar game module (e.g. ``"space_invaders"``) of ``MinAtar/<Game>-v1``."""
+    check_env_id(env_id)
+    if env_id not in MINATAR:
+        raise ValueError(f"{env_id!r} is not a MinAtar id")
+    return MINATAR[env_id]
 
 
 @functools.lru_cache(maxsize=1)
