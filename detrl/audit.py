@@ -133,11 +133,13 @@ def audit(
     data: Path | None = None,
     caps: Mapping[str, float] | None = None,
     require_log: bool = True,
+    init_from: Path | None = None,
 ) -> AuditReport:
     """Replay ``run_dir`` on ``hardware`` and give a verdict. Bad input raises :class:`BundleError`.
 
     ``data``: the auditor's copy of the training data where the task reads a file (a bundle never names a
-    path the auditor opens). ``caps``: overrides of the task's default caps on config values.
+    path the auditor opens). ``init_from``: likewise, its copy of the weights file a run starts from
+    (``model.init_from``). ``caps``: overrides of the task's default caps on config values.
     ``require_log=False`` leaves log compliance out of the verdict (the ``nolog`` benchmark measures
     whether a run replicates with an emptied log).
     """
@@ -171,20 +173,29 @@ def audit(
         or any(got.get(n) != s for n, s in want["seeds"].items() if n not in want["unseeded"])
     ):
         raise BundleError(f"{bundle_mod.MANIFEST}: sources: seeds other than those its config gives")
-    if getattr(getattr(cfg, "data", None), "name", None) == "text_file" and data is None:
-        raise BundleError(
-            f"{bundle_mod.MANIFEST}: the run trains on a corpus: give the auditor's copy with --data PATH "
-            "(a bundle never names a file the auditor opens)"
+    needed, given = task.inputs(cfg), {"data": data, "init_from": init_from}
+    for name, why in needed.items():
+        if given.get(name) is None:
+            raise BundleError(
+                f"{bundle_mod.MANIFEST}: {why}: give the auditor's copy with --{name.replace('_', '-')} PATH "
+                "(a bundle never names a file the auditor opens)"
+            )
+    if init_from is not None and "init_from" not in needed:
+        raise config_mod.ConfigError(
+            f"--init-from: the run in {run_dir} does not start from a weights file (no model.init_from)"
         )
+    extra = {"init_from": init_from} if init_from is not None else {}
     torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
     report = AuditReport(
         str(run_dir), hardware, "replicated", probe.steps, "", planned_steps=m.planned_steps, status=m.status,
         precision=m.precision,
     )  # fmt: skip
-    ours = task.fingerprint(cfg, data)
+    ours = task.fingerprint(cfg, data, **extra)
     if m.data_fingerprint is not None and m.data_fingerprint != ours:
         report.verdict, report.diverged_step, report.steps = "diverged", 0, 0
-        report.message = "the bundle's data fingerprint differs from the auditor's copy of the data"
+        report.message = "the bundle's data fingerprint differs from the auditor's copy of the data" + (
+            " or of the init weights (--init-from)" if init_from is not None else ""
+        )
         return report
     if probe.steps == 0:
         report.verdict = "incomplete" if m.status == "recording" else "replicated"
@@ -195,7 +206,7 @@ def audit(
     session = tasks.session_for(cfg, run_dir, "replay", hardware=hardware, fingerprint=ours)
     try:
         with session:
-            task.run(cfg, session, progress=progress, data=data)
+            task.run(cfg, session, progress=progress, data=data, **extra)
             session.verify_checkpoints()
     except (BundleError, RoundLogError):
         raise

@@ -700,13 +700,22 @@ def bench_sweep(rest: list[str]) -> int:
     p.add_argument("--runs", type=int, default=4, help="runs per condition")
     p.add_argument("--workers", type=int, default=2, help="workers of the parallel variant")
     p.add_argument("--repeats", type=int, default=2, help="sweeps per variant, interleaved")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help="train.steps per run: long enough that starting the pool is not the measure",
+    )
     args = p.parse_args(rest)
     spec = ablation.load_spec(args.config, runs=args.runs, sources=ablation.parse_sources(args.sources))
-    spec = spec.model_copy(update={"verifiable_hardware": False, "remedies": []})
+    spec = spec.model_copy(
+        update={"verifiable_hardware": False, "remedies": [], "set": [*spec.set, f"train.steps={args.steps}"]}
+    )
     n = len(ablation.jobs(spec))
     print(machine_line(1))
     print(
-        f"{args.config}: {n} runs per sweep ({', '.join(ablation.conditions(spec))}; {spec.runs} runs each)"
+        f"{args.config}: {n} runs per sweep ({', '.join(ablation.conditions(spec))}; {spec.runs} runs each, "
+        f"{args.steps} steps a run); the times include starting the worker processes"
     )
     work = Path(tempfile.mkdtemp(prefix="detrl-bench-sweep-"))
     times: dict[int, list[float]] = {1: [], args.workers: []}

@@ -27,6 +27,7 @@ AUDIT_EPILOG = """exit codes (verdicts):
   0  replicated      every durable commitment matched and the rounding log kept its thresholds
   1  diverged        a commitment differs: the step, whether the data differed, the decisive anomaly
   2  bad input       a malformed bundle, one beyond the auditor's caps, a script bundle, missing --data
+                     or --init-from
   3  incomplete      the recording did not finish (killed or still running): its durable prefix matched
   4  log incomplete  the log omits near-midpoint elements within its own thresholds, or has refused entries
 """
@@ -169,6 +170,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         report = audit(
             args.run_dir, hardware=args.hardware, progress=not args.quiet,
             data=Path(args.data) if args.data else None, caps=parse_caps(args.cap),
+            init_from=Path(args.init_from) if args.init_from else None,
         )  # fmt: skip
     except BundleError as e:
         if args.json:
@@ -300,7 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     a.add_argument("run_dir")
     a.add_argument("--hardware", default="native", help="profile to replay on (see `detrl profiles`)")
-    a.add_argument("--data", metavar="PATH", help="the auditor's copy of a corpus the run trains on")
+    a.add_argument(
+        "--data", metavar="PATH", help="the auditor's copy of the corpus or image directory the run trains on"
+    )
+    a.add_argument(
+        "--init-from", metavar="PATH", help="the auditor's copy of the weights file the run starts from"
+    )
     a.add_argument(
         "--cap", action="append", default=[], metavar="KEY=N",
         help="raise a cap on a config value read from the bundle (e.g. model.channels=4096)",
@@ -351,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("detrl: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `detrl ... | head`: the reader left; nothing is wrong
+        os.dup2(
+            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
+        )  # so the exit's flush cannot fail again
+        return 0
     except Exception as e:  # noqa: BLE001 - the user sees one line; DETRL_DEBUG=1 shows the traceback
         if os.environ.get("DETRL_DEBUG"):
             raise

@@ -26,15 +26,36 @@ class Strict(BaseModel):
 
 
 class DataConfig(Strict):
-    name: Literal["digits", "synthetic_text", "text_file", "synthetic_images"] = "digits"
-    path: str | None = None  # for text_file
+    name: Literal[
+        "digits",
+        "digits32",
+        "cifar10",
+        "image_folder",
+        "synthetic_images",
+        "synthetic_text",
+        "text_file",
+        "corpus",
+    ] = "digits"
+    path: str | None = Field(
+        None,
+        description="text_file: a text file; cifar10: the python-pickle CIFAR-10 directory (data_batch_1..5, "
+        "test_batch); image_folder: a directory of class subfolders of PNG/JPEG images. The recorder's path: "
+        "an auditor passes its own copy (detrl audit --data)",
+    )
     seq_len: int = Field(32, ge=2, description="tokens per example (text data)")
     n: int = Field(512, ge=1, description="examples to generate or read (text, synthetic images)")
     vocab: int = Field(65, ge=2, description="vocabulary size of synthetic_text")
+    tokenizer: Literal["bytes", "bpe"] = Field(
+        "bytes",
+        description="text_file and corpus: bytes as tokens (vocab 256), or a byte-level BPE tokenizer trained "
+        "on the corpus itself (Hugging Face tokenizers; deterministic)",
+    )
+    vocab_size: int = Field(1024, ge=256, description="bpe: the tokenizer's vocabulary size (at most)")
     holdout: int = Field(
         0,
         ge=0,
-        description="images: examples held out as the test set (a fixed split, the same on every machine)",
+        description="images: examples held out as the test set (a fixed split, the same on every machine; "
+        "cifar10: the first examples of test_batch)",
     )
     augment: Literal["none", "crop", "crop_flip"] = Field(
         "none",
@@ -46,18 +67,29 @@ class DataConfig(Strict):
 
 
 class ModelConfig(Strict):
-    name: Literal["cnn_bn", "mlp_dropout", "tiny_transformer", "resnet50"] = "cnn_bn"
+    name: Literal["cnn_bn", "mlp_dropout", "tiny_transformer", "resnet50", "gpt2"] = "cnn_bn"
     channels: int = Field(16, ge=1, description="cnn_bn: channels of the first conv")
     hidden: int = Field(128, ge=1, description="mlp_dropout: hidden units")
     dropout: float | None = Field(
         None,
         ge=0.0,
         lt=1.0,
-        description="dropout probability (default: 0 for cnn_bn, 0.1 for mlp and transformer)",
+        description="dropout probability (default: 0 for cnn_bn, 0.1 for mlp, transformer and gpt2)",
     )
     d_model: int = Field(32, ge=2)
     heads: int = Field(2, ge=1)
     layers: int = Field(1, ge=1)
+    width: int = Field(64, ge=1, description="resnet50: base width (stem and first stage; 64 is ResNet-50)")
+    n_layer: int = Field(12, ge=1, description="gpt2: transformer blocks")
+    n_embd: int = Field(768, ge=1, description="gpt2: embedding width")
+    n_head: int = Field(12, ge=1, description="gpt2: attention heads (must divide n_embd)")
+    n_positions: int = Field(1024, ge=1, description="gpt2: longest sequence (at least data.seq_len)")
+    vocab_size: int = Field(50257, ge=2, description="gpt2: vocabulary (at least the data's)")
+    init_from: str | None = Field(
+        None,
+        description="a safetensors file of weights loaded after building (keys and shapes checked). The "
+        "recorder's path: an auditor passes its own copy (detrl audit --init-from)",
+    )
 
 
 class OptimizerConfig(Strict):
@@ -67,10 +99,13 @@ class OptimizerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
-    schedule: Literal["constant", "cosine", "cyclic"] = Field(
-        "constant", description="learning rate over steps: constant, cosine to 0, or `cycles` cosine cycles"
+    schedule: Literal["constant", "cosine", "cyclic", "warmup_linear"] = Field(
+        "constant",
+        description="learning rate over steps: constant, cosine to 0, `cycles` cosine cycles, or a linear "
+        "warmup over `warmup_steps` then a linear decay to 0",
     )
     cycles: int = Field(1, ge=1, description="cyclic: cosine cycles over train.steps (snapshot ensembles)")
+    warmup_steps: int = Field(0, ge=0, description="warmup_linear: steps of linear warmup to lr")
 
 
 class TrainConfig(Strict):

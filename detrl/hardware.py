@@ -1,10 +1,10 @@
-"""Hardware profiles: emulate hardware that reduces in a different (but mathematically equal) order.
+"""Hardware profiles: emulate hardware that computes in a different (but mathematically equal) order.
 
 We have no GPU fleet in CI, yet the interesting question is what happens to training when the *same*
-program runs on hardware whose kernels sum the terms of a reduction in another order.  Floating-point
-addition is not associative, so such hardware returns results that are mathematically equal to the
-native ones but differ in their last bits.  A :class:`Profile` computes one aten op the way such
-hardware would; :class:`HardwareMode` applies a profile to every op run under it.
+program runs on hardware whose kernels sum the terms of a reduction in another order, or whose math library
+returns other last bits.  Floating-point addition is not associative, so such hardware returns results that
+are mathematically equal to the native ones but differ in their last bits.  A :class:`Profile` computes one
+aten op the way such hardware would; :class:`HardwareMode` applies a profile to every op run under it.
 
 Profiles (see :func:`get_profile`):
 
@@ -12,20 +12,30 @@ Profiles (see :func:`get_profile`):
     Plain torch: the op is called unchanged.
 ``emulated:splitk``
     Split-K: the reduced axis is cut into contiguous chunks of 45 elements (24 input channels for
-    convolutions, 3 samples for the batch reduction of weight gradients) -- odd sizes, so the chunk
-    boundaries do not line up with the power-of-two blocking of native kernels -- each chunk is reduced
-    by the native kernel and the partial results are accumulated left to right.
+    convolutions, 3 samples for the batch reduction of weight gradients, 3 elements of a row) -- odd sizes,
+    so the chunk boundaries do not line up with the power-of-two blocking of native kernels -- each chunk is
+    reduced by the native kernel and the partial results are accumulated left to right.
 ``emulated:reversed``
-    The reduced axis is flipped and then cut into chunks of 64 (16 channels, 2 samples) accumulated
-    left to right; i.e. the chunks of the original axis are accumulated last to first and the native
-    kernel also walks each chunk backwards.
+    The reduced axis is flipped and then cut into chunks of 64 (16 channels, 2 samples, 4 row elements)
+    accumulated left to right; i.e. the chunks of the original axis are accumulated last to first and the
+    native kernel also walks each chunk backwards.
 ``emulated:pairwise``
-    Chunks of 32 (8 channels, 1 sample) whose partials are summed by a balanced binary tree.
+    GPU-like: chunks of 32 (8 channels, 1 sample, 2 row elements) whose partials are summed by a balanced
+    binary tree, as warp shuffles do; and *another libm*: every transcendental result (exp, exp2, expm1,
+    log, log2, log10, log1p, tanh, sigmoid, erf, erfc, erfinv, sin, cos, tan, rsqrt, pow, and the
+    activations built on them: gelu, silu, mish, elu, softplus, log-sigmoid, with the backward kernels of
+    gelu, silu and softplus) moves by 0, 1 or 2 FP64 ulps (float32: ulps of float32), picked by a hash of
+    the result's own bits -- a pure function of the input, as a libm is -- while results every libm gets
+    exactly stay (``exp(0) = 1``, saturated ``+-1``, pass-throughs such as ``gelu(x) = x``, the branches of
+    elu and softplus that call no libm, and ``pow`` exponents kernels compute with IEEE operations: 0,
+    0.5, 1, 2, 3, -1, -2).  ``sqrt`` and division are correctly rounded by IEEE 754 and never move.  The
+    libm rides on this profile rather than one of its own: a GPU differs in both ways at once, and
+    calibration (which reruns every op under each profile) and the replay matrices keep four profiles.
 ``emulated:atomic``
     Like GPU kernels that accumulate with atomics: every call draws a *fresh* random permutation of the
-    reduced axis, cuts it into chunks of 64 (16 channels, 1 sample) and accumulates them in that order.
-    The permutations come from a ``torch.Generator`` seeded from ``os.urandom`` when the profile is
-    created, so two runs with all seeds fixed still differ (pass ``seed`` for reproducible tests).
+    reduced axis, cuts it into chunks of 64 (16 channels, 1 sample, 4 row elements) and accumulates them in
+    that order.  The permutations come from a ``torch.Generator`` seeded from ``os.urandom`` when the
+    profile is created, so two runs with all seeds fixed still differ (pass ``seed`` for reproducible tests).
 ``cuda``
     Alias of ``native`` for running on a CUDA device; only available when one is present.
 
@@ -33,15 +43,36 @@ To bound the Python overhead a reduction is never cut into more than :data:`MAX_
 longer axes the chunk grows to the smallest multiple of the base size that fits (e.g. a K of 4608 under
 ``splitk`` uses 26 chunks of 180, the last one shorter).  Reductions too short for two chunks run natively.
 
-Emulated ops (all floating dtypes, any device): ``mm``, ``addmm``, ``bmm``, ``baddbmm``,
-``convolution`` (split over input channels, within each group), ``convolution_backward`` (grad_input
-split over output channels, grad_weight / grad_bias split over the batch), ``sum`` and ``mean``.  float16
-and bfloat16 are accumulated in float32 and rounded once at the end.  Every other op, integer/complex
-dtypes and non-strided layouts run natively.
+Emulated ops (float32 and float64 everywhere, half types where noted; any device):
+
+* Matrix products and convolutions, half types too (accumulated in float32, rounded once at the end):
+  ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution`` (split over input channels, within each group),
+  ``convolution_backward`` (grad_input split over output channels, grad_weight / grad_bias over the batch).
+* ``sum`` and ``mean``; batch norm forward and backward in training mode (per-channel sums in profile order,
+  :mod:`detrl.decompose`).
+* Rows, recomputed from their textbook formulas with every sum in the profile's row order (the ``"row"``
+  chunk) and pairwise's libm: layer norm and group norm, forward (two-pass mean and variance where native
+  kernels use Welford's update, which leaves an ulp of error in the mean that a two-pass sum of FP32-grid
+  values does not) and backward (the row sums of
+  the input gradient; the weight and bias gradients summed over rows); ``_softmax``, ``_log_softmax`` and
+  their backward (the max is exact in any order, the sum of exponentials is not); ``nll_loss`` and
+  ``nll_loss2d`` with ``sum``/``mean`` reduction (cross-entropy is log-softmax plus NLL), and their backward
+  (which sums nothing: only the class weight's product is taken in another order); ``embedding_dense_backward``
+  (each index's duplicate rows ranked in the profile's order of the occurrences, cut into row chunks and
+  combined in plan order, every add to distinct rows so no device's scatter-add order enters);
+  ``linalg_vector_norm``, ``norm`` and ``_foreach_norm`` (``clip_grad_norm_``) for finite non-zero orders.
+* Pairwise's libm: the transcendental ops listed above (functional and in-place ``.default`` overloads).
+
+Every other op, ``out=`` overloads, integer/complex dtypes, half types outside matrix products and
+convolutions, and non-strided layouts run natively.  In verifiable precision the rounding mode decomposes
+batch norm and log-softmax backward before a profile sees them (:mod:`detrl.decompose`): their sums and
+exponentials reach the profile as ``sum`` and ``exp`` ops.  In float64 the emulated results agree with native to
+a few ulps at the result's scale; in float32 most elements of a large reduction differ.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -62,9 +93,11 @@ aten = torch.ops.aten
 #: Upper bound on the number of chunks one reduction is cut into (bounds the per-call Python loop).
 MAX_PIECES = 32
 
-Unit = Literal["k", "channel", "batch"]
+Unit = Literal["k", "channel", "batch", "row"]
 """What a chunk size counts: elements of a plain reduced axis (matmul K, sum), input/output channels of a
-convolution (each worth ``kernel_size`` products), or samples of a batch (each worth ``H*W`` products)."""
+convolution (each worth ``kernel_size`` products), samples of a batch (each worth ``H*W`` products), or
+elements of a row reduced inside a normalisation, softmax, loss or norm kernel (GPU kernels give each thread
+a few elements of the row and combine the threads' partials by warp shuffles: short chunks)."""
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -108,7 +141,8 @@ class EmulatedProfile(Profile):
 
     ``chunks`` maps each :data:`Unit` to a base chunk size; ``reorder`` says how the reduced axis is permuted
     before chunking (``"none"``, ``"reverse"``, or ``"random"`` -- fresh each call); ``tree`` selects pairwise
-    instead of sequential accumulation of the partials.
+    instead of sequential accumulation of the partials; ``libm`` swaps in another math library, whose
+    transcendental results differ from the native ones by an FP64 ulp or two (:func:`_perturb_`).
     """
 
     def __init__(
@@ -119,11 +153,13 @@ class EmulatedProfile(Profile):
         reorder: Literal["none", "reverse", "random"] = "none",
         tree: bool = False,
         seed: int | None = None,
+        libm: bool = False,
     ) -> None:
         super().__init__(name, description)
         self.chunks = chunks
         self.reorder = reorder
         self.tree = tree
+        self.libm = libm
         self.deterministic = reorder != "random"
         self._generator: torch.Generator | None = None
         if reorder == "random":
@@ -151,12 +187,16 @@ class EmulatedProfile(Profile):
         if n < 2 or chunk >= n:
             return None
         pieces = tuple((start, min(chunk, n - start)) for start in range(0, n, chunk))
-        perm: Tensor | None = None
+        return Plan(self.order(n, device), pieces, self.tree)
+
+    def order(self, n: int, device: torch.device) -> Tensor | None:
+        """The permutation (shape ``(n,)``) this profile applies to ``n`` terms before chunking them; None for
+        the identity. ``random`` draws a fresh one on every call."""
         if self.reorder == "reverse":
-            perm = torch.arange(n - 1, -1, -1, device=device)
-        elif self.reorder == "random":
-            perm = torch.randperm(n, generator=self._generator).to(device)
-        return Plan(perm, pieces, self.tree)
+            return torch.arange(n - 1, -1, -1, device=device)
+        if self.reorder == "random":
+            return torch.randperm(n, generator=self._generator).to(device)
+        return None
 
 
 def _make_profiles(seed: int | None) -> dict[str, Callable[[], Profile]]:
@@ -164,26 +204,29 @@ def _make_profiles(seed: int | None) -> dict[str, Callable[[], Profile]]:
         "native": lambda: Profile("native", "plain torch kernels"),
         "emulated:splitk": lambda: EmulatedProfile(
             "emulated:splitk",
-            "split-K: chunks of 45 (24 channels, 3 samples) accumulated in order",
-            {"k": 45, "channel": 24, "batch": 3},
+            "split-K: chunks of 45 (24 channels, 3 samples, 3 row elements) accumulated in order",
+            {"k": 45, "channel": 24, "batch": 3, "row": 3},
         ),
         "emulated:reversed": lambda: EmulatedProfile(
             "emulated:reversed",
-            "reduced axis flipped, chunks of 64 (16 channels, 2 samples) accumulated last to first",
-            {"k": 64, "channel": 16, "batch": 2},
+            "reduced axis flipped, chunks of 64 (16 channels, 2 samples, 4 row elements) accumulated last to "
+            "first",
+            {"k": 64, "channel": 16, "batch": 2, "row": 4},
             reorder="reverse",
         ),
         "emulated:pairwise": lambda: EmulatedProfile(
             "emulated:pairwise",
-            "chunks of 32 (8 channels, 1 sample) summed by a pairwise tree",
-            {"k": 32, "channel": 8, "batch": 1},
+            "GPU-like: chunks of 32 (8 channels, 1 sample, 2 row elements) summed by a pairwise tree; another "
+            "libm (transcendental results moved by 1-2 FP64 ulps)",
+            {"k": 32, "channel": 8, "batch": 1, "row": 2},
             tree=True,
+            libm=True,
         ),
         "emulated:atomic": lambda: EmulatedProfile(
             "emulated:atomic",
             "atomics: fresh random permutation of the reduced axis every call, chunks of 64 (16 channels, "
-            "1 sample) accumulated in order",
-            {"k": 64, "channel": 16, "batch": 1},
+            "1 sample, 4 row elements) accumulated in order",
+            {"k": 64, "channel": 16, "batch": 1, "row": 4},
             reorder="random",
             seed=seed,
         ),
@@ -450,12 +493,17 @@ def _convolution_backward(
 
 
 def _sum(
-    p: EmulatedProfile, x: Tensor, dim: list[int] | None, keepdim: bool, dtype: torch.dtype | None
+    p: EmulatedProfile,
+    x: Tensor,
+    dim: list[int] | None,
+    keepdim: bool,
+    dtype: torch.dtype | None,
+    unit: Unit = "k",
 ) -> Tensor | None:
     """Sum of ``x`` over ``dim`` (None or empty: all dims), in the accumulation dtype; None: run natively.
 
-    The reduced dims are moved last and flattened into one axis of length ``n``, which is then chunked;
-    the result has the kept dims (and size-1 reduced dims if ``keepdim``).
+    The reduced dims are moved last and flattened into one axis of length ``n``, which is then chunked in
+    ``unit``'s chunk size; the result has the kept dims (and size-1 reduced dims if ``keepdim``).
     """
     out_dtype = dtype or x.dtype
     if x.dim() == 0 or x.layout != torch.strided or not out_dtype.is_floating_point:
@@ -463,7 +511,7 @@ def _sum(
     dims = sorted({d % x.dim() for d in dim}) if dim else list(range(x.dim()))
     kept = [d for d in range(x.dim()) if d not in dims]
     n = math.prod(x.shape[d] for d in dims)
-    plan = p.plan(n, "k", x.device)
+    plan = p.plan(n, unit, x.device)
     if plan is None:
         return None
     flat = x.to(_acc_dtype(out_dtype)).permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], n)
@@ -509,4 +557,480 @@ def _batch_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict)
         total = _sum(p, t, dims, False, None)
         return t.sum(dims) if total is None else total.to(t.dtype)
 
-    return decompose.DECOMPOSITIONS[func](channel_sum, *args, **kwargs)
+    return decompose.DECOMPOSITIONS[func](decompose.Steps(channel_sum), *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Another libm: transcendental results an FP64 ulp or two away
+# --------------------------------------------------------------------------------------------------------
+
+#: How far the emulated libm moves a result, in ulps away from zero (negative: towards zero), picked by three
+#: bits of a hash of the result: half the results move, as much as two faithfully rounded libms disagree.
+_LIBM_STEPS = (1, 1, -1, 2, 0, 0, 0, 0)
+_HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 (Fibonacci hashing) as a signed int64
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+def _libm_dtype(t: Any) -> bool:
+    """Whether the emulated libm applies to ``t``: a dense float32/float64 tensor (half types are computed
+    in float32 and rounded, which hides an ulp of float32 almost always)."""
+    return isinstance(t, Tensor) and t.layout == torch.strided and t.dtype in _INT_VIEW
+
+
+def _perturb_(t: Tensor, exact: Tensor | None = None) -> Tensor:
+    """Move each element of ``t`` (in place) by the :data:`_LIBM_STEPS` ulps its own bits hash to.
+
+    A pure function of the value, so the same input gives the same bits every time. ``exact`` (broadcasting
+    against ``t``) marks elements a libm returns exactly (``exp(0) = 1``, pass-throughs); they stay, as do
+    zeros, subnormals, infinities, NaNs and results of exactly +-1 (saturation: ``tanh``, ``erf`` and
+    ``sigmoid`` of large arguments, ``exp`` and ``cos`` of tiny ones, which every libm returns exactly).
+    The integer view steps ulps within the binade and across its edges alike: sign-magnitude bits, so
+    adding k moves ``|x|`` up by k ulps for either sign.
+    """
+    bits = t.view(_INT_VIEW[t.dtype])
+    select = ((bits.to(torch.int64) * _HASH) >> 61) & 7
+    steps = torch.tensor(_LIBM_STEPS, dtype=bits.dtype, device=t.device)[select]
+    magnitude = t.abs()
+    # ulps away from the FP range's edges: normal numbers, more than 2 ulps below the largest finite one
+    ok = (magnitude >= torch.finfo(t.dtype).tiny) & (magnitude < torch.finfo(t.dtype).max / 2)
+    ok &= magnitude != 1
+    if exact is not None:
+        ok &= ~exact
+    bits.add_(steps * ok)
+    return t
+
+
+def _exp(p: EmulatedProfile, x: Tensor) -> Tensor:
+    """``exp(x)`` with the profile's libm (inside emulated composite kernels: softmax, log-softmax)."""
+    out = torch.exp(x)
+    return _perturb_(out, x == 0) if p.libm and _libm_dtype(out) else out
+
+
+def _log(p: EmulatedProfile, x: Tensor) -> Tensor:
+    out = torch.log(x)
+    return _perturb_(out) if p.libm and _libm_dtype(out) else out  # log(1) = 0: zeros stay anyway
+
+
+def _rsqrt(p: EmulatedProfile, x: Tensor) -> Tensor:
+    """``1 / sqrt(x)``: two correctly rounded ops natively; a GPU's rsqrt instruction with the libm."""
+    return _perturb_(torch.rsqrt(x)) if p.libm and _libm_dtype(x) else 1.0 / torch.sqrt(x)
+
+
+def _pow(p: EmulatedProfile, x: Tensor, exponent: float) -> Tensor:
+    out = torch.pow(x, exponent)
+    if p.libm and _libm_dtype(out) and exponent not in _EXACT_POWERS:
+        _perturb_(out, x == 1)
+    return out
+
+
+#: Exponents that CPU and CUDA kernels compute with correctly rounded IEEE operations instead of ``pow``
+#: (``sqrt``, ``x * x``, ``x * x * x``, ``1 / x``, ``1 / (x * x)``) or that give exact results.
+_EXACT_POWERS = (0.0, 0.5, 1.0, 2.0, 3.0, -1.0, -2.0)
+
+
+def _libm_handler(
+    x_arg: int, through_arg: int, exact: Callable[[list[Any], Tensor], Tensor] | None = None
+) -> Handler:
+    """A handler that runs the op natively and, with the profile's libm, perturbs its (first) result.
+
+    ``x_arg`` is the argument the function is evaluated at; a result equal to argument ``through_arg`` (the
+    input itself, or the incoming gradient of a backward op) is a pass-through that every libm gets exactly
+    (``gelu(x) = x`` for large ``x``, ``sin(x) = x`` for tiny ``x``), and so is a result at ``x = 0``.
+    ``exact(bound_args, x)`` marks further elements computed without the libm (``elu`` for ``x > 0``).
+    """
+
+    def handler(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+        bound = _bind(func, args, kwargs)
+        x = bound[x_arg]
+        if not p.libm or not _libm_dtype(x):
+            return func(*args, **kwargs)
+        in_place = func._schema.arguments[0].alias_info is not None
+        x0 = x.clone() if in_place else x  # an in-place op overwrites the input we compare against
+        through = x0 if through_arg == x_arg else bound[through_arg]
+        out = func(*args, **kwargs)
+        result = out[0] if isinstance(out, tuple) else out
+        if not _libm_dtype(result) or result.dtype != x.dtype:
+            return out
+        keep = (x0 == 0) | (result == through)
+        if exact is not None:
+            keep |= exact(bound, x0)
+        _perturb_(result, keep)
+        return out
+
+    return handler
+
+
+def _overloads(*names: str) -> list[OpOverload]:
+    """The functional and in-place ``.default`` overloads of the named ops that exist in this torch."""
+    return [
+        getattr(aten, n).default
+        for n in names
+        if hasattr(aten, n) and "default" in getattr(aten, n).overloads()
+    ]
+
+
+_UNARY = ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "erf", "erfc", "erfinv",
+          "sin", "cos", "tan", "rsqrt", "silu", "gelu", "mish", "log_sigmoid_forward")  # fmt: skip
+_register(*_overloads(*_UNARY, *(n + "_" for n in _UNARY)))(_libm_handler(0, 0))
+_register(*_overloads("gelu_backward", "silu_backward"))(_libm_handler(1, 0))
+# elu(x, alpha, scale, input_scale): scale * x for x > 0 (a product); softplus(x, beta, threshold) and its
+# backward: x (resp. the gradient) once beta * x > threshold. No libm call there.
+_register(*_overloads("elu", "elu_"))(_libm_handler(0, 0, lambda b, x: x > 0))
+_register(*_overloads("softplus"))(_libm_handler(0, 0, lambda b, x: x * b[1] > b[2]))
+_register(*_overloads("softplus_backward"))(_libm_handler(1, 0, lambda b, x: x * b[2] > b[3]))
+
+
+@_register(
+    aten.pow.Tensor_Scalar, aten.pow_.Scalar, aten.pow.Tensor_Tensor, aten.pow_.Tensor, aten.pow.Scalar
+)
+def _pow_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``pow`` with the profile's libm, except where kernels use exact IEEE operations (:data:`_EXACT_POWERS`)
+    or the result is exact (``1 ** y``, ``x ** 0``, and integer powers of a scalar base such as ``2 ** k``)."""
+    base, exponent = _bind(func, args, kwargs)
+    if not p.libm:
+        return func(*args, **kwargs)
+    if isinstance(exponent, Tensor):
+        x = exponent if not isinstance(base, Tensor) else base
+        if not _libm_dtype(x):
+            return func(*args, **kwargs)
+        x0 = base.clone() if isinstance(base, Tensor) and func is aten.pow_.Tensor else base
+        powers = torch.tensor(_EXACT_POWERS, dtype=exponent.dtype, device=exponent.device)
+        exact = torch.isin(exponent, powers)
+        if isinstance(x0, Tensor):
+            exact = exact | (x0 == 1)
+        else:  # a scalar base: exact for integer exponents (2 ** k) and for base 1
+            exact = exact | (exponent == exponent.round()) | (x0 == 1)
+        out = func(*args, **kwargs)
+        return _perturb_(out, exact) if _libm_dtype(out) else out
+    if not _libm_dtype(base) or float(exponent) in _EXACT_POWERS:
+        return func(*args, **kwargs)
+    x0 = base.clone() if func is aten.pow_.Scalar else base
+    out = func(*args, **kwargs)
+    return _perturb_(out, x0 == 1) if _libm_dtype(out) else out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rows: layer norm, group norm, softmax, log-softmax, NLL loss, embedding backward, vector norms
+# --------------------------------------------------------------------------------------------------------
+# Each is recomputed from its textbook formula, with every reduction in the profile's "row" order and its
+# transcendental functions from the profile's libm: mathematically the native kernel, other last bits.
+
+_ROW_DTYPES = (torch.float32, torch.float64)
+
+
+def _rows(*tensors: Any) -> bool:
+    """Whether the row kernels are emulated on these operands: dense float32/float64 of one dtype (half
+    types and other layouts run natively; None entries, optional operands, are skipped)."""
+    present = [t for t in tensors if t is not None]
+    dtype = present[0].dtype
+    return dtype in _ROW_DTYPES and all(t.layout == torch.strided and t.dtype == dtype for t in present)
+
+
+def _reduce(p: EmulatedProfile, t: Tensor, dims: list[int], keepdim: bool = True) -> Tensor:
+    """``t.sum(dims, keepdim)`` in the profile's row order (natively where too short to split)."""
+    out = _sum(p, t, dims, keepdim, None, "row")
+    return t.sum(dims, keepdim=keepdim) if out is None else out
+
+
+def _normalize(p: EmulatedProfile, rows: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Two-pass statistics of ``rows: (M, n)``: ``(xhat: (M, n), mean: (M, 1), rstd: (M, 1))``.
+
+    Native kernels (CPU and CUDA) use Welford's update; the two-pass formula is the same mathematics in
+    another order, as another kernel is. (On FP32-grid rows the two-pass mean is often exact where
+    Welford's is an ulp off: exact FP32 ties that the recorder and the replayer round apart.)
+    """
+    n = rows.shape[1]
+    mean = _reduce(p, rows, [1]) / n
+    centred = rows - mean
+    var = _reduce(p, centred * centred, [1]) / n
+    rstd = _rsqrt(p, var + eps)
+    return centred * rstd, mean, rstd
+
+
+def _normalize_backward(p: EmulatedProfile, g: Tensor, xhat: Tensor, rstd: Tensor) -> Tensor:
+    """Input gradient of ``xhat = (x - mean) * rstd`` over rows ``(M, n)``, given ``g = dL/dxhat``:
+    ``rstd * (g - mean(g) - xhat * mean(g * xhat))``."""
+    n = g.shape[1]
+    return (g - _reduce(p, g, [1]) / n - xhat * (_reduce(p, g * xhat, [1]) / n)) * rstd
+
+
+@_register(aten.native_layer_norm.default)
+def _layer_norm(
+    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer norm over the last ``len(normalized_shape)`` dims of ``x: (*B, *S)``: ``(out: (*B, *S), mean,
+    rstd: (*B, 1, ..., 1))``; weight and bias are ``S``-shaped."""
+    x, shape, weight, bias, eps = _bind(func, args, kwargs)
+    n = math.prod(shape)
+    if not _rows(x, weight, bias) or x.numel() == 0 or n == 0:
+        return func(*args, **kwargs)
+    xhat, mean, rstd = _normalize(p, x.reshape(-1, n), eps)
+    out = xhat
+    if weight is not None:
+        out = out * weight.reshape(1, n)
+    if bias is not None:
+        out = out + bias.reshape(1, n)
+    stats = (*x.shape[: x.dim() - len(shape)], *[1] * len(shape))
+    return out.reshape(x.shape), mean.reshape(stats), rstd.reshape(stats)
+
+
+@_register(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(
+    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of :func:`_layer_norm`: ``(grad_x, grad_weight, grad_bias)``; the parameter gradients sum
+    over all ``M`` rows, in the profile's row order too."""
+    go, x, shape, mean, rstd, weight, bias, mask = _bind(func, args, kwargs)
+    n = math.prod(shape)
+    wanted_missing = (mask[1] and weight is None) or (mask[2] and bias is None)
+    if not _rows(go, x, mean, rstd, weight, bias) or x.numel() == 0 or n == 0 or wanted_missing:
+        return func(*args, **kwargs)
+    g = go.reshape(-1, n)
+    xhat = (x.reshape(-1, n) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
+    grad_x = grad_w = grad_b = None
+    if mask[0]:
+        gw = g if weight is None else g * weight.reshape(1, n)
+        grad_x = _normalize_backward(p, gw, xhat, rstd.reshape(-1, 1)).reshape(x.shape)
+    if mask[1]:
+        grad_w = _reduce(p, g * xhat, [0], keepdim=False).reshape(weight.shape)
+    if mask[2]:
+        grad_b = _reduce(p, g, [0], keepdim=False).reshape(bias.shape)
+    return grad_x, grad_w, grad_b
+
+
+@_register(aten.native_group_norm.default)
+def _group_norm(
+    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Group norm of ``x: (N, C, *S)`` with ``HxW = prod(S)``: ``(out, mean: (N, G), rstd: (N, G))``;
+    weight and bias are ``(C,)``."""
+    x, weight, bias, n_, c, hxw, groups, eps = _bind(func, args, kwargs)
+    if not _rows(x, weight, bias) or x.numel() == 0:
+        return func(*args, **kwargs)
+    xhat, mean, rstd = _normalize(p, x.reshape(n_ * groups, -1), eps)
+    out = xhat.reshape(n_, c, hxw)
+    if weight is not None:
+        out = out * weight.reshape(1, c, 1)
+    if bias is not None:
+        out = out + bias.reshape(1, c, 1)
+    return out.reshape(x.shape), mean.reshape(n_, groups), rstd.reshape(n_, groups)
+
+
+@_register(aten.native_group_norm_backward.default)
+def _group_norm_backward(
+    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of :func:`_group_norm`: ``(grad_x: (N, C, *S), grad_weight: (C,), grad_bias: (C,))``; the
+    parameter gradients sum over the batch and space."""
+    go, x, mean, rstd, weight, n_, c, hxw, groups, mask = _bind(func, args, kwargs)
+    if not _rows(go, x, mean, rstd, weight) or x.numel() == 0 or (mask[1] and weight is None):
+        return func(*args, **kwargs)
+    g = go.reshape(n_, c, hxw)
+    xhat = ((x.reshape(n_ * groups, -1) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)).reshape(n_, c, hxw)
+    grad_x = grad_w = grad_b = None
+    if mask[0]:
+        gw = g if weight is None else g * weight.reshape(1, c, 1)
+        rows = (gw.reshape(n_ * groups, -1), xhat.reshape(n_ * groups, -1), rstd.reshape(-1, 1))
+        grad_x = _normalize_backward(p, *rows).reshape(x.shape)
+    if mask[1]:
+        grad_w = _reduce(p, g * xhat, [0, 2], keepdim=False)
+    if mask[2]:
+        grad_b = _reduce(p, g, [0, 2], keepdim=False)
+    return grad_x, grad_w, grad_b
+
+
+@_register(aten._softmax.default)
+def _softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` along ``dim`` (the max is exact in any order; the sum is not)."""
+    x, dim, half_to_float = _bind(func, args, kwargs)
+    if half_to_float or not _rows(x) or x.dim() == 0 or x.numel() == 0:
+        return func(*args, **kwargs)
+    e = _exp(p, x - x.amax(dim, keepdim=True))
+    return e / _reduce(p, e, [dim])
+
+
+@_register(aten._log_softmax.default)
+def _log_softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``(x - max) - log(sum(exp(x - max)))`` along ``dim``."""
+    x, dim, half_to_float = _bind(func, args, kwargs)
+    if half_to_float or not _rows(x) or x.dim() == 0 or x.numel() == 0:
+        return func(*args, **kwargs)
+    shifted = x - x.amax(dim, keepdim=True)
+    return shifted - _log(p, _reduce(p, _exp(p, shifted), [dim]))
+
+
+@_register(aten._softmax_backward_data.default)
+def _softmax_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``y * g - y * sum(y * g)`` along ``dim`` (native kernels factor it as ``y * (g - sum(y * g))``)."""
+    g, y, dim, input_dtype = _bind(func, args, kwargs)
+    if not _rows(g, y) or input_dtype != g.dtype or g.dim() == 0 or g.numel() == 0:
+        return func(*args, **kwargs)
+    yg = y * g
+    return yg - y * _reduce(p, yg, [dim])
+
+
+@_register(aten._log_softmax_backward_data.default)
+def _log_softmax_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``g - exp(y) * sum(g)`` along ``dim``, for ``y = log_softmax(x)``."""
+    g, y, dim, input_dtype = _bind(func, args, kwargs)
+    if not _rows(g, y) or input_dtype != g.dtype or g.dim() == 0 or g.numel() == 0:
+        return func(*args, **kwargs)
+    return g - _exp(p, y) * _reduce(p, g, [dim])
+
+
+def _nll_flat(x: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """``(scores: (R, C), target: (R,))`` for nll_loss's ``(C,)``/``(N, C)`` input or nll_loss2d's
+    ``(N, C, H, W)`` with targets ``(N, H, W)``: the class axis last, one row per prediction."""
+    if x.dim() == 1:
+        return x.unsqueeze(0), target.reshape(1)
+    if x.dim() == 2:
+        return x, target
+    return x.movedim(1, -1).reshape(-1, x.shape[1]), target.reshape(-1)
+
+
+def _nll_targets(scores: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor] | None:
+    """``(valid: (R,) bool, classes: (R,) with ignored rows at 0)``; None if a target is out of range (the
+    native kernel raises its own error for those)."""
+    valid = target != ignore_index
+    classes = target.where(valid, 0)
+    if classes.numel() and (int(classes.min()) < 0 or int(classes.max()) >= scores.shape[1]):
+        return None
+    return valid, classes
+
+
+@_register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_loss(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
+    """Summed or mean NLL: ``(sum_i w[t_i] * -x[i, t_i] (/ sum_i w[t_i]), total_weight)``, both 0-dim, the
+    sums in the profile's row order. ``reduction = none`` sums nothing and runs natively."""
+    x, target, weight, reduction, ignore_index = _bind(func, args, kwargs)
+    if reduction == 0 or not _rows(x, weight) or x.numel() == 0:
+        return func(*args, **kwargs)
+    scores, target = _nll_flat(x, target)
+    checked = _nll_targets(scores, target, ignore_index)
+    if checked is None:
+        return func(*args, **kwargs)
+    valid, classes = checked
+    w = valid.to(x.dtype) if weight is None else weight[classes] * valid
+    # Ignored rows add an exact zero, whatever their scores (-inf at a masked class included).
+    picked = torch.where(valid, -scores.gather(1, classes.unsqueeze(1)).squeeze(1) * w, 0.0)
+    total = _reduce(p, w, [0], keepdim=False)  # a count without class weights: exact in any order
+    loss = _reduce(p, picked, [0], keepdim=False)
+    return (loss / total if reduction == 1 else loss), total
+
+
+@_register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def _nll_loss_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """Gradient of :func:`_nll_loss` (input-shaped, zero off the targets). It sums nothing: the only order
+    left is the class weight's product, ``-(w[t] * g) / total`` here, ``w[t] * -(g / total)`` natively
+    (the same bits without class weights)."""
+    g, x, target, weight, reduction, ignore_index, total = _bind(func, args, kwargs)
+    if reduction == 0 or weight is None or not _rows(g, x, weight, total) or x.numel() == 0:
+        return func(*args, **kwargs)
+    scores, flat_target = _nll_flat(x, target)
+    checked = _nll_targets(scores, flat_target, ignore_index)
+    if checked is None:
+        return func(*args, **kwargs)
+    valid, classes = checked
+    value = -(weight[classes] * g)
+    if reduction == 1:
+        value = value / total
+    value = torch.where(valid, value, 0.0)  # ignored rows get no gradient (not 0 / 0 when all are ignored)
+    grad = torch.zeros_like(scores).scatter_(1, classes.unsqueeze(1), value.unsqueeze(1))
+    if x.dim() <= 2:
+        return grad.reshape(x.shape)
+    return grad.reshape(x.shape[0], *x.shape[2:], x.shape[1]).movedim(-1, 1).contiguous()
+
+
+@_register(aten.embedding_dense_backward.default)
+def _embedding_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """Weight gradient ``(num_weights, D)`` of an embedding lookup: the rows of ``grad_output: (*I, D)``
+    added up per index of ``indices: (*I)``.
+
+    Native CPU kernels add the duplicates of each index in the order they occur; GPU kernels sort the
+    indices and reduce segments. Here the occurrences are permuted by the profile, each index's duplicates
+    are ranked in that order, ranks are cut into the profile's row chunks (each chunk added in rank order)
+    and the chunk partials combined in plan order. Every add targets distinct rows, so no device's
+    scatter-add order enters.
+    """
+    go, indices, num_weights, padding_idx, scale_grad_by_freq = _bind(func, args, kwargs)
+    if not _rows(go) or go.numel() == 0:
+        return func(*args, **kwargs)
+    idx = indices.reshape(-1)
+    g = go.reshape(idx.numel(), -1)
+    if scale_grad_by_freq:
+        g = g / torch.bincount(idx, minlength=num_weights).to(g.dtype)[idx].unsqueeze(1)
+    keep = (idx != padding_idx).nonzero().squeeze(1)
+    idx, g = idx[keep], g[keep]
+    uniq, slot, counts = torch.unique(idx, return_inverse=True, return_counts=True)
+    plan = p.plan(int(counts.max()), "row", go.device) if counts.numel() else None
+    if plan is None:  # no index repeats enough to split: each gradient row is one exact sum anyway
+        return func(*args, **kwargs)
+    order = p.order(idx.numel(), go.device)
+    occurrence = order if order is not None else torch.arange(idx.numel(), device=go.device)
+    by_slot = occurrence[torch.sort(slot[occurrence], stable=True).indices]  # grouped; profile order within
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(idx.numel(), device=go.device) - first[slot[by_slot]]
+    by_rank = by_slot[torch.sort(rank, stable=True).indices]  # rank 0 of every index, then rank 1, ...
+    per_rank = torch.bincount(rank, minlength=int(counts.max())).tolist()
+    bounds = [0, *itertools.accumulate(per_rank)]
+
+    def chunk_sum(start: int, length: int) -> Tensor:
+        part = torch.zeros(uniq.numel(), g.shape[1], dtype=g.dtype, device=g.device)
+        for r in range(start, start + length):  # within a rank the slots are distinct: plain adds
+            rows = by_rank[bounds[r] : bounds[r + 1]]
+            part.index_add_(0, slot[rows], g[rows])
+        return part
+
+    total = _combine(Plan(None, plan.pieces, plan.tree), (chunk_sum(s, n) for s, n in plan.pieces))
+    out = torch.zeros(num_weights, g.shape[1], dtype=g.dtype, device=g.device)
+    out[uniq] = total
+    return out
+
+
+def _vector_norm(p: EmulatedProfile, x: Tensor, ord: float, dim: Any, keepdim: bool) -> Tensor:
+    """``(sum |x|**ord) ** (1 / ord)`` over ``dim`` (None or empty: all), in the profile's row order:
+    ``sqrt(sum x * x)`` for ord 2 (sqrt is correctly rounded), ``sum |x|`` for ord 1."""
+    dims = [dim] if isinstance(dim, int) else (list(dim) if dim else list(range(x.dim())))
+    if ord == 2:
+        return torch.sqrt(_reduce(p, x * x, dims, keepdim))
+    if ord == 1:
+        return _reduce(p, x.abs(), dims, keepdim)
+    return _pow(p, _reduce(p, _pow(p, x.abs(), ord), dims, keepdim), 1.0 / ord)
+
+
+def _norm_emulable(x: Any, ord: Any) -> bool:
+    """Norms we reorder: finite, non-zero orders (inf/-inf are a max/min, 0 a count: exact in any order) of
+    dense float32/float64 tensors with at least one dim."""
+    return (
+        isinstance(x, Tensor) and _rows(x) and x.dim() > 0 and x.numel() > 0
+        and ord is not None and math.isfinite(float(ord)) and float(ord) != 0
+    )  # fmt: skip
+
+
+@_register(aten.linalg_vector_norm.default)
+def _linalg_vector_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``linalg_vector_norm(x, ord, dim, keepdim, dtype)`` (``x.norm()`` and ``clip_grad_norm_`` reach it)."""
+    x, ord, dim, keepdim, dtype = _bind(func, args, kwargs)
+    if dtype is not None and dtype != x.dtype or not _norm_emulable(x, ord):
+        return func(*args, **kwargs)
+    return _vector_norm(p, x, float(ord), dim, keepdim)
+
+
+@_register(aten.norm.Scalar, aten.norm.ScalarOpt_dim)
+def _norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """The legacy ``norm(x, p)`` / ``norm(x, p, dim, keepdim)`` overloads (``p = None`` is 2)."""
+    bound = _bind(func, args, kwargs)
+    x, ord = bound[0], 2 if bound[1] is None else bound[1]
+    dim, keepdim = (bound[2], bound[3]) if func is aten.norm.ScalarOpt_dim else (None, False)
+    if not _norm_emulable(x, ord):
+        return func(*args, **kwargs)
+    return _vector_norm(p, x, float(ord), dim, keepdim)
+
+
+@_register(aten._foreach_norm.Scalar)
+def _foreach_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> list[Tensor]:
+    """Per-tensor norms of a list (``clip_grad_norm_``'s first step): one 0-dim tensor each."""
+    tensors, ord, dtype = _bind(func, args, kwargs)
+    if dtype is not None or not all(_norm_emulable(t, ord) for t in tensors):
+        return func(*args, **kwargs)
+    return [_vector_norm(p, t, float(ord), None, False) for t in tensors]

@@ -255,9 +255,10 @@ class RoundingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if decompose.applies(func, args):
-            # Only the per-channel sums are machine dependent: they run under this mode (rounded, logged,
-            # reordered by the profile); the rest is plain IEEE arithmetic, so the outputs are exact.
-            out = decompose.DECOMPOSITIONS[func](self._logged_sum, *args, **kwargs)
+            # Only the sums (and log-softmax backward's exp) are machine dependent: they run under this mode
+            # (rounded, logged, computed by the profile); the rest is plain IEEE arithmetic: exact outputs.
+            steps = decompose.Steps(self._logged_sum, self._logged_exp)
+            out = decompose.DECOMPOSITIONS[func](steps, *args, **kwargs)
             for t in written_tensors(func, args, kwargs, out):
                 self._round_exact(t)
             return out
@@ -288,10 +289,17 @@ class RoundingMode(TorchDispatchMode):
 
     def _logged_sum(self, t: torch.Tensor, dims: list[int]) -> torch.Tensor:
         """``t.sum(dims)`` dispatched through this mode, for decompositions (not counted as rounded output)."""
+        return self._nested_op(torch.sum, t, dims)
+
+    def _logged_exp(self, t: torch.Tensor) -> torch.Tensor:
+        """``exp(t)`` dispatched through this mode (rounded, logged as elementwise), for decompositions."""
+        return self._nested_op(torch.exp, t)
+
+    def _nested_op(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         self._nested += 1
         try:
             with self:
-                return t.sum(dims)
+                return fn(*args)
         finally:
             self._nested -= 1
 

@@ -52,6 +52,10 @@ class Task:
         size: ``size(cfg) -> {name: amount}``: what the run will allocate, computed without allocating it
             (parameters counted on torch's meta device, data and buffer bytes from shapes), so values that
             are each within their caps cannot multiply into a giant run.
+        inputs: ``inputs(cfg) -> {name: why}``: the files the auditor must supply for this config, by the
+            name of the ``audit`` argument that carries each (``data``, ``init_from``; ``detrl audit --data``,
+            ``--init-from``), with the reason shown when one is missing. A bundle never names a file the
+            auditor opens; ``fingerprint`` and ``run`` receive each supplied one as a keyword argument.
     """
 
     name: str
@@ -63,6 +67,7 @@ class Task:
     resume_keys: frozenset[str] = frozenset()
     caps: Mapping[str, float] = dataclasses.field(default_factory=dict)
     size: Callable[[Any], dict[str, int]] = lambda cfg: {}
+    inputs: Callable[[Any], dict[str, str]] = lambda cfg: {}
 
 
 #: Default caps on the totals ``Task.size`` reports (``detrl audit --cap size.params=N`` raises one).

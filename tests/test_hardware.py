@@ -281,3 +281,302 @@ def test_batch_norm_forward_and_backward_are_emulated(name):
         for a, b in zip(results[torch.float32, "native"], results[torch.float32, name])
     ]
     assert differ[0] > 0.3 and differ[1] > 0.3  # output and input gradient: most elements differ in FP32
+
+
+# ------------------------------------------------------ rows: norms, softmax, losses, embedding, vector norms
+
+
+Call = tuple[torch._ops.OpOverload, tuple, dict]
+
+
+def _scalar_calls(func: torch._ops.OpOverload, scores: torch.Tensor, *rest: object) -> list[Call]:
+    """Eight calls of a loss whose result is one number, with targets from eight seeds: another order of a
+    sum gives the same one number now and then, so the bits must differ on some input, not on each."""
+    calls = []
+    for seed in range(8):
+        shape = (scores.shape[0], *scores.shape[2:])
+        target = torch.randint(0, scores.shape[1], shape, generator=torch.Generator().manual_seed(100 + seed))
+        calls.append((func, (scores, target, *rest), {}))
+    return calls
+
+
+def _row_cases() -> dict[str, Call | list[Call]]:
+    """Calls of each row op the profiles emulate, on FP64 operands big enough for several row chunks."""
+    x = _randn(24, 7, 40, seed=20) * 3 + 0.5  # rows of 40 (or 7 x 40) elements, off-centre
+    w, b = _randn(40, seed=21), _randn(40, seed=22)
+    go = _randn(24, 7, 40, seed=23)
+    _, mean, rstd = aten.native_layer_norm.default(x, [40], w, b, 1e-5)
+    xg, wg, bg = _randn(6, 12, 5, 5, seed=24), _randn(12, seed=25), _randn(12, seed=26)
+    _, gmean, grstd = aten.native_group_norm.default(xg, wg, bg, 6, 12, 25, 3, 1e-5)
+    logits = _randn(1000, 40, seed=27) * 2
+    target = torch.randint(0, 40, (1000,), generator=torch.Generator().manual_seed(28))
+    target[::17] = -100  # ignored rows
+    class_w = torch.rand(40, generator=torch.Generator().manual_seed(29), dtype=torch.float64) + 0.5
+    logp = aten._log_softmax.default(logits, 1, False)
+    _, total_w = aten.nll_loss_forward.default(logp, target, class_w, 1, -100)
+    img = aten._log_softmax.default(_randn(4, 40, 6, 5, seed=30), 1, False)  # log-probs: no cancelling
+    img_target = torch.randint(0, 40, (4, 6, 5), generator=torch.Generator().manual_seed(31))
+    _, img_total = aten.nll_loss2d_forward.default(img, img_target, class_w, 1, -100)
+    grad_emb = _randn(16, 30, 24, seed=32)
+    ids = torch.randint(0, 50, (16, 30), generator=torch.Generator().manual_seed(33))
+    soft = aten._softmax.default(logits, 1, False)
+    return {
+        "layer_norm": (aten.native_layer_norm.default, (x, [40], w, b, 1e-5), {}),
+        "layer_norm_2d_shape": (aten.native_layer_norm.default, (x, [7, 40], None, None, 1e-5), {}),
+        "layer_norm_backward": (
+            aten.native_layer_norm_backward.default,
+            (go, x, [40], mean, rstd, w, b, [True, True, True]),
+            {},
+        ),
+        "group_norm": (aten.native_group_norm.default, (xg, wg, bg, 6, 12, 25, 3, 1e-5), {}),
+        "group_norm_backward": (
+            aten.native_group_norm_backward.default,
+            (_randn(6, 12, 5, 5, seed=34), xg, gmean, grstd, wg, 6, 12, 25, 3, [True, True, True]),
+            {},
+        ),
+        "softmax": (aten._softmax.default, (logits, 1, False), {}),
+        "softmax_dim0": (aten._softmax.default, (x, 0, False), {}),
+        "softmax_backward": (
+            aten._softmax_backward_data.default,
+            (_randn(1000, 40, seed=35), soft, 1, torch.float64),
+            {},
+        ),
+        "log_softmax": (aten._log_softmax.default, (logits, -1, False), {}),
+        "log_softmax_backward": (
+            aten._log_softmax_backward_data.default,
+            (_randn(1000, 40, seed=36), logp, 1, torch.float64),
+            {},
+        ),
+        "nll_loss_mean": _scalar_calls(aten.nll_loss_forward.default, logp, class_w, 1, -100),
+        "nll_loss_sum": _scalar_calls(aten.nll_loss_forward.default, logp, None, 2, -100),
+        "nll_loss_backward": (
+            aten.nll_loss_backward.default,
+            (torch.tensor(0.7, dtype=torch.float64), logp, target, class_w, 1, -100, total_w),
+            {},
+        ),
+        "nll_loss2d": _scalar_calls(aten.nll_loss2d_forward.default, img, class_w, 1, -100),
+        "nll_loss2d_backward": (
+            aten.nll_loss2d_backward.default,
+            (torch.tensor(1.3, dtype=torch.float64), img, img_target, class_w, 1, -100, img_total),
+            {},
+        ),
+        "embedding_backward": (aten.embedding_dense_backward.default, (grad_emb, ids, 50, -1, False), {}),
+        "embedding_backward_pad_freq": (
+            aten.embedding_dense_backward.default,
+            (grad_emb, ids, 50, 3, True),
+            {},
+        ),
+        "vector_norm": (aten.linalg_vector_norm.default, (x,), {}),
+        "vector_norm_dims": (aten.linalg_vector_norm.default, (x, 2, [0, 2], True), {}),
+        "vector_norm_1": (aten.linalg_vector_norm.default, (x, 1, [-1]), {}),
+        "vector_norm_3": (aten.linalg_vector_norm.default, (x, 3.0, [1]), {}),
+        "norm": (aten.norm.Scalar, (x, 2), {}),
+        "norm_dim": (aten.norm.ScalarOpt_dim, (x, 2, [2], False), {}),
+        "foreach_norm": (aten._foreach_norm.Scalar, ([x, w, logits], 2), {}),
+    }
+
+
+ROW_CASES = _row_cases()
+
+
+def _outputs(out: object) -> list[torch.Tensor]:
+    items = out if isinstance(out, (tuple, list)) else [out]
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def _calls(case: str) -> list[Call]:
+    calls = ROW_CASES[case]
+    return calls if isinstance(calls, list) else [calls]
+
+
+@pytest.mark.parametrize("case", list(ROW_CASES))
+@pytest.mark.parametrize("name", EMULATED)
+def test_row_ops_are_reordered_but_equal_native(name: str, case: str):
+    """Each emulated row op: the native result to a few FP64 ulps at its scale, other bits on some input,
+    and (except atomic) the same bits on every call."""
+    profile = get_profile(name, seed=0)
+    differs = False
+    for func, args, kwargs in _calls(case):
+        ref = _outputs(func(*args, **kwargs))
+        out = _outputs(profile(func, args, kwargs))
+        assert len(out) == len(ref)
+        for o, r in zip(out, ref, strict=True):
+            assert o.shape == r.shape and o.dtype == r.dtype, case
+            scale = r.abs().max().item()
+            assert (o - r).abs().max().item() <= 16 * EPS64 * scale, case
+        differs |= any(not torch.equal(o, r) for o, r in zip(out, ref, strict=True))
+        if profile.deterministic:
+            again = _outputs(get_profile(name)(func, args, kwargs))
+            assert all(torch.equal(a, o) for a, o in zip(again, out, strict=True)), case
+    assert differs, f"{case}: native bits on {name}"
+
+
+def test_atomic_row_ops_are_fresh_every_call():
+    profile = get_profile("emulated:atomic", seed=0)
+    for case in ("layer_norm_backward", "softmax", "embedding_backward", "vector_norm"):
+        func, args, kwargs = _calls(case)[0]
+        first, second = _outputs(profile(func, args, kwargs)), _outputs(profile(func, args, kwargs))
+        assert any(not torch.equal(a, b) for a, b in zip(first, second, strict=True)), case
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_row_ops_in_autograd_equal_native(name: str):
+    """Layer norm, softmax, group norm, cross-entropy with class weights, a tied embedding and gradient
+    clipping, forward and backward under the mode: in float64 every result within a few ulps of native;
+    in float32 the profiles' bits differ from native ones."""
+
+    def loss_and_grads(dtype: torch.dtype, mode: HardwareMode | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        emb, ln = torch.nn.Embedding(50, 40).to(dtype), torch.nn.LayerNorm(40).to(dtype)
+        gn = torch.nn.GroupNorm(4, 16).to(dtype)
+        ids, targets = torch.randint(0, 50, (8, 30)), torch.randint(0, 50, (8, 30))
+        class_w = torch.rand(50, dtype=dtype)
+        r1, r2 = torch.randn(8, 30, 40, dtype=dtype), torch.randn(8, 16, 5, 8, dtype=dtype)
+        with mode if mode is not None else torch.enable_grad():
+            h = ln(emb(ids))
+            logits = h @ emb.weight.T  # tied read-out
+            loss = F.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1), weight=class_w)
+            att = (h @ h.transpose(1, 2) / 8).softmax(-1) @ h
+            loss = loss + (att * r1).sum() + (gn(h[:, :16].reshape(8, 16, 5, 8)) * r2).sum()
+            params = [*emb.parameters(), *ln.parameters(), *gn.parameters()]
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+        return [loss.detach(), *(p.grad for p in params)]
+
+    ref = loss_and_grads(torch.float64, None)
+    out = loss_and_grads(torch.float64, HardwareMode(get_profile(name)))
+    for o, r in zip(out, ref, strict=True):
+        assert torch.allclose(o, r, rtol=1e-12, atol=1e-12 * r.abs().max().item())
+    ref32 = loss_and_grads(torch.float32, None)
+    out32 = loss_and_grads(torch.float32, HardwareMode(get_profile(name)))
+    assert _frac_differ(out32[1], ref32[1]) > 0.3  # the tied embedding's gradient
+
+
+def test_row_ops_run_natively_where_nothing_is_reordered():
+    """Half types, ``reduction='none'`` and rows too short to split keep the native kernel's bits."""
+    profile = get_profile("emulated:splitk")
+    x = _randn(8, 40, seed=40)
+    target = torch.randint(0, 40, (8,), generator=torch.Generator().manual_seed(41))
+    same = [
+        (aten.native_layer_norm.default, (x.half(), [40], None, None, 1e-5)),
+        (aten._softmax.default, (x.half(), 1, False)),
+        (aten.nll_loss_forward.default, (x, target, None, 0, -100)),
+        (aten.linalg_vector_norm.default, (x, float("inf"))),
+        (aten.embedding_dense_backward.default, (x, torch.arange(8), 10, -1, False)),  # no repeats
+    ]
+    for func, args in same:
+        for o, r in zip(_outputs(profile(func, args, {})), _outputs(func(*args)), strict=True):
+            assert torch.equal(o, r), func
+    # A reduction of two elements is not split, but the two-pass layer norm still is another kernel.
+    tiny = (x[:, :2].contiguous(), [2], None, None, 1e-5)
+    for o, r in zip(profile(aten.native_layer_norm.default, tiny, {}), aten.native_layer_norm.default(*tiny)):
+        assert torch.allclose(o, r, rtol=1e-14, atol=1e-14)
+
+
+# ------------------------------------------------------------------------------------ another libm
+
+x_pos = _randn(4096, seed=50).abs() + 0.01
+x_any = _randn(4096, seed=51) * 3
+LIBM_CASES = {
+    "exp": (aten.exp.default, (x_any,)),
+    "exp_": (aten.exp_.default, (x_any.clone(),)),
+    "log": (aten.log.default, (x_pos,)),
+    "log1p": (aten.log1p.default, (x_pos,)),
+    "expm1": (aten.expm1.default, (x_any,)),
+    "tanh": (aten.tanh.default, (x_any,)),
+    "tanh_": (aten.tanh_.default, (x_any.clone(),)),
+    "sigmoid": (aten.sigmoid.default, (x_any,)),
+    "erf": (aten.erf.default, (x_any,)),
+    "erfinv": (aten.erfinv.default, ((x_any / 10).clamp(-0.99, 0.99),)),
+    "sin": (aten.sin.default, (x_any,)),
+    "rsqrt": (aten.rsqrt.default, (x_pos,)),
+    "gelu": (aten.gelu.default, (x_any,)),
+    "gelu_tanh": (aten.gelu.default, (x_any,), {"approximate": "tanh"}),
+    "gelu_backward": (aten.gelu_backward.default, (_randn(4096, seed=52), x_any)),
+    "silu": (aten.silu.default, (x_any,)),
+    "silu_backward": (aten.silu_backward.default, (_randn(4096, seed=53), x_any)),
+    "softplus": (aten.softplus.default, (x_any, 1.0, 20.0)),
+    "softplus_backward": (aten.softplus_backward.default, (_randn(4096, seed=54), x_any, 1.0, 20.0)),
+    "elu": (aten.elu.default, (-x_pos,)),  # the exp branch (x > 0 is a product)
+    "log_sigmoid": (aten.log_sigmoid_forward.default, (x_any,)),
+    "pow": (aten.pow.Tensor_Scalar, (x_pos, 1.7)),
+    "pow_tensor": (aten.pow.Tensor_Tensor, (x_pos, x_any)),
+    "pow_scalar_base": (aten.pow.Scalar, (2.5, x_any)),
+}
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Signed distance from ``b`` to ``a`` in ulps of their dtype (same-sign values)."""
+    view = torch.int64 if a.dtype == torch.float64 else torch.int32
+    return a.view(view).to(torch.int64) - b.view(view).to(torch.int64)
+
+
+def _call(case: str, profile: Profile) -> torch.Tensor:
+    func, args, *rest = LIBM_CASES[case]
+    kwargs = rest[0] if rest else {}
+    args = tuple(
+        a.clone() if isinstance(a, torch.Tensor) and func._schema.name.endswith("_") else a for a in args
+    )
+    out = profile(func, args, kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("case", list(LIBM_CASES))
+def test_another_libm_moves_transcendentals_by_one_or_two_ulps(case: str):
+    """emulated:pairwise's libm: results an ulp or two from native, about half of them moved, as a pure
+    function of the value (the same bits every call); the other profiles keep the native libm."""
+    ref, out = _call(case, get_profile("native")), _call(case, get_profile("emulated:pairwise"))
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    moved = _ulps(out, ref)
+    assert int(moved.abs().max()) <= 2 and bool(((moved == 0) | (torch.sign(out) == torch.sign(ref))).all())
+    assert 0.3 < (moved != 0).double().mean().item() < 0.7, case
+    assert torch.equal(out, _call(case, get_profile("emulated:pairwise")))
+    for name in ("emulated:splitk", "emulated:reversed", "emulated:atomic"):
+        assert torch.equal(_call(case, get_profile(name)), ref), name
+
+
+def test_another_libm_is_a_function_of_the_value_and_keeps_exact_results():
+    profile = get_profile("emulated:pairwise")
+    v = _randn(512, seed=60)
+    twice = profile(aten.exp.default, (torch.cat([v, v.flip(0)]),), {})
+    assert torch.equal(twice[:512], twice[512:].flip(0))  # same value, same result, wherever it sits
+    x = torch.tensor([0.0, -0.0, 1e-300, float("inf"), -float("inf"), float("nan")], dtype=torch.float64)
+    exact = [
+        (aten.exp.default, (x,), {}),  # exp(0) = 1, exp(inf) = inf, exp(-inf) = 0
+        (aten.sigmoid.default, (x,), {}),
+        (aten.sin.default, (x[:3],), {}),  # sin(x) = x for tiny x: a pass-through
+        (aten.cos.default, (torch.zeros(8, dtype=torch.float64),), {}),
+        (aten.pow.Tensor_Scalar, (_randn(64, seed=61), 2), {}),  # x * x
+        (aten.pow.Tensor_Scalar, (x_pos, 0.5), {}),  # sqrt
+        (aten.pow.Tensor_Scalar, (x_pos, -1), {}),
+        (aten.pow.Scalar, (2.0, torch.arange(-5.0, 6.0, dtype=torch.float64)), {}),  # 2 ** k
+        (aten.elu.default, (x_pos,), {}),  # x for x > 0
+        (aten.softplus.default, (x_pos + 20, 1.0, 20.0), {}),  # x past the threshold
+        (aten.gelu.default, (x_pos + 10,), {}),  # gelu(x) = x once erf(x / sqrt 2) = 1
+    ]
+    for func, args, kwargs in exact:
+        out, ref = profile(func, args, kwargs), func(*args, **kwargs)
+        assert torch.equal(out.nan_to_num(7.0), ref.nan_to_num(7.0)), func
+    # float32 (fp32 runs under HardwareMode): another float32 libm, an ulp or two away.
+    v32 = v.float()
+    moved = _ulps(profile(aten.tanh.default, (v32,), {}), torch.tanh(v32))
+    assert int(moved.abs().max()) <= 2 and bool((moved != 0).any())
+
+
+def test_another_libm_reaches_the_composite_kernels():
+    """Softmax, log-softmax (and its backward) and layer norm's rsqrt call the profile's libm. On rows of
+    two elements no profile splits a sum, so the profiles without a libm of their own agree bitwise, and
+    pairwise's bits differ through its libm alone."""
+    x = _randn(256, 2, seed=70)
+    logp = aten._log_softmax.default(x, 1, False)
+    calls = [
+        (aten._softmax.default, (x, 1, False)),
+        (aten._log_softmax.default, (x, 1, False)),
+        (aten._log_softmax_backward_data.default, (_randn(256, 2, seed=71), logp, 1, torch.float64)),
+        (aten.native_layer_norm.default, (x, [2], None, None, 1e-5)),
+    ]
+    for func, args in calls:
+        plain = [_outputs(get_profile(n)(func, args, {})) for n in ("emulated:splitk", "emulated:reversed")]
+        assert all(torch.equal(a, b) for a, b in zip(*plain, strict=True)), func
+        libm = _outputs(get_profile("emulated:pairwise")(func, args, {}))
+        assert any(not torch.equal(a, b) for a, b in zip(libm, plain[0], strict=True)), func

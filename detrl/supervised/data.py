@@ -1,11 +1,23 @@
 """Datasets for the supervised recipes. Defaults ship with a dependency or are generated; real corpora by path.
 
-Every loader returns ``(x, y)`` tensors on the CPU: images as float32 in ``[0, 1]``, tokens as int64.
+Every loader returns ``(x, y)`` tensors on the CPU: images as float32 in ``[0, 1]``, tokens as int64. Every
+one is a pure function of its input files, so the same files give the same bytes (and the same
+:func:`fingerprint`) on every machine.
+
+Images: ``digits`` (8x8, scikit-learn), ``digits32`` (the same upscaled to 32x32x3, the default for
+ResNet-50), ``cifar10`` (the python-pickle CIFAR-10 directory: the one pickle detrl reads, through an
+unpickler that builds numpy arrays and nothing else) and ``image_folder`` (class subfolders of PNG/JPEG).
+Text: a byte-level corpus, tokenized as bytes or by a BPE tokenizer trained on the corpus itself; the
+default corpus ships with the package (:func:`corpus_bytes`).
 """
 
 from __future__ import annotations
 
+import codecs
+import functools
 import hashlib
+import pickle
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +32,123 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
     d = load_digits()
     x = torch.from_numpy(d.images.astype(np.float32) / 16.0).unsqueeze(1)
     return x, torch.from_numpy(d.target.astype(np.int64))
+
+
+def digits32() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits as CIFAR-shaped images: x ``(1797, 3, 32, 32)`` float32 in [0, 1], y ``(1797,)``.
+
+    Each 8x8 pixel becomes a 4x4 block (nearest-neighbour upscaling: copies, no arithmetic, so the bytes are
+    the same everywhere) repeated over three identical channels.
+    """
+    x, y = digits()
+    x = x.repeat_interleave(4, dim=2).repeat_interleave(4, dim=3)
+    return x.expand(-1, 3, -1, -1).contiguous(), y
+
+
+#: The only globals the CIFAR-10 unpickler resolves: what a pickled numpy array needs (``_reconstruct``,
+#: ``ndarray``, ``dtype``; numpy 2 writes ``numpy._core`` where numpy 1 wrote ``numpy.core``), and
+#: ``_codecs.encode``, which Python 3 writes for bytes in protocol-2 pickles. Dicts, lists, str and bytes
+#: need no global.
+_RECONSTRUCT = np.zeros(0).__reduce__()[0]  # numpy's array reconstructor, wherever this numpy keeps it
+_CIFAR_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+    ("_codecs", "encode"): codecs.encode,
+}
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """An unpickler that builds dicts, lists, strings, bytes and numpy arrays, and refuses every other
+    global (a pickle can name any callable, e.g. ``os.system``, and have it called while loading)."""
+
+    def find_class(self, module: str, name: str) -> object:
+        target = _CIFAR_GLOBALS.get((module, name))
+        if target is None:
+            raise pickle.UnpicklingError(f"refused global {module}.{name} (only numpy arrays are allowed)")
+        return target
+
+
+def _cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-10 batch file: images ``(n, 3072)`` uint8 and labels ``(n,)`` int64, checked."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"cifar10: {path} not found (data.path is the cifar-10-batches-py directory of the python version)"
+        )
+    try:
+        with path.open("rb") as f:
+            batch = _ArraysOnly(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"cifar10: {path}: not a CIFAR-10 batch ({str(e)[:160]})") from None
+    data = batch.get(b"data") if isinstance(batch, dict) else None
+    labels = batch.get(b"labels") if isinstance(batch, dict) else None
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        raise ValueError(f"cifar10: {path}: b'data' is not a uint8 array of shape (n, 3072)")
+    if not isinstance(labels, list) or len(labels) != len(data):
+        raise ValueError(f"cifar10: {path}: b'labels' is not a list of {len(data)} labels")
+    y = np.asarray(labels, dtype=np.int64) if all(type(v) is int for v in labels) else None
+    if y is None or (len(y) and (y.min() < 0 or y.max() > 9)):
+        raise ValueError(f"cifar10: {path}: labels must be integers in 0..9")
+    return data, y
+
+
+def cifar10(path: str | Path, test: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10 from the python-pickle directory (``data_batch_1`` .. ``data_batch_5``, ``test_batch``):
+    x ``(50000, 3, 32, 32)`` float32 in [0, 1] (``test``: the 10000 of ``test_batch``), y int64."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"cifar10: {path} is not a directory")
+    names = ["test_batch"] if test else [f"data_batch_{i}" for i in range(1, 6)]
+    parts = [_cifar_batch(root / name) for name in names]
+    x = np.concatenate([d for d, _ in parts]).reshape(-1, 3, 32, 32)  # rows are R, G, B planes of 32x32
+    y = np.concatenate([labels for _, labels in parts])
+    return torch.from_numpy(x.astype(np.float32) / np.float32(255.0)), torch.from_numpy(y)
+
+
+#: Image files :func:`image_folder` reads (case-insensitive suffixes); other files are ignored.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+
+
+def image_folder(path: str | Path, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ImageFolder-style directory: one subfolder per class, PNG/JPEG images inside.
+
+    Classes are the sorted subfolder names (label = position), images their sorted file names: the order
+    is the same on every machine. Each image is converted to RGB and, unless already ``size x size``,
+    resized bilinearly (Pillow's fixed-point resampling). x ``(n, 3, size, size)`` float32 in [0, 1].
+    JPEG decoders can differ between library builds by a few pixel values; the data fingerprint shows it.
+    """
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as e:  # pillow comes with matplotlib, a dependency
+        from detrl.config import ConfigError
+
+        raise ConfigError(f"data.name=image_folder needs Pillow: pip install pillow ({e})") from None
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image_folder: {path} is not a directory")
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    if not classes:
+        raise ValueError(f"image_folder: {path} has no class subfolders")
+    images, labels = [], []
+    for label, name in enumerate(classes):
+        found = sorted(
+            f.name for f in (root / name).iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+        )
+        if not found:
+            raise ValueError(f"image_folder: class folder {root / name} holds no PNG or JPEG images")
+        for fname in found:
+            try:
+                with Image.open(root / name / fname) as im:
+                    rgb = im.convert("RGB")
+            except (UnidentifiedImageError, OSError) as e:
+                raise ValueError(f"image_folder: {root / name / fname}: not a readable image ({e})") from None
+            if rgb.size != (size, size):
+                rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+            images.append(np.asarray(rgb, dtype=np.uint8).transpose(2, 0, 1))  # (3, H, W)
+            labels.append(label)
+    x = np.stack(images).astype(np.float32) / np.float32(255.0)
+    return torch.from_numpy(x), torch.from_numpy(np.asarray(labels, dtype=np.int64))
 
 
 #: Seed of the fixed permutation that splits a dataset into train and held-out test examples.
@@ -74,7 +203,7 @@ def tta_views(x: torch.Tensor, mode: str, padding: int) -> list[torch.Tensor]:
     return views
 
 
-def _windows(tokens: np.ndarray, seq_len: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(tokens: np.ndarray, seq_len: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-overlapping next-token windows: x ``(n, seq_len)``, y ``(n, seq_len)`` (x shifted by one)."""
     n = min(n, (len(tokens) - 1) // seq_len)
     if n < 1:
@@ -95,16 +224,81 @@ def synthetic_text(vocab: int = 65, seq_len: int = 32, n: int = 512) -> tuple[to
     u = rng.random(length)
     for i in range(1, length):
         toks[i] = min(int(np.searchsorted(cdf[toks[i - 1]], u[i])), vocab - 1)
-    return _windows(toks, seq_len, n)
+    return windows(toks, seq_len, n)
+
+
+def read_text(path: str | Path) -> bytes:
+    """The bytes of a text corpus at ``path``."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"text corpus not found: {path}")
+    return p.read_bytes()
+
+
+#: The corpus that ships with detrl (``data.name: corpus``): the opening 47,906 bytes of Tiny Shakespeare
+#: (Karpathy's char-rnn data set), i.e. the start of Shakespeare's *Coriolanus*: public-domain text.
+CORPUS = "coriolanus.txt"
+
+
+def corpus_bytes() -> bytes:
+    """The bytes of the shipped corpus (package data ``detrl/supervised/corpus/``)."""
+    return (files("detrl.supervised") / "corpus" / CORPUS).read_bytes()
 
 
 def text_file(path: str, seq_len: int = 32, n: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """A character-level corpus read from ``path`` (bytes as tokens, vocab 256)."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"text corpus not found: {path}")
-    toks = np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64)
-    return _windows(toks, seq_len, n)
+    return windows(tokenize(read_text(path), "bytes"), seq_len, n)
+
+
+def tokenize(raw: bytes, tokenizer: str, vocab_size: int = 1024) -> np.ndarray:
+    """Token ids ``(length,)`` int64 of a corpus: its bytes (``"bytes"``, vocab 256) or the ids of the BPE
+    tokenizer :func:`train_bpe` trains on the corpus itself (``"bpe"``, at most ``vocab_size``)."""
+    if tokenizer == "bytes":
+        return np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+    if tokenizer != "bpe":
+        raise ValueError(f"config error: data.tokenizer: unknown tokenizer {tokenizer!r}")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(train_bpe(raw, vocab_size))
+    return np.asarray(tok.encode(_utf8(raw)).ids, dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=2)  # the recorder and the fingerprint train on the same corpus: once is enough
+def train_bpe(raw: bytes, vocab_size: int) -> str:
+    """The JSON of a byte-level BPE tokenizer (GPT-2's scheme: bytes mapped to printable characters, so
+    any text encodes with no unknown token) trained on ``raw`` by Hugging Face ``tokenizers``.
+
+    Deterministic: the trainer breaks ties between equally frequent pairs by the pairs themselves, so the
+    same corpus gives the same JSON whatever the thread count (``tests/test_recipes.py`` checks it twice).
+    The vocabulary holds the 256 byte symbols, then merges of pairs seen at least twice, up to
+    ``vocab_size`` (fewer when the corpus runs out of pairs).
+    """
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as e:  # an optional extra: detrl[gpt2]
+        from detrl.config import ConfigError
+
+        raise ConfigError(
+            f"data.tokenizer=bpe needs Hugging Face tokenizers: pip install 'detrl[gpt2]' ({e})"
+        ) from None
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, show_progress=False, special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator([_utf8(raw)], trainer=trainer)
+    return tok.to_str()
+
+
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"the corpus is not UTF-8 text (byte {e.start}): data.tokenizer=bpe needs UTF-8; bytes reads any file"
+        ) from None
 
 
 def synthetic_images(

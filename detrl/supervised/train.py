@@ -5,25 +5,29 @@ It reads top to bottom: data, model, optimizer, then the loop through :class:`de
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-from detrl.config import RunConfig
+from detrl.config import ConfigError, RunConfig
 from detrl.engine import Session
 from detrl.supervised import data as datasets
 from detrl.supervised.models import MODELS
+from detrl.supervised.weights import file_sha256, load_init
 from detrl.tasks import Task
 
 
 def load_data(cfg: RunConfig, path: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The training set ``(x, y)`` named by ``cfg.data`` (without its ``data.holdout`` test examples).
 
-    ``path``: where to read a corpus (``text_file``). The auditor always passes its own (``--data``): a
-    bundle's config never names a file the auditor opens. Without it, a recording reads ``data.path``.
+    ``path``: where to read a corpus (``text_file``) or an image set (``cifar10``, ``image_folder``). The
+    auditor always passes its own (``--data``): a bundle's config never names a file the auditor opens.
+    Without it, a recording reads ``data.path``.
     """
     return load_split(cfg, path)[0]
 
@@ -38,47 +42,130 @@ def load_test_data(cfg: RunConfig, path: Path | None = None) -> tuple[torch.Tens
 def load_split(
     cfg: RunConfig, path: Path | None = None
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """``(train, test)``, each ``(x, y)``; the test set is empty unless ``data.holdout`` is positive."""
+    """``(train, test)``, each ``(x, y)``; the test set is empty unless ``data.holdout`` is positive.
+
+    CIFAR-10 has its own test set: the first ``data.holdout`` images of ``test_batch`` (at most 10000),
+    and all of ``data_batch_1..5`` train. Other sets hold out examples of a fixed permutation.
+    """
     x, y = _load_all(cfg, path)
     if cfg.data.holdout == 0:
         return (x, y), (x[:0], y[:0])
+    if cfg.data.name == "cifar10":
+        tx, ty = datasets.cifar10(_source(cfg, path), test=True)
+        if cfg.data.holdout > len(tx):
+            raise ValueError(
+                f"config error: data.holdout={cfg.data.holdout}: test_batch has {len(tx)} images"
+            )
+        return (x, y), (tx[: cfg.data.holdout], ty[: cfg.data.holdout])
     return datasets.split(x, y, cfg.data.holdout)
+
+
+#: Data sets read from a path: the auditor must supply its own copy (``detrl audit --data PATH``).
+PATH_DATA = {
+    "text_file": "the run trains on a corpus",
+    "cifar10": "the run trains on CIFAR-10 read from a directory",
+    "image_folder": "the run trains on an image folder",
+}
+#: Text data sets: token windows ``(n, seq_len)``.
+TEXT_DATA = ("synthetic_text", "text_file", "corpus")
+
+
+def _source(cfg: RunConfig, path: Path | None) -> Path:
+    """Where a path data set is read: the caller's ``path`` (the auditor's), else the config's."""
+    source = path if path is not None else cfg.data.path
+    if not source:
+        raise ValueError(f"config error: data.path is required for data.name={cfg.data.name}")
+    return Path(source)
+
+
+def _corpus(cfg: RunConfig, path: Path | None) -> bytes:
+    """The raw bytes of a text corpus: the shipped one (``corpus``) or a file (``text_file``)."""
+    if cfg.data.name == "corpus":
+        return datasets.corpus_bytes()
+    return datasets.read_text(_source(cfg, path))
 
 
 def _load_all(cfg: RunConfig, path: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
     d = cfg.data
     if d.name == "digits":
         return datasets.digits()
+    if d.name == "digits32":
+        return datasets.digits32()
+    if d.name == "cifar10":
+        return datasets.cifar10(_source(cfg, path))
+    if d.name == "image_folder":
+        return datasets.image_folder(_source(cfg, path))
     if d.name == "synthetic_text":
         return datasets.synthetic_text(vocab=d.vocab, seq_len=d.seq_len, n=d.n)
-    if d.name == "text_file":
-        source = path if path is not None else d.path
-        if not source:
-            raise ValueError("config error: data.path is required for data.name=text_file")
-        return datasets.text_file(str(source), seq_len=d.seq_len, n=d.n)
+    if d.name in ("text_file", "corpus"):
+        tokens = datasets.tokenize(_corpus(cfg, path), d.tokenizer, d.vocab_size)
+        return datasets.windows(tokens, d.seq_len, d.n)
     return datasets.synthetic_images(n=d.n)
 
 
-def model_builder(cfg: RunConfig, x: torch.Tensor) -> Any:
-    """A zero-argument callable building the model for inputs shaped like ``x``."""
+def tokenizer_json(cfg: RunConfig, path: Path | None = None) -> str | None:
+    """The JSON of the BPE tokenizer trained on the run's corpus (None for byte tokens or other data)."""
+    d = cfg.data
+    if d.name not in ("text_file", "corpus") or d.tokenizer != "bpe":
+        return None
+    return datasets.train_bpe(_corpus(cfg, path), d.vocab_size)
+
+
+def data_vocab(cfg: RunConfig) -> int:
+    """The token vocabulary of text data: ``data.vocab`` (synthetic), ``data.vocab_size`` (BPE), else 256."""
+    d = cfg.data
+    if d.name == "synthetic_text":
+        return d.vocab
+    return d.vocab_size if d.tokenizer == "bpe" else 256
+
+
+def build_model(cfg: RunConfig, x: torch.Tensor, classes: int = 10) -> torch.nn.Module:
+    """The model ``cfg.model`` names, randomly initialised, for inputs shaped like ``x`` (no weights file)."""
     m, name = cfg.model, cfg.model.name
     dropout = m.dropout if m.dropout is not None else (0.0 if name == "cnn_bn" else 0.1)
     if name == "cnn_bn":
-        return lambda: MODELS[name](channels=m.channels, dropout=dropout)
+        return MODELS[name](channels=m.channels, classes=classes, dropout=dropout)
     if name == "mlp_dropout":
-        return lambda: MODELS[name](features=int(x[0].numel()), hidden=m.hidden, dropout=dropout)
+        return MODELS[name](features=int(x[0].numel()), hidden=m.hidden, classes=classes, dropout=dropout)
     if name == "tiny_transformer":
-        vocab = cfg.data.vocab if cfg.data.name == "synthetic_text" else 256
-        kw = dict(
-            vocab=vocab,
-            d_model=m.d_model,
-            heads=m.heads,
-            layers=m.layers,
-            seq_len=x.shape[1],
+        return MODELS[name](
+            vocab=data_vocab(cfg), d_model=m.d_model, heads=m.heads, layers=m.layers, seq_len=x.shape[1],
             dropout=dropout,
-        )
-        return lambda: MODELS[name](**kw)
-    return lambda: MODELS[name]()
+        )  # fmt: skip
+    if name == "gpt2":
+        if cfg.data.name in TEXT_DATA and m.vocab_size < data_vocab(cfg):
+            raise ConfigError(
+                f"config error: model.vocab_size={m.vocab_size} is smaller than the data's vocabulary "
+                f"({data_vocab(cfg)})"
+            )
+        if x.ndim == 2 and m.n_positions < x.shape[1]:
+            raise ConfigError(
+                f"config error: model.n_positions={m.n_positions} is shorter than data.seq_len={x.shape[1]}"
+            )
+        return MODELS[name](
+            vocab_size=m.vocab_size, n_positions=m.n_positions, n_embd=m.n_embd, n_layer=m.n_layer,
+            n_head=m.n_head, dropout=dropout,
+        )  # fmt: skip
+    return MODELS[name](classes=classes, width=m.width)
+
+
+def model_builder(
+    cfg: RunConfig, x: torch.Tensor, classes: int = 10, init_from: Path | None = None
+) -> Callable[[], torch.nn.Module]:
+    """A zero-argument callable building the model for inputs shaped like ``x`` (for :meth:`Session.init`).
+
+    With ``model.init_from``, the built model is filled from that safetensors file (``init_from``: the
+    auditor's copy; default the config's path), so step 0 commits the loaded weights.
+    """
+    weights = init_from if init_from is not None else cfg.model.init_from
+
+    def build() -> torch.nn.Module:
+        model = build_model(cfg, x, classes)
+        if weights:
+            load_init(model, weights)
+        return model
+
+    return build
 
 
 def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -95,11 +182,18 @@ def learning_rate(cfg: RunConfig, step: int) -> float:
 
     ``constant``: ``lr``. ``cosine``: from ``lr`` down a half cosine over the run. ``cyclic``: ``cycles``
     such half cosines, each restarting at ``lr`` (Huang et al. 2017's snapshot ensembles): the model at the
-    end of each cycle (:func:`cycle_ends`) is one member of the ensemble.
+    end of each cycle (:func:`cycle_ends`) is one member of the ensemble. ``warmup_linear`` (GPT-2
+    fine-tuning's schedule): ``lr * step / W`` over the first ``W = warmup_steps`` steps, then a straight
+    line from ``lr`` at step ``W + 1`` to ``lr / (steps - W)`` at the last step (zero one step later).
     """
     o, steps = cfg.optimizer, cfg.train.steps
     if o.schedule == "constant":
         return o.lr
+    if o.schedule == "warmup_linear":
+        w = o.warmup_steps
+        if step <= w:
+            return o.lr * step / w
+        return o.lr * (steps - step + 1) / (steps - w)
     cycles = o.cycles if o.schedule == "cyclic" else 1
     ends = cycle_ends(steps, cycles)
     start = max([0, *(e for e in ends if e < step)])
@@ -140,12 +234,26 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def run(
-    cfg: RunConfig, session: Session, progress: bool = False, writer: Any = None, data: Path | None = None
+    cfg: RunConfig,
+    session: Session,
+    progress: bool = False,
+    writer: Any = None,
+    data: Path | None = None,
+    init_from: Path | None = None,
 ) -> dict[str, float]:
     """Train ``cfg.train.steps`` steps inside ``session`` (recording, replaying or resuming). Stops after a
-    whole step once ``session.stop_requested`` is set. Returns final metrics."""
+    whole step once ``session.stop_requested`` is set. Returns final metrics.
+
+    ``data`` and ``init_from``: the auditor's copies of the data and the init weights (default: the
+    config's paths). A recording with a BPE tokenizer writes it beside the bundle as ``tokenizer.json``.
+    """
     x, y = load_data(cfg, data)
-    model = session.init(model_builder(cfg, x))
+    if session.mode == "record" and session.dir is not None:
+        tok = tokenizer_json(cfg, data)
+        if tok is not None:  # for people who sample from the model; not part of the bundle
+            (session.dir / "tokenizer.json").write_text(tok)
+    classes = int(y.max()) + 1 if cfg.data.name == "image_folder" else 10
+    model = session.init(model_builder(cfg, x, classes, init_from))
     opt = session.track(make_optimizer(cfg, model))
     model.train()
     steps = cfg.train.steps
@@ -199,32 +307,64 @@ def run(
     return {"loss": loss_value, "steps": float(session.step_index)}
 
 
-def fingerprint(cfg: RunConfig, data: Path | None = None) -> str:
-    """SHA-256 of the training data the config names (checked by the auditor before replay)."""
-    return datasets.fingerprint(*load_data(cfg, data))
+def fingerprint(cfg: RunConfig, data: Path | None = None, init_from: Path | None = None) -> str:
+    """SHA-256 of what the run starts from besides its config (checked by the auditor before any step):
+    the training data; with a BPE tokenizer, the tokenizer JSON trained on the corpus; with
+    ``model.init_from``, the weights file. Runs with neither keep the plain data fingerprint."""
+    parts = [datasets.fingerprint(*load_data(cfg, data))]
+    tok = tokenizer_json(cfg, data)
+    if tok is not None:
+        parts.append("tokenizer " + hashlib.sha256(tok.encode()).hexdigest())
+    weights = init_from if init_from is not None else cfg.model.init_from
+    if weights:
+        parts.append("init_from " + file_sha256(weights))
+    if len(parts) == 1:
+        return parts[0]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def inputs(cfg: RunConfig) -> dict[str, str]:
+    """The files an auditor must supply for ``cfg`` (``detrl audit --data``, ``--init-from``), with why."""
+    needed = {}
+    if cfg.data.name in PATH_DATA:
+        needed["data"] = PATH_DATA[cfg.data.name]
+    if cfg.model.init_from:
+        needed["init_from"] = "the run starts from a weights file"
+    return needed
 
 
 #: The auditor's default bounds on a bundle's supervised config (``detrl audit --cap KEY=VALUE``): the
-#: shipped configs fit with room (ResNet-50 at batch 8, GPT-2-sized transformers), a hostile one cannot
-#: make the auditor allocate tens of gigabytes.
+#: shipped configs fit with room (ResNet-50 at batch 64, GPT-2 small and larger), a hostile one cannot
+#: make the auditor allocate tens of gigabytes (``size.params`` bounds what the values multiply into).
 CAPS = {
-    "data.n": 100_000, "data.seq_len": 4096, "data.vocab": 65_536,
+    "data.n": 100_000, "data.seq_len": 4096, "data.vocab": 65_536, "data.vocab_size": 65_536,
     "model.channels": 1024, "model.hidden": 65_536, "model.d_model": 4096, "model.heads": 64,
-    "model.layers": 64, "train.steps": 1_000_000, "train.batch_size": 4096, "threads": 256,
+    "model.layers": 64, "model.width": 1024, "model.n_layer": 64, "model.n_embd": 4096, "model.n_head": 64,
+    "model.n_positions": 8192, "model.vocab_size": 262_144,
+    "train.steps": 1_000_000, "train.batch_size": 4096, "threads": 256,
 }  # fmt: skip
+
+#: Image sets of a fixed size: (examples, channels, height, width).
+_IMAGE_SHAPES = {"digits": (1797, 1, 8, 8), "digits32": (1797, 3, 32, 32), "cifar10": (50_000, 3, 32, 32)}
 
 
 def size(cfg: RunConfig) -> dict[str, int]:
-    """Parameters (counted on the meta device: nothing allocated) and training-data bytes of ``cfg``."""
+    """Parameters (counted on the meta device: nothing allocated) and training-data bytes of ``cfg``.
+
+    An ``image_folder`` holds what the auditor's own directory holds: nothing in the bundle sizes it, so
+    it counts one image here (the shape the model is built for).
+    """
     d = cfg.data
-    if d.name == "digits":
-        x_shape, x_bytes, y_bytes = (1797, 1, 8, 8), 4, 8
+    if d.name in _IMAGE_SHAPES:
+        x_shape, x_bytes, y_bytes = _IMAGE_SHAPES[d.name], 4, 8
     elif d.name == "synthetic_images":
         x_shape, x_bytes, y_bytes = (d.n, 3, 32, 32), 4, 8
+    elif d.name == "image_folder":
+        x_shape, x_bytes, y_bytes = (1, 3, 32, 32), 4, 8
     else:  # token windows: x and y both (n, seq_len) int64
         x_shape, x_bytes, y_bytes = (d.n, d.seq_len), 8, 8 * d.seq_len
     with torch.device("meta"):
-        model = model_builder(cfg, torch.empty(x_shape, device="meta"))()
+        model = build_model(cfg, torch.empty(x_shape, device="meta"))
     n = x_shape[0]
     data_bytes = n * int(torch.Size(x_shape[1:]).numel()) * x_bytes + n * y_bytes
     return {"params": sum(p.numel() for p in model.parameters()), "data_bytes": data_bytes}
@@ -240,4 +380,5 @@ TASK = Task(
     resume_keys=frozenset({"train.steps", "train.log_every"}),
     caps=CAPS,
     size=size,
+    inputs=inputs,
 )
