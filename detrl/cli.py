@@ -350,6 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _caused_by_ctrl_c(e: BaseException) -> bool:
+    """Whether ``e`` arose from a KeyboardInterrupt (its cause or context chain holds one)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, KeyboardInterrupt):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -364,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         )  # so the exit's flush cannot fail again
         return 0
     except Exception as e:  # noqa: BLE001 - the user sees one line; DETRL_DEBUG=1 shows the traceback
+        if _caused_by_ctrl_c(
+            e
+        ):  # a C extension's import interrupted: SystemError "... with an exception set"
+            print("detrl: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
         if os.environ.get("DETRL_DEBUG"):
             raise
         from detrl.bundle import BundleError
