@@ -283,7 +283,7 @@ class TracedSession(Session):
 
     trace_steps: frozenset[int] = frozenset()
     snapshot_steps: frozenset[int] = frozenset()
-    evaluate: Any = None  # supervised: model -> (test logits, tta logits or None)
+    evaluate: Any = None  # supervised: (model, step) -> (test logits, tta logits or None)
 
     def start_trace(self, trace_steps: list[int], snapshot_steps: list[int], evaluate: Any) -> None:
         self.trace_steps, self.snapshot_steps, self.evaluate = (
@@ -308,7 +308,7 @@ class TracedSession(Session):
             self.points.append(step)
             self.params.append({n: t.detach().cpu().numpy().copy() for n, t in sorted(model_state.items())})
         if self.evaluate is not None and (step in self.trace_steps or step in self.snapshot_steps):
-            self.test_logits[step] = self.evaluate(self.model)
+            self.test_logits[step] = self.evaluate(self.model, step)
 
 
 def _save_npz(where: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
@@ -357,9 +357,11 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
         test_x, test_y = sup.load_test_data(cfg)
         use_tta = "tta" in spec.remedies
 
-        def evaluate(model: torch.nn.Module) -> tuple[np.ndarray, np.ndarray | None]:
+        def evaluate(model: torch.nn.Module, step: int) -> tuple[np.ndarray, np.ndarray | None]:
             x = session.precision.cast(test_x)
-            tta = sup.predict(cfg, model, x, tta=True).numpy() if use_tta else None
+            # Test-time augmentation is reported for the final model only: at the other points it would
+            # cost tta_views forward passes of the test set for nothing.
+            tta = sup.predict(cfg, model, x, tta=True).numpy() if use_tta and step == planned else None
             return sup.predict(cfg, model, x).numpy(), tta
 
         if cfg.optimizer.schedule == "cyclic":

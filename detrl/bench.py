@@ -693,29 +693,38 @@ def bench_sweep(rest: list[str]) -> int:
     torch thread each), interleaved (1, N, N, 1, ...), each into a fresh directory: wall time per sweep,
     runs per second and the speed-up. Also checks that both give byte-identical ``summary.json``."""
     from detrl import ablation
+    from detrl import config as config_mod
 
     p = argparse.ArgumentParser(prog="detrl bench sweep", description=bench_sweep.__doc__)
-    p.add_argument("--config", default="configs/ablate/digits_tiny.yaml", help="the ablation config")
-    p.add_argument("--sources", default="init,data_order,dropout", help="sources to vary")
-    p.add_argument("--runs", type=int, default=4, help="runs per condition")
+    p.add_argument(
+        "--config",
+        default="configs/ablate/digits.yaml",
+        help="the ablation config (default: the supervised table's own, at its own run length)",
+    )
+    p.add_argument("--sources", default="", help="sources to vary (default: the config's)")
+    p.add_argument("--runs", type=int, default=3, help="runs per condition")
     p.add_argument("--workers", type=int, default=2, help="workers of the parallel variant")
     p.add_argument("--repeats", type=int, default=2, help="sweeps per variant, interleaved")
     p.add_argument(
         "--steps",
         type=int,
-        default=300,
-        help="train.steps per run: long enough that starting the pool is not the measure",
+        default=None,
+        help="train.steps per run (default: the config's); short runs measure the pool's start, not the sweep",
     )
     args = p.parse_args(rest)
-    spec = ablation.load_spec(args.config, runs=args.runs, sources=ablation.parse_sources(args.sources))
-    spec = spec.model_copy(
-        update={"verifiable_hardware": False, "remedies": [], "set": [*spec.set, f"train.steps={args.steps}"]}
+    sources = ablation.parse_sources(args.sources) if args.sources else None
+    # The fp32 conditions only: the verifiable-precision and remedy conditions are other workloads.
+    spec = ablation.load_spec(
+        args.config, runs=args.runs, sources=sources, verifiable_hardware=False, remedies=[]
     )
+    steps = [f"train.steps={args.steps}"] if args.steps is not None else []
+    spec = spec.model_copy(update={"set": [*spec.set, *steps]})
+    planned = config_mod.validate(config_mod.apply_overrides(config_mod.read_raw(spec.base), spec.set))
     n = len(ablation.jobs(spec))
     print(machine_line(1))
     print(
         f"{args.config}: {n} runs per sweep ({', '.join(ablation.conditions(spec))}; {spec.runs} runs each, "
-        f"{args.steps} steps a run); the times include starting the worker processes"
+        f"{planned.train.steps} steps a run); the times include starting the worker processes"
     )
     work = Path(tempfile.mkdtemp(prefix="detrl-bench-sweep-"))
     times: dict[int, list[float]] = {1: [], args.workers: []}

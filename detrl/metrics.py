@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Literal
 
 import numpy as np
-import scipy.stats
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
@@ -193,6 +192,8 @@ def _disagreement_matrix(logits: FloatArray) -> FloatArray:
 def _correlation_matrix(logits: FloatArray, method: Literal["pearson", "spearman"]) -> FloatArray:
     flat = logits.reshape(logits.shape[0], -1)
     if method == "spearman":
+        import scipy.stats  # here, not at the top: a sweep worker imports this module and never ranks
+
         flat = scipy.stats.rankdata(flat, method="average", axis=1)
     elif method != "pearson":
         raise ValueError(f"method must be 'pearson' or 'spearman'; got {method!r}")
@@ -472,6 +473,8 @@ def rliable_available() -> bool:
 
 
 def _iqm(x: np.ndarray, axis: int | None) -> FloatArray:
+    import scipy.stats
+
     return scipy.stats.trim_mean(x, proportiontocut=0.25, axis=axis)
 
 

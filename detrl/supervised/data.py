@@ -25,13 +25,21 @@ import torch
 from torch.nn import functional as F
 
 
-def digits() -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's 8x8 digits: x ``(1797, 1, 8, 8)`` float32 in [0, 1], y ``(1797,)`` int64."""
+@functools.lru_cache(maxsize=1)  # a run reads its training and its test split: parse the CSV once
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    x = torch.from_numpy(d.images.astype(np.float32) / 16.0).unsqueeze(1)
-    return x, torch.from_numpy(d.target.astype(np.int64))
+    x, y = d.images.astype(np.float32) / 16.0, d.target.astype(np.int64)
+    x.flags.writeable = y.flags.writeable = False
+    return x, y
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's 8x8 digits: x ``(1797, 1, 8, 8)`` float32 in [0, 1], y ``(1797,)`` int64 (fresh
+    tensors: a caller may write to them)."""
+    x, y = _digits_arrays()
+    return torch.from_numpy(x.copy()).unsqueeze(1), torch.from_numpy(y.copy())
 
 
 def digits32() -> tuple[torch.Tensor, torch.Tensor]:
