@@ -450,6 +450,82 @@ def bench_nolog(rest: list[str]) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ replication
+@benchmark(
+    "replication", "the paper's replication experiment: fp32, rounded without log, verifiable per profile"
+)
+def bench_replication(rest: list[str]) -> int:
+    """Srivastava, Arora & Boneh's experiment as one table (see :mod:`detrl.replication`): each model is
+    recorded on ``native`` and trained or replayed on every other profile in plain FP32, in verifiable
+    precision without the trainer's log, and with it. Then learning quality: test loss and accuracy of
+    plain FP32 against verifiable training. Long runs: progress on stderr, ``--progress`` for step bars."""
+    from detrl import replication as rep
+
+    p = argparse.ArgumentParser(prog="detrl bench replication", description=bench_replication.__doc__)
+    p.add_argument("--models", default="resnet50_tiny,gpt2_tiny",
+                   help="configs/supervised/NAME.yaml, comma-separated (resnet50 and gpt2 are the full models)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=10, help="steps of every run in the replication table")
+    p.add_argument("--profiles", default="", help="auditor profiles (default: every profile but native)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every config")
+    p.add_argument(
+        "--quality-models",
+        default="resnet50_tiny,gpt2_tiny",
+        help="models of the quality table ('' for none)",
+    )
+    p.add_argument("--quality-steps", type=int, default=200, help="training steps of the quality table")
+    p.add_argument("--holdout", type=int, default=256, help="held-out examples (token windows) to test on")
+    p.add_argument("--progress", action="store_true", help="a progress bar over each run's steps")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(rest)
+    torch.set_num_threads(args.threads)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    auditors = rep.auditor_profiles([q.strip() for q in args.profiles.split(",") if q.strip()])
+    print(machine_line(args.threads))
+    print(
+        f"recorded on {rep.RECORDER}, {args.steps} steps; audited on {', '.join(auditors)}. fp32: trained in "
+        "plain FP32 on the auditor; rounded: verifiable precision on the auditor without the trainer's log; "
+        "verifiable: the trainer's bundle replayed with its log"
+    )
+    t0 = time.perf_counter()
+    costs, rows = rep.run_experiment(models, args.steps, auditors, args.set, _log, args.progress)
+    print(table(
+        ["model", "batch", "params", "logged el./step", "log B/step", "dense B/step", "dense/log",
+         "step-1 log B", "verif./FP64", "verif./FP32"],
+        [[c.model, c.batch, f"{c.parameters:,}", f"{c.logged_per_step:,.0f}", format_bytes(c.log_bytes_per_step),
+          format_bytes(c.dense_bytes_per_step), f"{c.dense_bytes_per_step / max(c.log_bytes_per_step, 1):,.0f}x",
+          format_bytes(c.log_bytes_step1), f"{c.vs_fp64:.2f}x", f"{c.vs_fp32:.2f}x"] for c in costs],
+    ))  # fmt: skip
+    print()
+    print(table(
+        ["model", "trainer -> auditor", "mode", "first divergence", "L2 at end", "corrected", "verdict"],
+        [[r.model, f"{rep.RECORDER} -> {r.auditor}", r.mode,
+          str(r.first_divergence) if r.first_divergence is not None else f"none in {r.steps} steps",
+          "n/a" if r.l2 is None else f"{r.l2:.3g}", "" if r.corrected is None else str(r.corrected), r.verdict]
+         for r in rows],
+    ))  # fmt: skip
+    print(
+        "log/dense bytes: means over steps 2..N (step 1 calibrates, and its log is given alone); step times: "
+        "medians over steps 2..N of the trainer's own recordings; corrected: logged elements whose auditor-"
+        "nearest rounding differed from the log (where the log mattered)"
+    )
+    quality = [m.strip() for m in args.quality_models.split(",") if m.strip()]
+    if quality and args.quality_steps > 0:
+        qrows = []
+        for name in quality:
+            cfg = rep.load_model_config(name, args.quality_steps, args.set)
+            for q in rep.learning_quality(cfg, args.holdout, _log, args.progress):
+                qrows.append([q.model, q.precision, str(q.steps), f"{q.train_loss:.4f}", f"{q.test_loss:.4f}",
+                              f"{100 * q.test_accuracy:.2f}%"])  # fmt: skip
+        print()
+        print(
+            f"learning quality: {args.quality_steps} steps on {rep.RECORDER}, {args.holdout} held-out examples"
+        )
+        print(table(["model", "precision", "steps", "final train loss", "test loss", "test accuracy"], qrows))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    bad = [r for r in rows if r.mode == "verifiable" and r.verdict != "replicated"]
+    return 1 if bad else 0
+
+
 # ------------------------------------------------------------------------------------------------- fuzz
 class _CaseTimeout(BaseException):
     """A fuzz case ran past --case-timeout (a BaseException: no reader's error handling swallows it)."""
