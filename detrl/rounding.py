@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from detrl import decompose
+from detrl import decompose, kernel
 from detrl.fused import run_split, split_needed
 from detrl.oprules import OpKind, classify, op_name
 from detrl.roundlog import OpEntries
@@ -141,6 +141,23 @@ def near_midpoint(
     # Exact zeros are on the grid (often structurally: untouched gradient slots), never near. (A NaN
     # compares unequal and is logged, harmlessly: its entry changes nothing on replay.)
     return near.logical_and_(torch.ne(rounded, 0, out=scratch.get("nonzero", x, torch.bool)))
+
+
+def entries_for(seq: int, idx: torch.Tensor, xs: torch.Tensor, t: torch.Tensor) -> OpEntries:
+    """Log entries of op ``seq`` for its near-midpoint elements: their row-major indices ``idx``, FP64 values
+    ``xs`` and uncertainties ``t`` (all ``(n,)``). Each records the neighbour its nearest rounding chose,
+    or, where the uncertainty reaches a quarter of the element's own spacing (heavy cancellation), the
+    rounded value itself (pinned)."""
+    rs = xs.to(torch.float32).to(torch.float64)
+    pinned = 4 * t >= spacing32(rs)
+    keep = ~pinned
+    return OpEntries(
+        op=seq,
+        indices=idx[keep].cpu().numpy(),
+        up=(rs.abs() > xs.abs())[keep].cpu().numpy(),
+        pinned_indices=idx[pinned].cpu().numpy(),
+        pinned_values=rs[pinned].to(torch.float32).cpu().numpy(),
+    )
 
 
 @dataclasses.dataclass
@@ -282,8 +299,11 @@ class RoundingMode(TorchDispatchMode):
     def _round_exact(self, t: torch.Tensor) -> None:
         if t.dtype != torch.float64 or t.numel() == 0:
             return
-        rounded = self._scratch.get("round", t, torch.float32)
-        t.copy_(rounded.copy_(t))  # round to nearest FP32 through a reused buffer
+        if kernel.applies(t):
+            kernel.round_(t)
+        else:
+            rounded = self._scratch.get("round", t, torch.float32)
+            t.copy_(rounded.copy_(t))  # round to nearest FP32 through a reused buffer
         if self.step is not None and not self._nested:
             self.step.stats.rounded_elements += t.numel()
 
@@ -315,33 +335,22 @@ class RoundingMode(TorchDispatchMode):
             step.stats.rounded_elements += x.numel()
         tau = self.thresholds.tau(name)
         scaled = kind is OpKind.REDUCTION
-        rounded = x.to(torch.float32)
         if step.replay is None:
-            near = near_midpoint(x, tau, scaled, rounded=rounded, scratch=self._scratch)
-            idx = near.reshape(-1).nonzero().squeeze(1)
+            if kernel.applies(x):  # one native pass: test, compact and round in place
+                idx, xs, t = kernel.take_near_(x, tau, scaled)
+            else:
+                rounded = x.to(torch.float32)
+                near = near_midpoint(x, tau, scaled, rounded=rounded, scratch=self._scratch)
+                idx = near.reshape(-1).nonzero().squeeze(1)
+                xs, t = _take(x, idx), _uncertainty(x, rounded, idx, tau, scaled)
+                x.copy_(rounded)
             if idx.numel():
-                step.recorded.append(self._entries(seq, x, rounded, idx, tau, scaled))
+                step.recorded.append(entries_for(seq, idx, xs, t))
                 step.stats.logged += idx.numel()
-            x.copy_(rounded)
             return
+        rounded = x.to(torch.float32)
         self._replay(step, seq, name, x, rounded, tau, scaled)
         x.copy_(rounded)
-
-    def _entries(
-        self, seq: int, x: torch.Tensor, rounded: torch.Tensor, idx: torch.Tensor, tau: float, scaled: bool
-    ) -> OpEntries:
-        """Log entries for the near-midpoint elements ``idx``: the neighbour chosen, or, where the
-        uncertainty reaches a quarter of the element's own spacing (heavy cancellation), the value."""
-        xs, rs = _take(x, idx), _take(rounded, idx).to(torch.float64)
-        pinned = 4 * _uncertainty(x, rounded, idx, tau, scaled) >= spacing32(rs)
-        keep = ~pinned
-        return OpEntries(
-            op=seq,
-            indices=idx[keep].cpu().numpy(),
-            up=(rs.abs() > xs.abs())[keep].cpu().numpy(),
-            pinned_indices=idx[pinned].cpu().numpy(),
-            pinned_values=rs[pinned].to(torch.float32).cpu().numpy(),
-        )
 
     def _replay(
         self,

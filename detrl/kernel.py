@@ -1,0 +1,104 @@
+"""The native rounding kernel (``detrl/_roundkernel.c``), and when it applies.
+
+Verifiable precision rounds every op's FP64 output to FP32 and, for ops that need a log, finds the elements
+within T of an FP32 midpoint. The pure-torch reference in :mod:`detrl.rounding` does that in about a dozen
+torch calls, each a pass over the output with its own dispatch; the kernel does it in one pass (two for
+outputs measured at their channel's scale, one more to count before allocating the entries). It is a plain
+C extension, built at install time with the machine's C compiler; where it is missing (no compiler, an
+unusual platform) everything runs on the reference, with identical results (``tests/test_kernel.py``).
+
+It handles contiguous FP64 tensors on the CPU; anything else (CUDA tensors, strided views) takes the
+reference path. :func:`disabled` turns it off, for benchmarks that compare the two side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+
+try:
+    from detrl import _roundkernel as _native
+except ImportError:  # built without a C compiler: the pure-torch reference does the work
+    _native = None
+
+_enabled = True
+
+
+def available() -> bool:
+    """Whether the kernel was built and is switched on."""
+    return _native is not None and _enabled
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the block on the pure-torch reference."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def applies(t: torch.Tensor) -> bool:
+    """The kernel can take ``t``: it is built and on, and ``t`` is a contiguous FP64 CPU tensor."""
+    return (
+        _native is not None
+        and _enabled
+        and t.dtype == torch.float64
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def round_(t: torch.Tensor) -> None:
+    """Round ``t`` (see :func:`applies`) to the nearest FP32 value in place."""
+    assert _native is not None
+    if t.numel():
+        _native.round_inplace(t.data_ptr(), t.numel())
+
+
+def _layout(x: torch.Tensor, scaled: bool) -> tuple[int, int, int]:
+    """``(outer, channels, inner)``: the channel of a scale-relative output of rank >= 2 is dim 1."""
+    if scaled and x.dim() >= 2:
+        channels, inner = x.shape[1], math.prod(x.shape[2:])
+        return x.shape[0], channels, inner
+    return 1, 1, x.numel()
+
+
+def take_near_(x: torch.Tensor, tau: float, scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Find the elements of ``x`` (see :func:`applies`) within T of an FP32 midpoint and round ``x`` in place.
+
+    Returns ``(indices, values, thresholds)``: the row-major indices of the near elements (int64), their
+    FP64 values before rounding and their T, all of shape ``(n,)``; the same as
+    :func:`detrl.rounding.near_midpoint` and :func:`detrl.rounding._uncertainty` give for ``x``.
+    """
+    assert _native is not None
+    n = x.numel()
+    empty = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64))
+    if n == 0:
+        return empty[0], empty[1], empty[1]
+    outer, channels, inner = _layout(x, scaled)
+    address = x.data_ptr()
+    thresholds = 0
+    if scaled:
+        per_channel = torch.empty(channels, dtype=torch.float64)
+        _native.channel_thresholds(address, outer, channels, inner, tau, per_channel.data_ptr())
+        thresholds = per_channel.data_ptr()
+    # the reference's constants, computed in the same Python doubles
+    args = (address, outer, channels, inner, thresholds, tau * 2.0**-23, tau * 2.0**-149, tau * 2.0**104)
+    found = _native.count_near(*args)
+    if found == 0:  # the usual case: nothing to log, only the rounding
+        _native.round_inplace(address, n)
+        return empty[0], empty[1], empty[1]
+    indices = torch.empty(found, dtype=torch.int64)
+    values = torch.empty(found, dtype=torch.float64)
+    taus = torch.empty(found, dtype=torch.float64)
+    written = _native.take_near(*args, indices.data_ptr(), values.data_ptr(), taus.data_ptr(), found)
+    assert written == found
+    return indices, values, taus

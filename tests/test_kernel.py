@@ -1,0 +1,192 @@
+"""The native rounding kernel against the pure-torch reference: the same log entries, thresholds and rounded
+bits on random and adversarial inputs (ties, subnormals, binade edges, overflow, infinities, NaN), and the
+same bundle for a whole recording."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from detrl import kernel
+from detrl.rounding import _take, _uncertainty, entries_for, near_midpoint
+
+needs_kernel = pytest.mark.skipif(not kernel.available(), reason="the native kernel is not built here")
+TAUS = [0.0, 2.0**-30, 2.0**-16, 2.0**-8, 0.25, 0.5]
+
+
+def test_the_kernel_is_built_where_a_c_compiler_exists() -> None:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the install falls back to the pure-torch reference")
+    assert kernel.available(), "pip install built no detrl._roundkernel although a C compiler exists"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int64) if t.dtype == torch.float64 else t.contiguous().view(torch.int32)
+
+
+def _reference(x: torch.Tensor, tau: float, scaled: bool):  # noqa: ANN202
+    x = x.clone()
+    rounded = x.to(torch.float32)
+    idx = near_midpoint(x, tau, scaled, rounded=rounded).reshape(-1).nonzero().squeeze(1)
+    xs, t = _take(x, idx), _uncertainty(x, rounded, idx, tau, scaled)
+    x.copy_(rounded)
+    return x, idx, xs, t
+
+
+def _assert_same(x: torch.Tensor, tau: float, scaled: bool) -> None:
+    want_x, want_idx, want_xs, want_t = _reference(x, tau, scaled)
+    got_x = x.clone()
+    got_idx, got_xs, got_t = kernel.take_near_(got_x, tau, scaled)
+    assert torch.equal(got_idx, want_idx)
+    assert torch.equal(_bits(got_xs), _bits(want_xs))
+    assert torch.equal(_bits(got_t), _bits(want_t.expand(want_idx.numel()).contiguous()))
+    assert torch.equal(_bits(got_x), _bits(want_x))
+    a, b = entries_for(0, got_idx, got_xs, got_t), entries_for(0, want_idx, want_xs, want_t)
+    for field in ("indices", "up", "pinned_indices"):
+        assert np.array_equal(getattr(a, field), getattr(b, field))
+    assert np.array_equal(a.pinned_values.view(np.int32), b.pinned_values.view(np.int32))
+    rounded = x.clone()
+    kernel.round_(rounded)
+    assert torch.equal(_bits(rounded), _bits(want_x))
+
+
+def _adversarial() -> torch.Tensor:
+    """FP64 values where rounding to FP32 is hardest: exact ties and their FP64 neighbours, at ordinary
+    scales, in the FP32 subnormal range, at binade edges and at the overflow boundary; zeros, infinities,
+    NaN, FP64 subnormals."""
+    g = np.random.default_rng(0)
+    grid = np.concatenate([
+        g.standard_normal(64).astype(np.float32),
+        (g.standard_normal(16) * 1e-40).astype(np.float32),  # FP32 subnormals
+        np.float32(2.0) ** np.arange(-149, 128, 7, dtype=np.float32),  # binade edges, smallest to largest
+        np.array([np.finfo(np.float32).max, np.finfo(np.float32).tiny, -np.finfo(np.float32).max], np.float32),
+    ])  # fmt: skip
+    with np.errstate(over="ignore"):  # FLT_MAX's neighbour above is inf, as wanted
+        up = np.nextafter(grid, np.float32(np.inf))
+        down = np.nextafter(grid, np.float32(-np.inf))
+    lo, hi = grid.astype(np.float64), up.astype(np.float64)
+    ties = np.where(np.isfinite(hi), (lo + hi) / 2, lo)  # exact in FP64
+    ties_below = (lo + down.astype(np.float64)) / 2
+    values = [grid.astype(np.float64), ties, ties_below]
+    for k in (1, 2, 3, 1000, 2**20):  # FP64 ulps beside the ties
+        values += [ties + k * np.spacing(ties), ties - k * np.spacing(ties)]
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 5e-324, -5e-324, 2.2250738585072014e-308,
+               float(np.finfo(np.float32).max) * (1 + 2.0**-25), 1e300, -1e300, 2.0**-150, 2.0**-151]  # fmt: skip
+    values.append(np.array(special))
+    return torch.from_numpy(np.concatenate(values))
+
+
+@needs_kernel
+@pytest.mark.parametrize("tau", TAUS)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_adversarial_values_flat(tau: float, scaled: bool) -> None:
+    x = _adversarial()
+    _assert_same(x, tau, scaled)
+    _assert_same(x[torch.isfinite(x)], tau, scaled)  # one channel without inf or NaN: a finite scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("tau", [2.0**-16, 0.25])
+@pytest.mark.parametrize("shape", [(), (1,), (7, 3), (4, 5, 6), (2, 3, 4, 5), (3, 1, 1, 2), (2, 0, 3)])
+def test_shapes_and_channels(tau: float, shape: tuple[int, ...]) -> None:
+    n = int(np.prod(shape))
+    x = _adversarial()
+    x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(n))][:n]
+    if len(x) < n:
+        x = torch.cat([x, torch.randn(n - len(x), dtype=torch.float64)])
+    x = x.reshape(shape)
+    for scaled in (False, True):
+        _assert_same(x, tau, scaled)
+        if x.dim() >= 2 and x.numel():  # a channel of ordinary values beside one holding inf or NaN
+            y = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+            y[:, 0] = x[:, 0]
+            _assert_same(y, tau, scaled)
+
+
+@needs_kernel
+def test_random_op_outputs_at_many_scales() -> None:
+    g = torch.Generator().manual_seed(2)
+    for scale in (1e-30, 1e-6, 1.0, 1e6, 1e30):
+        x = torch.randn(64, 16, 9, dtype=torch.float64, generator=g) * scale
+        x[3] *= 1e-9  # a quiet channel beside loud ones
+        x.view(-1)[::97] = x.view(-1)[::97].to(torch.float32).double()  # some on the grid
+        for tau in (2.0**-16, 2.0**-22):
+            _assert_same(x, tau, True)
+            _assert_same(x, tau, False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tau", [2.0**-16, 0.5])
+def test_quiet_channels_at_the_floor_spacing(tau: float) -> None:
+    """Channels whose largest magnitude is zero, FP32-subnormal or below FP32's range: their threshold is
+    the floor, tau subnormal spacings (2**-149), which only exactness at that floor gets right."""
+    sub = 2.0**-149
+
+    def f64(*values: float) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64)
+
+    x = torch.zeros(3, 5, 6, dtype=torch.float64)
+    x[:, 1] = f64(0.5, 1.5, 2.5, 3.5, -0.5, 0.75) * sub  # ties between FP32 subnormals
+    x[:, 2] = f64(0.25, 0.5, 0.5000001, 2.0**-10, -0.5, 1.0) * sub  # below the smallest subnormal
+    x[:, 3] = f64(1.5, 2.5, 1001.5, 2.0**20 + 0.5, 7.0, -3.5) * sub  # larger subnormals
+    x[:, 4] = f64(2.0**-126, 2.0**-126 * (1 + 2.0**-24), 1.0, 3.0, -2.0, 0.1)  # a normal channel
+    x[1] += (
+        torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 2.0**-52 * sub
+    )
+    for scaled in (True, False):
+        _assert_same(x, tau, scaled)
+    idx, _, t = kernel.take_near_(x.clone(), tau, True)
+    assert idx.numel() > 0 and float(t.min()) == tau * sub  # the floor was reached and logged at
+
+
+@needs_kernel
+@settings(max_examples=200, deadline=None)
+@given(
+    hnp.arrays(
+        np.float64,
+        hnp.array_shapes(min_dims=0, max_dims=4, max_side=6),
+        elements=st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True, width=64),
+    ),
+    st.sampled_from(TAUS),
+    st.booleans(),
+)
+def test_property_kernel_equals_reference(values: np.ndarray, tau: float, scaled: bool) -> None:
+    _assert_same(torch.from_numpy(values.copy()), tau, scaled)
+
+
+def test_non_contiguous_and_other_dtypes_take_the_reference() -> None:
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert not kernel.applies(x.t())
+    assert not kernel.applies(x.float())
+    with kernel.disabled():
+        assert not kernel.applies(x) and not kernel.available()
+
+
+@needs_kernel
+def test_a_recording_is_the_same_bundle_with_and_without_the_kernel(tmp_path) -> None:  # noqa: ANN001
+    """The whole record path: every log entry, threshold and commitment the same, byte for byte."""
+    from detrl import bundle as bundle_mod
+    from detrl import config as config_mod
+    from detrl import tasks
+
+    def record(where):  # noqa: ANN001, ANN202
+        cfg = config_mod.load(
+            "configs/supervised/digits_cnn.yaml", ["train.steps=6", "verify.checkpoint_every=3"]
+        )
+        session = tasks.session_for(cfg, where, "record", force=True)
+        with session:
+            tasks.get(cfg.task).run(cfg, session)
+        return session
+
+    a = record(tmp_path / "kernel")
+    with kernel.disabled():
+        b = record(tmp_path / "reference")
+    assert a.totals.logged > 0 and a.totals.logged == b.totals.logged
+    for name in (bundle_mod.ROUNDLOG, bundle_mod.COMMITMENTS):
+        assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "reference" / name).read_bytes()
