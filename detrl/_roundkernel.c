@@ -85,12 +85,26 @@ static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
     return Py_BuildValue("");
 }
 
-/* The near-midpoint pass. With entries == NULL it only counts; otherwise it writes up to capacity
- * entries (row-major index, the FP64 value, its T) and rounds every element in place. */
-static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
-                            const double *thresholds, double c1, double lo, double hi, int64_t *indices,
-                            double *values, double *taus, Py_ssize_t capacity) {
-    Py_ssize_t found = 0;
+/* rounding.spacing32 of an FP32 value (as double): 2**(e - 24), e its frexp exponent, at least 2**-149.
+ * torch.frexp (and glibc) give exponent 0 for zero, infinities and NaN. */
+static inline double spacing32(double r) {
+    int e = 0;
+    if (r != 0.0 && isfinite(r)) frexp(r, &e);
+    int k = e - 24;
+    if (k < -149) k = -149;
+    return ldexp(1.0, k);
+}
+
+/* One log entry's kind, as rounding.entries_for decides it: pinned (the value itself is logged) where the
+ * uncertainty reaches a quarter of the element's own spacing, else the direction of its nearest rounding. */
+static inline int is_pinned(double x, double t) { return 4.0 * t >= spacing32((double)(float)x); }
+
+/* The near-midpoint pass. With kept == NULL it only counts (directions and pinned values apart); else it
+ * writes the entries, at most the counts given, and rounds every element in place. */
+static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
+                      const double *thresholds, double c1, double lo, double hi, Py_ssize_t *n_kept,
+                      Py_ssize_t *n_pinned, int64_t *kept, uint8_t *up, int64_t *pinned, float *pinned_values) {
+    Py_ssize_t max_kept = *n_kept, max_pinned = *n_pinned, k = 0, p = 0;
     for (Py_ssize_t o = 0; o < outer; o++) {
         for (Py_ssize_t c = 0; c < channels; c++) {
             Py_ssize_t base = (o * channels + c) * inner;
@@ -98,62 +112,75 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
             for (Py_ssize_t j = 0; j < inner; j++) {
                 double v = row[j];
                 double t = thresholds ? thresholds[c] : element_threshold(v, c1, lo, hi);
+                float r = (float)v;
                 if (near_midpoint(v, t)) {
-                    if (indices && found < capacity) {
-                        indices[found] = (int64_t)(base + j);
-                        values[found] = v;
-                        taus[found] = t;
+                    if (is_pinned(v, t)) {
+                        if (kept && p < max_pinned) {
+                            pinned[p] = (int64_t)(base + j);
+                            pinned_values[p] = r;
+                        }
+                        p++;
+                    } else {
+                        if (kept && k < max_kept) {
+                            kept[k] = (int64_t)(base + j);
+                            up[k] = fabs((double)r) > fabs(v);
+                        }
+                        k++;
                     }
-                    found++;
                 }
-                if (indices) row[j] = (double)(float)v;
+                if (kept) row[j] = (double)r;
             }
         }
     }
-    return found;
+    *n_kept = k;
+    *n_pinned = p;
 }
 
-/* count_near(address, outer, channels, inner, thresholds or 0, c1, lo, hi) -> number of near elements. */
+/* count_near(address, outer, channels, inner, thresholds or 0, c1, lo, hi) -> (directions, pinned): how
+ * many near elements get each kind of entry. */
 static PyObject *count_near(PyObject *self, PyObject *args) {
     unsigned long long address, thresholds;
-    Py_ssize_t outer, channels, inner, found;
+    Py_ssize_t outer, channels, inner, n_kept = 0, n_pinned = 0;
     double c1, lo, hi;
     if (!PyArg_ParseTuple(args, "KnnnKddd", &address, &outer, &channels, &inner, &thresholds, &c1, &lo, &hi))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    found = near_pass((double *)(uintptr_t)address, outer, channels, inner,
-                      (const double *)(uintptr_t)thresholds, c1, lo, hi, NULL, NULL, NULL, 0);
+    near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds, c1,
+              lo, hi, &n_kept, &n_pinned, NULL, NULL, NULL, NULL);
     Py_END_ALLOW_THREADS
-    return PyLong_FromSsize_t(found);
+    return Py_BuildValue("nn", n_kept, n_pinned);
 }
 
-/* take_near(address, outer, channels, inner, thresholds or 0, c1, lo, hi, indices, values, taus, capacity)
- * -> number of near elements; writes the first `capacity` and rounds the tensor in place. */
-static PyObject *take_near(PyObject *self, PyObject *args) {
-    unsigned long long address, thresholds, indices, values, taus;
-    Py_ssize_t outer, channels, inner, capacity, found;
+/* take_entries(address, outer, channels, inner, thresholds or 0, c1, lo, hi, indices, up, n, pinned_indices,
+ * pinned_values, n_pinned) -> (directions, pinned) found: writes up to the given counts of each (row-major
+ * indices; up as 0/1 bytes; pinned values as FP32) and rounds the tensor in place. */
+static PyObject *take_entries(PyObject *self, PyObject *args) {
+    unsigned long long address, thresholds, kept, up, pinned, pinned_values;
+    Py_ssize_t outer, channels, inner, n_kept, n_pinned;
     double c1, lo, hi;
-    if (!PyArg_ParseTuple(args, "KnnnKdddKKKn", &address, &outer, &channels, &inner, &thresholds, &c1, &lo, &hi,
-                          &indices, &values, &taus, &capacity))
+    if (!PyArg_ParseTuple(args, "KnnnKdddKKnKKn", &address, &outer, &channels, &inner, &thresholds, &c1, &lo, &hi,
+                          &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned))
         return NULL;
-    if (capacity < 0 || !indices || !values || !taus) {
-        PyErr_SetString(PyExc_ValueError, "take_near needs output buffers");
+    if (n_kept < 0 || n_pinned < 0 || (n_kept && (!kept || !up)) || (n_pinned && (!pinned || !pinned_values))) {
+        PyErr_SetString(PyExc_ValueError, "take_entries needs an output buffer for every entry it may write");
         return NULL;
     }
+    /* a non-NULL marker for "write": buffers of zero entries may have any address, NULL included */
+    static int64_t none;
     Py_BEGIN_ALLOW_THREADS
-    found = near_pass((double *)(uintptr_t)address, outer, channels, inner,
-                      (const double *)(uintptr_t)thresholds, c1, lo, hi, (int64_t *)(uintptr_t)indices,
-                      (double *)(uintptr_t)values, (double *)(uintptr_t)taus, capacity);
+    near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds, c1,
+              lo, hi, &n_kept, &n_pinned, kept ? (int64_t *)(uintptr_t)kept : &none, (uint8_t *)(uintptr_t)up,
+              (int64_t *)(uintptr_t)pinned, (float *)(uintptr_t)pinned_values);
     Py_END_ALLOW_THREADS
-    return PyLong_FromSsize_t(found);
+    return Py_BuildValue("nn", n_kept, n_pinned);
 }
 
 static PyMethodDef methods[] = {
     {"round_inplace", round_inplace, METH_VARARGS, "round_inplace(address, n): FP64 -> FP32 -> FP64 in place"},
     {"channel_thresholds", channel_thresholds, METH_VARARGS,
      "channel_thresholds(address, outer, channels, inner, tau, out): T per channel at the output's scale"},
-    {"count_near", count_near, METH_VARARGS, "count_near(...): how many elements lie within T of a midpoint"},
-    {"take_near", take_near, METH_VARARGS, "take_near(...): write the near elements, round in place"},
+    {"count_near", count_near, METH_VARARGS, "count_near(...): (directions, pinned) entries an op needs"},
+    {"take_entries", take_entries, METH_VARARGS, "take_entries(...): write an op's entries, round in place"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -17,7 +17,10 @@ import contextlib
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
+
+from detrl.roundlog import OpEntries
 
 try:
     from detrl import _roundkernel as _native
@@ -32,15 +35,21 @@ def available() -> bool:
     return _native is not None and _enabled
 
 
+def set_enabled(on: bool) -> None:
+    """Switch the kernel on or off for this process (off: every op takes the pure-torch reference)."""
+    global _enabled
+    _enabled = on
+
+
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Run the block on the pure-torch reference."""
-    global _enabled
-    before, _enabled = _enabled, False
+    before = _enabled
+    set_enabled(False)
     try:
         yield
     finally:
-        _enabled = before
+        set_enabled(before)
 
 
 def applies(t: torch.Tensor) -> bool:
@@ -71,34 +80,42 @@ def _layout(x: torch.Tensor, scaled: bool) -> tuple[int, int, int]:
     return 1, 1, x.numel()
 
 
-def take_near_(x: torch.Tensor, tau: float, scaled: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Find the elements of ``x`` (see :func:`applies`) within T of an FP32 midpoint and round ``x`` in place.
-
-    Returns ``(indices, values, thresholds)``: the row-major indices of the near elements (int64), their
-    FP64 values before rounding and their T, all of shape ``(n,)``; the same as
-    :func:`detrl.rounding.near_midpoint` and :func:`detrl.rounding._uncertainty` give for ``x``.
-    """
+def take_entries_(x: torch.Tensor, tau: float, scaled: bool, seq: int) -> OpEntries | None:
+    """Round ``x`` (see :func:`applies`) to FP32 in place and return op ``seq``'s log entries for its elements
+    within T of an FP32 midpoint, or None where there are none: the same entries as
+    :func:`detrl.rounding.entries_for` makes from :func:`detrl.rounding.near_midpoint`."""
     assert _native is not None
     n = x.numel()
-    empty = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.float64))
     if n == 0:
-        return empty[0], empty[1], empty[1]
+        return None
     outer, channels, inner = _layout(x, scaled)
     address = x.data_ptr()
-    thresholds = 0
+    thresholds, per_channel = 0, None
     if scaled:
-        per_channel = torch.empty(channels, dtype=torch.float64)
-        _native.channel_thresholds(address, outer, channels, inner, tau, per_channel.data_ptr())
-        thresholds = per_channel.data_ptr()
+        per_channel = np.empty(channels, dtype=np.float64)
+        _native.channel_thresholds(address, outer, channels, inner, tau, per_channel.ctypes.data)
+        thresholds = per_channel.ctypes.data
     # the reference's constants, computed in the same Python doubles
     args = (address, outer, channels, inner, thresholds, tau * 2.0**-23, tau * 2.0**-149, tau * 2.0**104)
-    found = _native.count_near(*args)
-    if found == 0:  # the usual case: nothing to log, only the rounding
+    n_kept, n_pinned = _native.count_near(*args)
+    if n_kept == 0 and n_pinned == 0:  # the usual case: nothing to log, only the rounding
         _native.round_inplace(address, n)
-        return empty[0], empty[1], empty[1]
-    indices = torch.empty(found, dtype=torch.int64)
-    values = torch.empty(found, dtype=torch.float64)
-    taus = torch.empty(found, dtype=torch.float64)
-    written = _native.take_near(*args, indices.data_ptr(), values.data_ptr(), taus.data_ptr(), found)
-    assert written == found
-    return indices, values, taus
+        return None
+    entries = OpEntries(
+        op=seq,
+        indices=np.empty(n_kept, dtype=np.int64),
+        up=np.empty(n_kept, dtype=np.bool_),
+        pinned_indices=np.empty(n_pinned, dtype=np.int64),
+        pinned_values=np.empty(n_pinned, dtype=np.float32),
+    )
+    found = _native.take_entries(
+        *args,
+        entries.indices.ctypes.data,
+        entries.up.ctypes.data,
+        n_kept,
+        entries.pinned_indices.ctypes.data,
+        entries.pinned_values.ctypes.data,
+        n_pinned,
+    )
+    assert found == (n_kept, n_pinned)
+    return entries

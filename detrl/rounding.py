@@ -336,17 +336,19 @@ class RoundingMode(TorchDispatchMode):
         tau = self.thresholds.tau(name)
         scaled = kind is OpKind.REDUCTION
         if step.replay is None:
-            if kernel.applies(x):  # one native pass: test, compact and round in place
-                idx, xs, t = kernel.take_near_(x, tau, scaled)
+            if kernel.applies(x):  # native: test, compact and round in place, in one pass
+                entries = kernel.take_entries_(x, tau, scaled, seq)
             else:
                 rounded = x.to(torch.float32)
                 near = near_midpoint(x, tau, scaled, rounded=rounded, scratch=self._scratch)
                 idx = near.reshape(-1).nonzero().squeeze(1)
-                xs, t = _take(x, idx), _uncertainty(x, rounded, idx, tau, scaled)
+                entries = None
+                if idx.numel():
+                    entries = entries_for(seq, idx, _take(x, idx), _uncertainty(x, rounded, idx, tau, scaled))
                 x.copy_(rounded)
-            if idx.numel():
-                step.recorded.append(entries_for(seq, idx, xs, t))
-                step.stats.logged += idx.numel()
+            if entries is not None:
+                step.recorded.append(entries)
+                step.stats.logged += len(entries.indices) + len(entries.pinned_indices)
             return
         rounded = x.to(torch.float32)
         self._replay(step, seq, name, x, rounded, tau, scaled)
