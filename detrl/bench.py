@@ -470,6 +470,11 @@ def bench_nolog(rest: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------------------ replication
+def _mean_sd(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{scale * statistics.mean(values):.{digits}f} ± {scale * sd:.{digits}f}"
+
+
 @benchmark(
     "replication", "the paper's replication experiment: fp32, rounded without log, verifiable per profile"
 )
@@ -491,7 +496,8 @@ def bench_replication(rest: list[str]) -> int:
         default="resnet50_tiny,gpt2_tiny",
         help="models of the quality table ('' for none)",
     )
-    p.add_argument("--quality-steps", type=int, default=200, help="training steps of the quality table")
+    p.add_argument("--quality-steps", type=int, default=500, help="training steps of the quality table")
+    p.add_argument("--quality-seeds", type=int, default=3, help="seeds per precision in the quality table")
     p.add_argument("--holdout", type=int, default=256, help="held-out examples (token windows) to test on")
     p.add_argument("--progress", action="store_true", help="a progress bar over each run's steps")
     p.add_argument("--threads", type=int, default=1)
@@ -528,18 +534,25 @@ def bench_replication(rest: list[str]) -> int:
         "nearest rounding differed from the log (where the log mattered)"
     )
     quality = [m.strip() for m in args.quality_models.split(",") if m.strip()]
-    if quality and args.quality_steps > 0:
+    if quality and args.quality_steps > 0 and args.quality_seeds > 0:
         qrows = []
         for name in quality:
             cfg = rep.load_model_config(name, args.quality_steps, args.set)
-            for q in rep.learning_quality(cfg, args.holdout, _log, args.progress):
-                qrows.append([q.model, q.precision, str(q.steps), f"{q.train_loss:.4f}", f"{q.test_loss:.4f}",
-                              f"{100 * q.test_accuracy:.2f}%"])  # fmt: skip
+            runs = rep.learning_quality(cfg, args.holdout, range(args.quality_seeds), _log, args.progress)
+            for precision in ("fp32", "verifiable"):
+                qs = [q for q in runs if q.precision == precision]
+                qrows.append([
+                    name, precision, str(len(qs)), _mean_sd([q.train_loss for q in qs]),
+                    _mean_sd([q.test_loss for q in qs]), _mean_sd([q.test_accuracy for q in qs], 100, 2) + " %",
+                    " ".join(f"{100 * q.test_accuracy:.1f}" for q in qs),
+                ])  # fmt: skip
         print()
         print(
-            f"learning quality: {args.quality_steps} steps on {rep.RECORDER}, {args.holdout} held-out examples"
+            f"learning quality: {args.quality_steps} steps on {rep.RECORDER}, seeds 0..{args.quality_seeds - 1}, "
+            f"{args.holdout} held-out examples (token windows); mean ± SD over seeds"
         )
-        print(table(["model", "precision", "steps", "final train loss", "test loss", "test accuracy"], qrows))
+        print(table(["model", "precision", "seeds", "final train loss", "test loss", "test accuracy",
+                     "accuracy per seed %"], qrows))  # fmt: skip
     print(f"total {time.perf_counter() - t0:.0f} s")
     bad = [r for r in rows if r.mode == "verifiable" and r.verdict != "replicated"]
     return 1 if bad else 0

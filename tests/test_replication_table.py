@@ -55,8 +55,9 @@ def test_a_small_replication_table(tmp_path) -> None:  # noqa: ANN001
 
 def test_learning_quality_compares_fp32_and_verifiable() -> None:
     cfg = rep.load_model_config("digits_cnn", 30)
-    fp32, verifiable = rep.learning_quality(cfg, holdout=200)
-    assert (fp32.precision, verifiable.precision) == ("fp32", "verifiable")
+    fp32, verifiable, fp32_b, _ = rep.learning_quality(cfg, holdout=200, seeds=[0, 1])
+    assert (fp32.precision, verifiable.precision, fp32.seed, fp32_b.seed) == ("fp32", "verifiable", 0, 1)
+    assert fp32.test_loss != fp32_b.test_loss  # another seed, another model
     for q in (fp32, verifiable):
         assert q.steps == 30
         assert 0.0 <= q.test_accuracy <= 1.0 and q.test_loss > 0
