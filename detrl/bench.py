@@ -505,6 +505,12 @@ def bench_replication(rest: list[str]) -> int:
     torch.set_num_threads(args.threads)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     auditors = rep.auditor_profiles([q.strip() for q in args.profiles.split(",") if q.strip()])
+    from detrl.hardware import get_profile
+
+    for name in models:  # a bad name, override or profile fails here, in one line, before any work
+        rep.load_model_config(name, args.steps, args.set)
+    for auditor in auditors:
+        get_profile(auditor)
     print(machine_line(args.threads))
     print(
         f"recorded on {rep.RECORDER}, {args.steps} steps; audited on {', '.join(auditors)}. fp32: trained in "

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from detrl.cli import main
 
 
@@ -79,6 +81,22 @@ def test_unknown_benchmark_is_one_line_listing_the_known(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("detrl: error: unknown benchmark 'nope'")
     assert all(name in err for name in ("overhead", "roundlog", "nolog", "dqn"))
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--models", "nope"], "config file not found: configs/supervised/nope.yaml"),
+        (
+            ["--models", "digits_cnn", "--profiles", "emulated:nope"],
+            "unknown hardware profile 'emulated:nope'",
+        ),
+    ],
+)
+def test_bench_replication_refuses_bad_names_before_any_work(capsys, args, says):
+    assert main(["bench", "replication", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and says in err
 
 
 def test_profiles_list_cuda_with_its_availability(capsys):
