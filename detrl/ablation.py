@@ -57,6 +57,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -533,8 +534,10 @@ def _auc(curve: np.ndarray, steps: np.ndarray) -> float:
     return float(metrics.area_under_curve(curve[keep], steps[keep])[0])
 
 
-def _first_divergence(control: np.ndarray, run: np.ndarray) -> int | None:
-    """The first step whose parameter digest differs from the control's (None: bitwise equal throughout)."""
+def first_divergence(control: Sequence[int] | np.ndarray, run: Sequence[int] | np.ndarray) -> int | None:
+    """The first step whose parameter digest differs from the control's (None: bitwise equal throughout).
+    A run that stopped early counts as diverging at its first missing step."""
+    control, run = np.asarray(control), np.asarray(run)
     n = min(len(control), len(run))
     differs = np.flatnonzero(control[:n] != run[:n])
     if differs.size:
@@ -628,7 +631,7 @@ def summarise(out: str | Path, command: str | None = None, config: str | None = 
             "n": len(done),
             "identical": all(r["params_sha256"] == ref["params_sha256"] for _, r in done),
             "identical_within": all(r["params_sha256"] == done[0][1]["params_sha256"] for _, r in done),
-            "first_divergence": [_first_divergence(ref_digests, digests) for _, digests, _ in traces],
+            "first_divergence": [first_divergence(ref_digests, digests) for _, digests, _ in traces],
             "l2_to_control": float(
                 np.mean([metrics.l2_distance(ref_final, _npz(out, cond, k, PARAMS)) for k, _ in done])
             ),

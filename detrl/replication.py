@@ -37,7 +37,7 @@ import numpy as np
 
 from detrl import config as config_mod
 from detrl import tasks
-from detrl.ablation import TracedSession
+from detrl.ablation import TracedSession, first_divergence
 from detrl.roundlog import dense_reference_bytes
 
 MODES = ("fp32", "rounded", "verifiable")
@@ -113,15 +113,6 @@ def trace_run(
         log_bytes=list(session.log_bytes[1:]),  # [0] is the initial state's leaf: no log
     )
     return trace, session
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first step whose digests differ (0: the initial weights), or None if every common step agrees.
-    A run that stopped early counts as diverging at its first missing step."""
-    for step, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return step
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def l2_distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
