@@ -9,7 +9,8 @@
  *
  * Tensors arrive as the address of a contiguous FP64 buffer (torch's data_ptr()), laid out as
  * (outer, channels, inner): the channel of a reduction output is its dim 1 (rank >= 2), or the whole
- * tensor is one channel.
+ * tensor is one channel. A matrix product's threshold is a row factor times a column factor
+ * (rounding.Scale): then rows[o] and cols[c] come in, and T = max(rows[o] * cols[c], 2**-149) * tau.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -102,16 +103,25 @@ static inline int is_pinned(double x, double t) { return 4.0 * t >= spacing32((d
 /* The near-midpoint pass. With kept == NULL it only counts (directions and pinned values apart); else it
  * writes the entries, at most the counts given, and rounds every element in place. */
 static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
-                      const double *thresholds, double c1, double lo, double hi, Py_ssize_t *n_kept,
-                      Py_ssize_t *n_pinned, int64_t *kept, uint8_t *up, int64_t *pinned, float *pinned_values) {
+                      const double *thresholds, const double *rows, double tau, double c1, double lo, double hi,
+                      Py_ssize_t *n_kept, Py_ssize_t *n_pinned, int64_t *kept, uint8_t *up, int64_t *pinned,
+                      float *pinned_values) {
     Py_ssize_t max_kept = *n_kept, max_pinned = *n_pinned, k = 0, p = 0;
     for (Py_ssize_t o = 0; o < outer; o++) {
         for (Py_ssize_t c = 0; c < channels; c++) {
             Py_ssize_t base = (o * channels + c) * inner;
             double *row = x + base;
+            double tc = 0.0;
+            if (rows) { /* rounding.Scale.dense: max(row * col, 2**-149), then times tau */
+                tc = rows[o] * thresholds[c];
+                if (tc < 0x1p-149) tc = 0x1p-149;
+                tc *= tau;
+            } else if (thresholds) {
+                tc = thresholds[c];
+            }
             for (Py_ssize_t j = 0; j < inner; j++) {
                 double v = row[j];
-                double t = thresholds ? thresholds[c] : element_threshold(v, c1, lo, hi);
+                double t = thresholds ? tc : element_threshold(v, c1, lo, hi);
                 float r = (float)v;
                 if (near_midpoint(v, t)) {
                     if (is_pinned(v, t)) {
@@ -136,31 +146,40 @@ static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize
     *n_pinned = p;
 }
 
-/* count_near(address, outer, channels, inner, thresholds or 0, c1, lo, hi) -> (directions, pinned): how
- * many near elements get each kind of entry. */
+/* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi) -> (directions,
+ * pinned): how many near elements get each kind of entry. With rows, thresholds are column factors. */
 static PyObject *count_near(PyObject *self, PyObject *args) {
-    unsigned long long address, thresholds;
+    unsigned long long address, thresholds, rows;
     Py_ssize_t outer, channels, inner, n_kept = 0, n_pinned = 0;
-    double c1, lo, hi;
-    if (!PyArg_ParseTuple(args, "KnnnKddd", &address, &outer, &channels, &inner, &thresholds, &c1, &lo, &hi))
+    double tau, c1, lo, hi;
+    if (!PyArg_ParseTuple(args, "KnnnKKdddd", &address, &outer, &channels, &inner, &thresholds, &rows, &tau, &c1,
+                          &lo, &hi))
         return NULL;
+    if (rows && !thresholds) {
+        PyErr_SetString(PyExc_ValueError, "count_near: row factors need column factors");
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds, c1,
-              lo, hi, &n_kept, &n_pinned, NULL, NULL, NULL, NULL);
+    near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
+              (const double *)(uintptr_t)rows, tau, c1, lo, hi, &n_kept, &n_pinned, NULL, NULL, NULL, NULL);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("nn", n_kept, n_pinned);
 }
 
-/* take_entries(address, outer, channels, inner, thresholds or 0, c1, lo, hi, indices, up, n, pinned_indices,
- * pinned_values, n_pinned) -> (directions, pinned) found: writes up to the given counts of each (row-major
- * indices; up as 0/1 bytes; pinned values as FP32) and rounds the tensor in place. */
+/* take_entries(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, indices, up, n,
+ * pinned_indices, pinned_values, n_pinned) -> (directions, pinned) found: writes up to the given counts of
+ * each (row-major indices; up as 0/1 bytes; pinned values as FP32) and rounds the tensor in place. */
 static PyObject *take_entries(PyObject *self, PyObject *args) {
-    unsigned long long address, thresholds, kept, up, pinned, pinned_values;
+    unsigned long long address, thresholds, rows, kept, up, pinned, pinned_values;
     Py_ssize_t outer, channels, inner, n_kept, n_pinned;
-    double c1, lo, hi;
-    if (!PyArg_ParseTuple(args, "KnnnKdddKKnKKn", &address, &outer, &channels, &inner, &thresholds, &c1, &lo, &hi,
-                          &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned))
+    double tau, c1, lo, hi;
+    if (!PyArg_ParseTuple(args, "KnnnKKddddKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau,
+                          &c1, &lo, &hi, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned))
         return NULL;
+    if (rows && !thresholds) {
+        PyErr_SetString(PyExc_ValueError, "take_entries: row factors need column factors");
+        return NULL;
+    }
     if (n_kept < 0 || n_pinned < 0 || (n_kept && (!kept || !up)) || (n_pinned && (!pinned || !pinned_values))) {
         PyErr_SetString(PyExc_ValueError, "take_entries needs an output buffer for every entry it may write");
         return NULL;
@@ -168,8 +187,9 @@ static PyObject *take_entries(PyObject *self, PyObject *args) {
     /* a non-NULL marker for "write": buffers of zero entries may have any address, NULL included */
     static int64_t none;
     Py_BEGIN_ALLOW_THREADS
-    near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds, c1,
-              lo, hi, &n_kept, &n_pinned, kept ? (int64_t *)(uintptr_t)kept : &none, (uint8_t *)(uintptr_t)up,
+    near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
+              (const double *)(uintptr_t)rows, tau, c1, lo, hi, &n_kept, &n_pinned,
+              kept ? (int64_t *)(uintptr_t)kept : &none, (uint8_t *)(uintptr_t)up,
               (int64_t *)(uintptr_t)pinned, (float *)(uintptr_t)pinned_values);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("nn", n_kept, n_pinned);

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from detrl.roundlog import OpEntries
+from detrl.scale import Scale
 
 try:
     from detrl import _roundkernel as _native
@@ -80,23 +81,49 @@ def _layout(x: torch.Tensor, scaled: bool) -> tuple[int, int, int]:
     return 1, 1, x.numel()
 
 
-def take_entries_(x: torch.Tensor, tau: float, scaled: bool, seq: int) -> OpEntries | None:
+def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -> OpEntries | None:
     """Round ``x`` (see :func:`applies`) to FP32 in place and return op ``seq``'s log entries for its elements
     within T of an FP32 midpoint, or None where there are none: the same entries as
-    :func:`detrl.rounding.entries_for` makes from :func:`detrl.rounding.near_midpoint`."""
+    :func:`detrl.rounding.entries_for` makes from :func:`detrl.rounding.near_midpoint` (``scaled``: False,
+    True, or a :class:`~detrl.rounding.Scale`, as there)."""
     assert _native is not None
     n = x.numel()
     if n == 0:
         return None
-    outer, channels, inner = _layout(x, scaled)
     address = x.data_ptr()
-    thresholds, per_channel = 0, None
-    if scaled:
-        per_channel = np.empty(channels, dtype=np.float64)
-        _native.channel_thresholds(address, outer, channels, inner, tau, per_channel.ctypes.data)
-        thresholds = per_channel.ctypes.data
+    thresholds, rows = 0, 0
+    keep_alive: list[np.ndarray] = []  # factor arrays the kernel reads by address
+    if isinstance(scaled, Scale):
+        outer, channels, inner = scaled.outer, scaled.channels, scaled.inner
+        cols = np.ascontiguousarray(scaled.col.cpu().numpy(), dtype=np.float64)
+        if scaled.row is None:
+            cols = cols * tau  # T per channel, the reference's product
+        else:
+            factors = np.ascontiguousarray(scaled.row.cpu().numpy(), dtype=np.float64)
+            keep_alive.append(factors)
+            rows = factors.ctypes.data
+        keep_alive.append(cols)
+        thresholds = cols.ctypes.data
+    else:
+        outer, channels, inner = _layout(x, scaled)
+        if scaled:
+            per_channel = np.empty(channels, dtype=np.float64)
+            _native.channel_thresholds(address, outer, channels, inner, tau, per_channel.ctypes.data)
+            keep_alive.append(per_channel)
+            thresholds = per_channel.ctypes.data
     # the reference's constants, computed in the same Python doubles
-    args = (address, outer, channels, inner, thresholds, tau * 2.0**-23, tau * 2.0**-149, tau * 2.0**104)
+    args = (
+        address,
+        outer,
+        channels,
+        inner,
+        thresholds,
+        rows,
+        tau,
+        tau * 2.0**-23,
+        tau * 2.0**-149,
+        tau * 2.0**104,
+    )
     n_kept, n_pinned = _native.count_near(*args)
     if n_kept == 0 and n_pinned == 0:  # the usual case: nothing to log, only the rounding
         _native.round_inplace(address, n)
@@ -118,4 +145,5 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool, seq: int) -> OpEntr
         n_pinned,
     )
     assert found == (n_kept, n_pinned)
+    del keep_alive
     return entries

@@ -29,8 +29,7 @@ from detrl import decompose, kernel
 from detrl.fused import run_split, split_needed
 from detrl.oprules import OpKind, classify, op_name
 from detrl.roundlog import OpEntries
-
-_EXPONENT_BITS = 0x7FF0000000000000
+from detrl.scale import Scale, reduction_scale, scale_spacing, spacing32
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
 REPLAY_CHECK_FRACTION = 0.5
@@ -71,28 +70,6 @@ class Thresholds:
         return cls(per_op=per_op, default=default)
 
 
-def spacing32(x: torch.Tensor) -> torch.Tensor:
-    """FP32 spacing (ulp) at |x|, as FP64; at least the subnormal spacing 2**-149."""
-    _, e = torch.frexp(x.abs())
-    return torch.ldexp(torch.ones_like(x), (e - 24).clamp(min=-149))
-
-
-def scale_spacing(x: torch.Tensor) -> torch.Tensor:
-    """FP32 spacing at an output's scale, as FP64: its largest magnitude per channel (dim 1) for tensors of
-    rank >= 2 (a convolution's output channel, a linear layer's feature), per tensor otherwise.
-
-    Reduction errors grow with the magnitude of the terms summed, which varies by channel far more than
-    within one; the result broadcasts against ``x``. ``x`` may be the FP32 rounding of the output (half
-    the bytes to read; its binade is the same or, at a binade edge, one higher: a larger, safe spacing). A
-    channel holding inf or NaN gets an infinite spacing (all its elements are logged, harmlessly).
-    """
-    dims = [d for d in range(x.dim()) if d != 1] if x.dim() >= 2 else list(range(x.dim()))
-    amax = torch.maximum(x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True).neg_()).double()
-    # 2**floor(log2(amax)) by clearing the mantissa bits, times 2**-23: the FP32 spacing there.
-    power = (amax.view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
-    return power.mul_(2.0**-23).clamp_(min=2.0**-149)
-
-
 class Scratch:
     """Grow-only flat buffers, reused across ops: allocating (and page-faulting) fresh full-size
     temporaries for every op cost more than the arithmetic done in them."""
@@ -111,7 +88,7 @@ class Scratch:
 def near_midpoint(
     x: torch.Tensor,
     tau: float,
-    scale_relative: bool,
+    scale_relative: bool | Scale,
     rounded: torch.Tensor | None = None,
     scratch: Scratch | None = None,
 ) -> torch.Tensor:
@@ -121,16 +98,26 @@ def near_midpoint(
     values, which costs two adds and two casts instead of a dozen integer passes, and handles the FP32
     subnormal range, the binade edges and overflow by the cast's own rules. With ``scale_relative`` T is
     tau spacings at the output's scale (:func:`scale_spacing`: how reduction errors behave); otherwise it is
-    tau spacings at the element (over-estimated by at most 2x: ``|x| * 2**-23`` bounds the spacing).
+    tau spacings at the element (over-estimated by at most 2x: ``|x| * 2**-23`` bounds the spacing). A
+    :class:`Scale` as ``scale_relative`` gives the unit itself (:func:`reduction_scale`).
     ``rounded`` (``x`` rounded to FP32) and ``scratch`` are reused when given. With ``scratch`` the mask
     lives in a scratch buffer: read it before the next call.
     """
     scratch = scratch or Scratch()
     if rounded is None:
         rounded = x.to(torch.float32)
+    if isinstance(scale_relative, Scale):  # T per (row, column): computed on the (outer, C, inner) view
+        shape, sc = x.shape, scale_relative
+        x, rounded = (
+            x.reshape(sc.outer, sc.channels, sc.inner),
+            rounded.reshape(sc.outer, sc.channels, sc.inner),
+        )
     work = scratch.get("work", x, torch.float64)
-    if scale_relative:
-        t: torch.Tensor = scale_spacing(rounded).mul_(tau)  # (1, C, 1, ...): cheap
+    t: torch.Tensor
+    if isinstance(scale_relative, Scale):
+        t = scale_relative.dense() * tau  # (outer or 1, C, 1)
+    elif scale_relative:
+        t = scale_spacing(rounded).mul_(tau)  # (1, C, 1, ...): cheap
     else:  # finite for infinities, at least tau subnormal spacings
         t = torch.abs(x, out=scratch.get("t", x, torch.float64))
         t.mul_(tau * 2.0**-23).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
@@ -140,7 +127,8 @@ def near_midpoint(
     near = torch.ne(lo, hi, out=scratch.get("near", x, torch.bool))
     # Exact zeros are on the grid (often structurally: untouched gradient slots), never near. (A NaN
     # compares unequal and is logged, harmlessly: its entry changes nothing on replay.)
-    return near.logical_and_(torch.ne(rounded, 0, out=scratch.get("nonzero", x, torch.bool)))
+    near = near.logical_and_(torch.ne(rounded, 0, out=scratch.get("nonzero", x, torch.bool)))
+    return near.view(shape) if isinstance(scale_relative, Scale) else near
 
 
 def entries_for(seq: int, idx: torch.Tensor, xs: torch.Tensor, t: torch.Tensor) -> OpEntries:
@@ -293,7 +281,7 @@ class RoundingMode(TorchDispatchMode):
             if kind is OpKind.EXACT or self.step is None:
                 self._round_exact(t)
             elif t.dtype == torch.float64 and t.numel():
-                self._round_logged(func, t, kind)
+                self._round_logged(func, t, kind, args)
         return out
 
     def _round_exact(self, t: torch.Tensor) -> None:
@@ -324,7 +312,7 @@ class RoundingMode(TorchDispatchMode):
             self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
-    def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind) -> None:
+    def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple = ()) -> None:
         step = self.step
         assert step is not None
         seq = step.seq
@@ -334,7 +322,9 @@ class RoundingMode(TorchDispatchMode):
         if not self._nested:
             step.stats.rounded_elements += x.numel()
         tau = self.thresholds.tau(name)
-        scaled = kind is OpKind.REDUCTION
+        scaled: bool | Scale = kind is OpKind.REDUCTION
+        if scaled:
+            scaled = reduction_scale(func, args, x) or True
         if step.replay is None:
             if kernel.applies(x):  # native: test, compact and round in place, in one pass
                 entries = kernel.take_entries_(x, tau, scaled, seq)
@@ -362,7 +352,7 @@ class RoundingMode(TorchDispatchMode):
         x: torch.Tensor,
         rounded: torch.Tensor,
         tau: float,
-        scaled: bool,
+        scaled: bool | Scale,
     ) -> None:
         """Apply the log to ``rounded`` and check it: an entry is honoured only where this machine also
         sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it."""
@@ -438,10 +428,12 @@ class LogOutOfRange(Exception):
 
 
 def _uncertainty(
-    x: torch.Tensor, rounded: torch.Tensor, idx: torch.Tensor, tau: float, scaled: bool
+    x: torch.Tensor, rounded: torch.Tensor, idx: torch.Tensor, tau: float, scaled: bool | Scale
 ) -> torch.Tensor:
-    """T at the elements ``idx`` (FP64, shape (n,)): tau spacings at their channel's scale, or at the
-    element itself (see :func:`near_midpoint`)."""
+    """T at the elements ``idx`` (FP64, shape (n,)): tau units of ``scaled`` (a :class:`Scale`), tau
+    spacings at their channel's scale, or at the element itself (see :func:`near_midpoint`)."""
+    if isinstance(scaled, Scale):
+        return scaled.at(idx) * tau
     if not scaled:
         return (_take(x, idx).abs() * (tau * 2.0**-23)).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
     t = scale_spacing(rounded).mul_(tau).reshape(-1)

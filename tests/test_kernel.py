@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 
 from detrl import kernel
 from detrl.rounding import _take, _uncertainty, entries_for, near_midpoint
+from detrl.scale import Scale, channel_scale, reduction_scale
 from detrl.roundlog import OpEntries
 
 needs_kernel = pytest.mark.skipif(not kernel.available(), reason="the native kernel is not built here")
@@ -31,7 +32,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int64) if t.dtype == torch.float64 else t.contiguous().view(torch.int32)
 
 
-def _reference(x: torch.Tensor, tau: float, scaled: bool):  # noqa: ANN202
+def _reference(x: torch.Tensor, tau: float, scaled: bool | Scale):  # noqa: ANN202
     x = x.clone()
     rounded = x.to(torch.float32)
     idx = near_midpoint(x, tau, scaled, rounded=rounded).reshape(-1).nonzero().squeeze(1)
@@ -42,7 +43,7 @@ def _reference(x: torch.Tensor, tau: float, scaled: bool):  # noqa: ANN202
     return x, entries
 
 
-def _assert_same(x: torch.Tensor, tau: float, scaled: bool) -> OpEntries | None:
+def _assert_same(x: torch.Tensor, tau: float, scaled: bool | Scale) -> OpEntries | None:
     want_x, want = _reference(x, tau, scaled)
     got_x = x.clone()
     got = kernel.take_entries_(got_x, tau, scaled, 7)
@@ -111,6 +112,53 @@ def test_shapes_and_channels(tau: float, shape: tuple[int, ...]) -> None:
             y = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
             y[:, 0] = x[:, 0]
             _assert_same(y, tau, scaled)
+
+
+_MM = torch.ops.aten.mm.default
+
+
+def _matrix_inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a: (m, k)``, ``b: (k, n)`` on the FP32 grid, rows and columns of very different magnitudes (a
+    weight gradient's shape of trouble)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(-20, 5, (m, 1), generator=g)
+    b = torch.randn(k, n, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(-5, 5, (1, n), generator=g)
+    return a.float().double(), b.float().double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("tau", TAUS)
+def test_matrix_scale_row_times_column(tau: float) -> None:
+    """mm's unit (row factor x column factor from its inputs): the kernel and the reference agree on random
+    products, on adversarial outputs, and where an input row or column holds inf, NaN or only zeros."""
+    a, b = _matrix_inputs(33, 20, 17, seed=3)
+    out = a @ b
+    scale = reduction_scale(_MM, (a, b), out)
+    assert scale is not None and scale.row is not None
+    _assert_same(out, tau, scale)
+    adv = _adversarial()[: 33 * 17]
+    _assert_same(adv.reshape(33, 17), tau, scale)  # any output values against that unit
+    a[0, 0], a[1, :], b[0, 2], b[:, 3] = float("inf"), 0.0, float("nan"), 0.0
+    special = reduction_scale(_MM, (a, b), out)
+    assert special is not None and torch.isinf(special.row[0]) and torch.isinf(special.col[2])
+    _assert_same(out, tau, special)
+    _assert_same(out, tau, channel_scale(out))  # a channel scale as a Scale: the same as scaled=True
+    want = _reference(out, tau, True)[1]
+    got = _reference(out, tau, channel_scale(out))[1]
+    assert (want is None) == (got is None) and (want is None or want == got)
+
+
+def test_matrix_scale_follows_the_rows_a_channel_scale_does_not() -> None:
+    """A row of tiny terms gets a tiny unit under mm's scale; under the channel (column) scale it shares
+    the largest row's, so at the same tau every one of its elements would be logged."""
+    a, b = _matrix_inputs(8, 64, 8, seed=4)
+    a[0] *= 1e12  # one dominant row
+    out = (a @ b).float().double()
+    scale = reduction_scale(_MM, (a, b), out)
+    small_row = near_midpoint(out, 2.0**-20, scale)[1:]
+    column_scaled = near_midpoint(out, 2.0**-20, True)[1:]
+    assert column_scaled.all() and not small_row.any()
+    assert reduction_scale(torch.ops.aten.addmm.default, (out, a, b), out) is None  # only mm
 
 
 @needs_kernel

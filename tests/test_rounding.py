@@ -193,11 +193,12 @@ def test_calibration_sets_thresholds_as_it_goes_and_keeps_the_first_step_small(t
 
 
 def test_cancellation_results_are_pinned_and_replayed_by_value():
-    # Column 0 holds 1.0 and a result of heavy cancellation, 1e-12: at that column's scale the FP64
-    # uncertainty spans many of the small element's own spacings, so a direction bit cannot name its
-    # FP32 value; the recorder stores the value itself ("pinned").
-    a = torch.tensor([[1.0, 0.0], [1e-12, 0.0]], dtype=torch.float64)  # (1e-12 is not an FP32 value)
-    eye = torch.eye(2, dtype=torch.float64)
+    # Element (1, 0) of a @ b sums two terms of magnitude 1 that cancel to 2**-24: at the terms' scale
+    # (mm's unit: row and column maxima of its inputs) the FP64 uncertainty spans many of the result's own
+    # spacings, so a direction bit cannot name its FP32 value; the recorder stores the value itself
+    # ("pinned").
+    a = torch.tensor([[1.0, 0.0], [1.0, -1.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, 0.0], [1.0 - 2.0**-24, 1.0]], dtype=torch.float64)
 
     def compute(step, nudge=0.0):
         def profile(func, args, kwargs):
@@ -210,7 +211,7 @@ def test_cancellation_results_are_pinned_and_replayed_by_value():
         mode = RoundingMode(profile, Thresholds(default=2.0**-20))
         mode.step = step
         with mode:
-            return torch.mm(a, eye)
+            return torch.mm(a, b)
 
     rec = StepRounding()
     out = compute(rec)
@@ -220,7 +221,7 @@ def test_cancellation_results_are_pinned_and_replayed_by_value():
     assert 2 in entry.pinned_indices.tolist()  # element (1, 0)
     want = out[1, 0].item()
     rep = StepRounding(replay={e.op: e for e in rec.recorded})
-    out2 = compute(rep, nudge=5e-19)  # several FP32 spacings of 1e-12 (about 1e-19 each)
+    out2 = compute(rep, nudge=3e-14)  # several FP32 spacings of 2**-24 (2**-47, about 7e-15, each)
     assert out2[1, 0].item() == want and rep.stats.corrected >= 1
     # a forged pinned value far from anything this machine could compute is refused
     forged = OpEntries(

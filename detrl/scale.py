@@ -1,0 +1,119 @@
+"""The units in which verifiable precision measures how far two machines' FP64 results of one op can be
+apart: FP32 spacings at the element (elementwise ops), at an output channel's largest magnitude
+(reductions), or at a matrix product's row and column scales (``mm``).
+
+Recorder, replayer, calibrator and the native kernel all take their units from here, so that the same
+inputs give the same thresholds, bit for bit, wherever they are computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+_EXPONENT_BITS = 0x7FF0000000000000
+
+
+def spacing32(x: torch.Tensor) -> torch.Tensor:
+    """FP32 spacing (ulp) at |x|, as FP64; at least the subnormal spacing 2**-149."""
+    _, e = torch.frexp(x.abs())
+    return torch.ldexp(torch.ones_like(x), (e - 24).clamp(min=-149))
+
+
+def scale_spacing(x: torch.Tensor) -> torch.Tensor:
+    """FP32 spacing at an output's scale, as FP64: its largest magnitude per channel (dim 1) for tensors of
+    rank >= 2 (a convolution's output channel, a linear layer's feature), per tensor otherwise.
+
+    Reduction errors grow with the magnitude of the terms summed, which varies by channel far more than
+    within one; the result broadcasts against ``x``. ``x`` may be the FP32 rounding of the output (half
+    the bytes to read; its binade is the same or, at a binade edge, one higher: a larger, safe spacing). A
+    channel holding inf or NaN gets an infinite spacing (all its elements are logged, harmlessly).
+    """
+    dims = [d for d in range(x.dim()) if d != 1] if x.dim() >= 2 else list(range(x.dim()))
+    amax = torch.maximum(x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True).neg_()).double()
+    # 2**floor(log2(amax)) by clearing the mantissa bits, times 2**-23: the FP32 spacing there.
+    power = (amax.view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
+    return power.mul_(2.0**-23).clamp_(min=2.0**-149)
+
+
+def _power_of_two(x: torch.Tensor) -> torch.Tensor:
+    """2**floor(log2(x)) of non-negative FP64 ``x`` by clearing its mantissa bits (inf and NaN give inf,
+    zero gives zero)."""
+    return (x.double().view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """The unit (an FP64 spacing) in which a reduction output's disagreement between machines is measured,
+    per element, as factors.
+
+    The output is read row-major as ``(outer, channels, inner)``. The unit at element ``(o, c, i)`` is
+    ``col[c]`` when ``row`` is None (a channel scale), else ``max(row[o] * col[c], 2**-149)``: a row scale
+    times a column scale, the way an ``mm``'s summation error grows (:func:`reduction_scale`).
+    ``col``: FP64 ``(channels,)``; ``row``: FP64 ``(outer,)`` or None. Both are powers of two (or inf).
+    """
+
+    outer: int
+    channels: int
+    inner: int
+    col: torch.Tensor
+    row: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        """The unit, broadcastable against the output viewed as ``(outer, channels, inner)``."""
+        if self.row is None:
+            return self.col.view(1, -1, 1)
+        return (self.row.view(-1, 1, 1) * self.col.view(1, -1, 1)).clamp_(min=2.0**-149)
+
+    def at(self, idx: torch.Tensor) -> torch.Tensor:
+        """The unit at row-major indices ``idx`` (int64 ``(n,)``), FP64 ``(n,)``: the same products as
+        :meth:`dense`, so the same bits."""
+        c = (idx // self.inner) % self.channels
+        if self.row is None:
+            return self.col[c]
+        return (self.row[idx // (self.inner * self.channels)] * self.col[c]).clamp_(min=2.0**-149)
+
+
+def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
+    """The unit of a matrix product's output ``out = a @ b`` (``aten.mm``; ``a: (M, K)``, ``b: (K, N)``),
+    from its inputs: FP32 spacing of ``max_k |a[i, k]| * max_k |b[k, j]| * 2**floor(log2 K)``, as row and
+    column factors. None for every other op: they are measured at their output's channel scale
+    (:func:`scale_spacing`).
+
+    Each term of ``out[i, j]`` is at most ``max|a[i]| max|b[:, j]|``, and a different summation order moves
+    the sum by a few FP64 ulps of the partial sums, which grow with K. An output column's largest magnitude,
+    the channel scale, is dominated by its largest rows: a weight gradient's rows (an LSTM's gates, GPT-2's
+    output-embedding rows for tokens absent from the batch) differ by orders of magnitude, and the small
+    rows' elements then all sat within the threshold and were logged, pinned, though no machine disagreed
+    on them. The inputs are the same bits on every machine, so recorder and replayer compute the same unit.
+    """
+    if func is not _MM or len(args) < 2:
+        return None
+    a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() == 2):
+        return None
+    m, k = a.shape
+    n = b.shape[1]
+    if out.shape != (m, n) or k == 0 or out.numel() == 0:
+        return None
+    row = _power_of_two(a.abs().amax(dim=1)).clamp_(min=2.0**-149)
+    col = (
+        _power_of_two(b.abs().amax(dim=0))
+        .clamp_(min=2.0**-149)
+        .mul_(2.0**-23 * 2.0 ** math.floor(math.log2(k)))
+    )
+    return Scale(outer=m, channels=n, inner=1, col=col, row=row)
+
+
+def channel_scale(rounded: torch.Tensor) -> Scale:
+    """:func:`scale_spacing` of an output (or its FP32 rounding) as a :class:`Scale`."""
+    unit = scale_spacing(rounded).reshape(-1)
+    if rounded.dim() >= 2:
+        return Scale(rounded.shape[0], rounded.shape[1], math.prod(rounded.shape[2:]), unit)
+    return Scale(1, 1, rounded.numel(), unit)
+
+
+_MM = torch.ops.aten.mm.default
