@@ -482,8 +482,7 @@ class Session:
         rounding = None
         t0 = time.perf_counter()
         with contextlib.ExitStack() as modes:
-            # Innermost first: the rounding mode's own work must not pass through the random-op mode,
-            # and random ops must reach the rounding mode already drawn from their stream.
+            # Innermost first: random ops are drawn from their stream before a profile sees them.
             if not self.precision.is_verifiable and self.hardware != "native":
                 modes.enter_context(HardwareMode(self.profile))
             if self.precision.is_verifiable:
@@ -496,8 +495,10 @@ class Session:
                 # During calibration the recorder's thresholds grew as it went, each at least the lowest
                 # floor: half of that is the sound threshold for counting unlogged near-midpoint elements.
                 check = Thresholds(default=TAU_FLOOR_MEASURED / 2) if in_calibration else None
-                modes.enter_context(self.rounding.step_scope(rounding, calibrate, check))
-            if self.route_random_ops:
+                # The rounding mode routes random ops itself: one dispatch mode per op, not two.
+                stream = self.sources.torch("dropout") if self.route_random_ops else None
+                modes.enter_context(self.rounding.step_scope(rounding, calibrate, check, stream))
+            elif self.route_random_ops:
                 modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             try:
                 yield rounding

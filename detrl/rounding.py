@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from detrl import decompose, kernel
+from detrl import decompose, kernel, randomness
 from detrl.fused import run_split, split_needed
 from detrl.oprules import OpKind, classify, op_name
 from detrl.roundlog import OpEntries
@@ -240,6 +240,8 @@ class RoundingMode(TorchDispatchMode):
         self.check_thresholds: Thresholds | None = None
         self._scratch = Scratch()
         self.calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None
+        #: the stream seeded random ops draw from inside a step (see :func:`detrl.randomness.handler_for`)
+        self.random: torch.Generator | None = None
 
     @contextlib.contextmanager
     def step_scope(
@@ -247,15 +249,18 @@ class RoundingMode(TorchDispatchMode):
         step: StepRounding,
         calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None,
         check_thresholds: Thresholds | None = None,
+        random: torch.Generator | None = None,
     ) -> Iterator[StepRounding]:
         """Enter the mode for one training step's ops: what to record or replay (``step``), an optional
-        calibrator, and the replayer's unlogged-near thresholds when not tau/2. Restored on exit."""
+        calibrator, the replayer's unlogged-near thresholds when not tau/2, and the stream that seeded
+        random ops draw from (None: they are not routed). Restored on exit."""
         self.step, self.calibrate, self.check_thresholds = step, calibrate, check_thresholds
+        self.random = random
         try:
             with self:
                 yield step
         finally:
-            self.step, self.calibrate, self.check_thresholds = None, None, None
+            self.step, self.calibrate, self.check_thresholds, self.random = None, None, None, None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -271,7 +276,13 @@ class RoundingMode(TorchDispatchMode):
         kind = OpKind.EXACT if split else classify(func, kwargs)
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
         before = snapshot(func, args) if calibrating else args
-        out = run_split(func, args, kwargs) if split else self.profile(func, args, kwargs)
+        draw = randomness.handler_for(func, kwargs) if self.random is not None else None
+        if draw is not None:  # drawn from the stream (plain IEEE arithmetic), then rounded as its kind says
+            out = draw(self.random, func, args, kwargs)
+        elif split:
+            out = run_split(func, args, kwargs)
+        else:
+            out = self.profile(func, args, kwargs)
         if func.is_view or kind is OpKind.KEEP:
             return out
         targets = written_tensors(func, args, kwargs, out)
