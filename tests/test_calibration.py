@@ -1,0 +1,177 @@
+"""Bounded calibration: each shape class of op calls is measured at most ``max_per_class`` times, the
+thresholds it gives still replicate on every emulated profile with no unlogged near-midpoint element, and a
+recording resumed inside calibration measures what an uninterrupted one does."""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from detrl import Session, Sources
+from detrl.calibrate import CLASSES_KEY, DEFAULT_MAX_PER_CLASS, Calibrator, shape_class
+from detrl.oprules import op_name
+from detrl.rounding import Thresholds
+
+PROFILES = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
+DEPTH = 6  # identical hidden layers: their calls fall into the same classes
+
+
+class Stack(nn.Module):
+    """``DEPTH`` identical ``Linear(16, 16)`` + tanh layers and a linear readout: a model whose layers
+    repeat, as ResNet's blocks and GPT-2's layers do."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.hidden = nn.ModuleList(nn.Linear(d, d) for _ in range(DEPTH))
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.hidden:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(128, 16, generator=g), torch.randint(0, 4, (128,), generator=g)
+
+
+def train(session: Session, steps: int, stop_after: int | None = None) -> None:
+    """SGD with momentum on a fixed random classification set; ``stop_after``: stop after that step."""
+    net = session.init(Stack)
+    opt = session.track(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    loader = session.loader(_data(), batch_size=16, steps=steps)
+    session.restore()
+    for batch in loader:
+        with session.step():
+            F.cross_entropy(net(batch.x), batch.y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if session.step_index == stop_after:
+            session.stop_requested = True
+            break
+
+
+def record(run_dir: Path, steps: int, calibration_steps: int = 1, **kw: Any) -> Session:
+    """Record :func:`train` for ``steps`` steps; ``kw``: ``stop_after``, or more Session arguments."""
+    stop_after = kw.pop("stop_after", None)
+    with Session(
+        run_dir, mode="record", precision="verifiable", sources=Sources(seed=0),
+        calibration_steps=calibration_steps, planned_steps=steps, **kw,
+    ) as s:  # fmt: skip
+        train(s, steps, stop_after)
+    return s
+
+
+def count_measurements(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Counts, per shape class, the op calls the calibrator actually reran under its profiles."""
+    counts: collections.Counter[str] = collections.Counter()
+    orig = Calibrator.__call__
+
+    def counting(self: Calibrator, func: Any, before: tuple, kwargs: dict, produced: list, kind: Any) -> None:
+        n = self.calibrated_calls
+        orig(self, func, before, kwargs, produced, kind)
+        if self.calibrated_calls > n:
+            counts[shape_class(op_name(func), before, kwargs)] += 1
+
+    monkeypatch.setattr(Calibrator, "__call__", counting)
+    return counts
+
+
+def test_repeated_layers_are_calibrated_a_bounded_number_of_times_and_replicate(tmp_path, monkeypatch):
+    counts = count_measurements(monkeypatch)
+    steps = 6
+    rec = record(tmp_path / "run", steps, calibration_steps=2)
+    cal = rec._calibrator
+    assert cal is not None and cal.max_per_class == DEFAULT_MAX_PER_CLASS
+    assert counts and max(counts.values()) <= cal.max_per_class  # the bound holds over both steps
+    assert dict(counts) == cal.classes
+    # the repeated layers do share classes: most calls were not rerun
+    assert cal.calibrated_calls < cal.calls / 2, (cal.calibrated_calls, cal.calls)
+    # every op kind that was logged with a threshold got it from a measurement
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert set(manifest["thresholds"]["per_op"]) == set(cal.worst)
+    assert rec.totals.logged > 0
+    params = {n: p.detach().clone() for n, p in rec.model.named_parameters()}
+    for hw in PROFILES:
+        with Session(tmp_path / "run", mode="replay", hardware=hw) as rep:
+            train(rep, steps)
+            rep.verify_checkpoints()
+        assert rep.step_index == steps and rep.totals.unlogged_near == 0 and rep.totals.refused == 0, hw
+        for n, p in rep.model.named_parameters():
+            assert torch.equal(p, params[n]), (hw, n)
+
+
+def test_bounded_thresholds_match_unbounded_ones_closely(tmp_path, monkeypatch):
+    bounded = record(tmp_path / "bounded", 2).thresholds.per_op
+    init = Calibrator.__init__
+
+    def unbounded(self: Calibrator, *a: Any, **k: Any) -> None:
+        init(self, *a, **{**k, "max_per_class": None})
+
+    monkeypatch.setattr(Calibrator, "__init__", unbounded)  # the session's calibrator measures every call
+    full_session = record(tmp_path / "full", 2)
+    assert full_session._calibrator is not None and full_session._calibrator.max_per_class is None
+    full = full_session.thresholds.per_op
+    assert bounded.keys() == full.keys()
+    for name in full:  # a subset of the measurements: never above, and here within a factor of 4
+        assert full[name] / 4 <= bounded[name] <= full[name], name
+
+
+def test_resuming_inside_calibration_gives_the_uninterrupted_thresholds_and_log(tmp_path):
+    steps, calibration = 6, 4
+    record(tmp_path / "whole", steps, calibration, checkpoint_every=1)
+    record(tmp_path / "resumed", steps, calibration, checkpoint_every=1, stop_after=2)
+    meta = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
+    assert meta["status"] == "stopped"
+    with Session(tmp_path / "resumed", mode="record", resume=True, planned_steps=steps) as s:
+        assert s._calibrator is not None and s._calibrator.classes  # the counts came from the checkpoint
+        train(s, steps)
+    a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("whole", "resumed"))
+    assert a["thresholds"] == b["thresholds"]
+    for name in ("commitments", "roundlog"):
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+
+
+def test_calibration_state_round_trips_and_is_checked():
+    cal = Calibrator(Thresholds())
+    state = {"mm": 0.5, CLASSES_KEY: {"mm(float64[01])": 2}}
+    cal.load_state(state)
+    assert cal.state() == state and cal.worst == {"mm": 0.5}
+    cal.load_state({"mm": 0.25})  # written before classes were counted: disagreements only
+    assert cal.state() == {"mm": 0.25, CLASSES_KEY: {}}
+    bad = [
+        [1.0],
+        {"mm": -1.0},
+        {"mm": float("inf")},
+        {"mm": True},
+        {"mm": "0.5"},
+        {"mm": 0.5, CLASSES_KEY: {"mm(x)": 0}},
+        {"mm": 0.5, CLASSES_KEY: {"mm(x)": 1.0}},
+        {"mm": 0.5, CLASSES_KEY: {"add(x)": 1}},  # a class of an op never measured
+        {"mm": 0.5, CLASSES_KEY: []},
+    ]
+    for state in bad:
+        with pytest.raises((TypeError, ValueError)):
+            cal.load_state(state)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Calibrator(Thresholds(), max_per_class=0)
+
+
+def test_shape_class_keys_structure_not_values():
+    a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    assert shape_class("add", (a, b), {"alpha": 0.5}) == shape_class("add", (b, a), {"alpha": 2.0})
+    assert shape_class("add", (a, b), {}) != shape_class("add", (a, b.t().contiguous().t()), {})  # strides
+    assert shape_class("sum", (a, [0]), {}) != shape_class("sum", (a, [1]), {})  # dims
+    assert shape_class("sum", (a, [0]), {}) != shape_class("mean", (a, [0]), {})
+    big = torch.randn(40, 30, dtype=torch.float64)
+    assert shape_class("sum", (a, [0]), {}) == shape_class("sum", (big, [0]), {})  # sizes do not count
+    assert shape_class("sum", (a, [0]), {}) != shape_class("sum", (big[0], [0]), {})  # ranks do
+    assert shape_class("add", (a, a[:1].expand(4, 3)), {}) != shape_class("add", (a, a), {})  # broadcast
