@@ -29,7 +29,8 @@ import torch
 
 from detrl.hardware import get_profile
 from detrl.oprules import OpKind, op_name
-from detrl.rounding import Thresholds, scale_spacing, snapshot, spacing32, written_tensors
+from detrl.rounding import Thresholds, snapshot, written_tensors
+from detrl.scale import Scale, reduction_scale, scale_spacing, spacing32
 
 DEFAULT_MARGIN = 16.0
 #: 128 FP64 ulps: libm and FMA differences of elementwise ops, and every op whose disagreement the emulated
@@ -178,14 +179,19 @@ class Calibrator:
             alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
             for a, b in zip(produced, alt):
                 if a.dtype == torch.float64 and b.dtype == torch.float64 and a.shape == b.shape and a.numel():
-                    worst = max(worst, _disagreement(a, b, kind))
+                    worst = max(worst, _disagreement(a, b, kind, reduction_scale(func, before, a)))
         self.worst[name] = worst
         floor = TAU_FLOOR_MEASURED if kind is OpKind.REDUCTION and worst > 0 else TAU_FLOOR
         self.thresholds.per_op[name] = min(TAU_CAP, max(floor, self.margin * worst))
 
 
-def _disagreement(a: torch.Tensor, b: torch.Tensor, kind: OpKind) -> float:
-    unit = scale_spacing(a) if kind is OpKind.REDUCTION else spacing32(a)
-    rel = (a - b).abs() / unit
+def _disagreement(a: torch.Tensor, b: torch.Tensor, kind: OpKind, scale: Scale | None = None) -> float:
+    """Largest ``|a - b|`` in the units the op is logged in: ``scale`` (an ``mm``), the output's channel
+    scale (other reductions) or the element's own spacing."""
+    diff = (a - b).abs()
+    if scale is not None:
+        rel = diff.reshape(scale.outer, scale.channels, scale.inner) / scale.dense()
+    else:
+        rel = diff / (scale_spacing(a) if kind is OpKind.REDUCTION else spacing32(a))
     rel = rel[torch.isfinite(rel)]
     return float(rel.max()) if rel.numel() else 0.0
