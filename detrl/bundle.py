@@ -3,7 +3,7 @@
 ::
 
     manifest.json   format, version, config, switchboard, thresholds, status, the durable point, checkpoints
-    commitments     append-only: per step, SHA-256 of the state after it and of the batch it consumed
+    commitments     append-only: per step, BLAKE3 of the state after it and of the batch it consumed
     roundlog        append-only: the sparse rounding log, one segment per step (detrl/roundlog.py)
     checkpoints/    step_NNNNNNNN.safetensors: parameters, buffers, optimizer state, resume state
 
@@ -60,7 +60,9 @@ from detrl.roundlog import (
 FORMAT = "detrl-bundle"
 #: 3: append-only binary commitments with per-record CRCs, a manifest written from the start with a
 #: durable point and a status, checkpoints listed with their SHA-256, rounding log v2 (no trailer).
-VERSION = 3
+#: 4: commitments (state, batch, Merkle leaves and nodes) are BLAKE3 over length-prefixed records with
+#: v2 domain tags (detrl/commit.py); checkpoint files keep their SHA-256.
+VERSION = 4
 MANIFEST = "manifest.json"
 COMMITMENTS = "commitments"
 ROUNDLOG = "roundlog"

@@ -267,7 +267,8 @@ class Session:
         self.stop_requested = False  # set from outside (Ctrl-C): a loop may end early after a whole step
         self.route_random_ops = route_random_ops
         self.parts: dict[str, StatePart] = {}
-        self._digests = commit.DigestCache() if mode == "record" else None
+        # Recorder and auditor alike: the cache reuses a digest only for bytes it has compared equal.
+        self._digests = commit.DigestCache() if mode != "off" else None
         self._tracker: ModuleTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":
             self._tracker = ModuleTracker()
@@ -471,8 +472,8 @@ class Session:
         ``batch``: the data the step consumes, if it did not come from :meth:`loader` (hashed into the
         step's commitment).
         ``frozen``: the step writes no model parameter, buffer or optimizer state (a DQN step that only
-        acts): the recorder reuses their digests from the previous commitment instead of rehashing. The
-        auditor always rehashes, so a false claim is a divergence at this step.
+        acts). A hint only, kept for compatibility: commitments never depend on it, since the digest
+        cache finds unchanged tensors by comparing their bytes (a false claim changes nothing).
         """
         if self.model is None:
             raise RuntimeError("call Session.init(build_model) before the first step")
@@ -536,7 +537,7 @@ class Session:
         if self.mode == "off":  # no bundle: nobody reads a commitment, so don't pay for hashing
             return
         tensors = commit.state_tensors(self.model, self.optimizers)
-        state_hash = self._state_hash(tensors, reuse=frozen)
+        state_hash = self._state_hash(tensors)
         if self.mode == "replay":
             assert self.bundle is not None
             if step >= len(self.bundle.leaves):
@@ -570,9 +571,9 @@ class Session:
         elif calibrated:
             self._sync()
 
-    def _state_hash(self, tensors: dict[str, torch.Tensor], reuse: bool = False) -> bytes:
+    def _state_hash(self, tensors: dict[str, torch.Tensor]) -> bytes:
         parts = {name: part.digest() for name, part in self.parts.items()}
-        return commit.state_hash(tensors, self.sources.digest_bytes(), parts, self._digests, reuse)
+        return commit.state_hash(tensors, self.sources.digest_bytes(), parts, self._digests)
 
     def _stats(self) -> dict[str, int]:
         return {**dataclasses.asdict(self.totals), "log_bytes": sum(self.log_bytes)}

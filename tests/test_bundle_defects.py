@@ -215,7 +215,7 @@ def test_manifest_wrong_format(bundle: Path, capsys: pytest.CaptureFixture[str],
     audit_bad(capsys, bundle, "manifest.json", "format is not 'detrl-bundle'")
 
 
-@pytest.mark.parametrize("version", [1, 2, 4, 99, -3, "3", None, [3]])
+@pytest.mark.parametrize("version", [1, 2, 3, 5, 99, -4, "4", None, [4]])
 def test_manifest_unsupported_version(bundle: Path, capsys: pytest.CaptureFixture[str], version: Any) -> None:
     edit_manifest(bundle, "version", version)
     line = audit_bad(capsys, bundle, "manifest.json", "unsupported bundle version")
@@ -223,8 +223,8 @@ def test_manifest_unsupported_version(bundle: Path, capsys: pytest.CaptureFixtur
 
 
 def test_manifest_version_as_float(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """3.0 equals 3 in Python but is not the integer the format asks for."""
-    edit_manifest(bundle, "version", 3.0)
+    """4.0 equals 4 in Python but is not the integer the format asks for."""
+    edit_manifest(bundle, "version", 4.0)
     audit_bad(capsys, bundle, "manifest.json", "version")
 
 

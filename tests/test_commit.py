@@ -1,0 +1,189 @@
+"""Commitments (detrl/commit.py): the canonical encoding is injective, and the digest cache's test of
+"unchanged" is sound (it compares bytes, so fused and foreach writes are caught)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from detrl import commit
+
+
+def _digests(cases: dict[str, tuple[str, torch.Tensor]]) -> dict[str, bytes]:
+    return {k: commit.tensor_digest(name, t) for k, (name, t) in cases.items()}
+
+
+def test_tensor_records_differ_across_name_dtype_shape_and_bytes() -> None:
+    """Same bytes under another dtype, shape or name are other records; so are FP64 values that round to
+    the same FP32 value (an encoding that hashed the FP32 cast of FP64 state would collide there)."""
+    x = torch.arange(6, dtype=torch.float32)
+    on_grid = torch.tensor([1.0, 0.1], dtype=torch.float32).double()
+    off_grid = on_grid.clone()
+    off_grid[1] = torch.nextafter(off_grid[1], torch.tensor(1.0, dtype=torch.float64))
+    assert off_grid[1] != on_grid[1] and off_grid.float().equal(on_grid.float())
+    cases = {
+        "f32 (6,)": ("w", x),
+        "f32 (2,3)": ("w", x.reshape(2, 3)),
+        "f32 (3,2)": ("w", x.reshape(3, 2)),
+        "f32 (6,1)": ("w", x.reshape(6, 1)),
+        "i32 same bytes": ("w", x.view(torch.int32)),
+        "u8 same bytes": ("w", x.view(torch.uint8)),
+        "other name": ("v", x),
+        "name absorbing dtype": ("wfloat32", x),
+        "empty f32": ("w", torch.zeros(0)),
+        "empty f32 (0,3)": ("w", torch.zeros(0, 3)),
+        "empty f64": ("w", torch.zeros(0, dtype=torch.float64)),
+        "scalar": ("w", torch.tensor(0.0)),
+        "one-element": ("w", torch.zeros(1)),
+        "fp64 on grid": ("w", on_grid),
+        "fp64 off grid": ("w", off_grid),
+        "fp32 of on grid": ("w", on_grid.float()),
+        "+0": ("w", torch.tensor([0.0], dtype=torch.float64)),
+        "-0": ("w", torch.tensor([-0.0], dtype=torch.float64)),
+        "bf16": ("w", torch.ones(2, dtype=torch.bfloat16)),
+        "f16": ("w", torch.ones(2, dtype=torch.float16)),
+    }
+    d = _digests(cases)
+    for (a, da), (b, db) in itertools.combinations(d.items(), 2):
+        assert da != db, f"{a!r} and {b!r} have the same record digest"
+
+
+def test_record_is_independent_of_layout() -> None:
+    """A transposed-then-contiguous copy and a strided view of the same values hash alike."""
+    x = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    t = x.t()
+    assert not t.is_contiguous()
+    assert commit.tensor_digest("w", t) == commit.tensor_digest("w", t.contiguous())
+
+
+def test_state_encoding_separates_tensors_from_extras_and_names_from_blobs() -> None:
+    a = torch.ones(2)
+    base = commit.hash_tensors({"a": a}, [("x", b"12")])
+    others = [
+        commit.hash_tensors({}, [("x", b"12")]),
+        commit.hash_tensors({"a": a}, []),
+        commit.hash_tensors({"a": a}, [("x1", b"2")]),  # name/blob boundary moved
+        commit.hash_tensors({"a": a}, [("x", b"1"), ("", b"2")]),
+        commit.hash_tensors({"b": a}, [("x", b"12")]),
+        commit.hash_tensors({"a": a}, [("x", b"12")], tag=commit.BATCH_TAG),
+    ]
+    assert all(o != base for o in others) and len(set(others)) == len(others)
+
+
+def test_tags_are_prefix_free() -> None:
+    tags = [commit.TENSOR_TAG, commit.STATE_TAG, commit.BATCH_TAG, commit.LEAF_TAG, commit.NODE_TAG]
+    for a, b in itertools.permutations(tags, 2):
+        assert not b.startswith(a)
+
+
+def test_merkle_leaves_and_nodes_are_separated() -> None:
+    s, b = bytes(32), bytes(range(32))
+    l0, l1 = commit.leaf(0, s, b), commit.leaf(1, s, b)
+    assert l0 != l1 and commit.leaf(0, b, s) != l0
+    root2 = commit.merkle_root([l0, l1])
+    assert root2 != commit.merkle_root([l1, l0]) and root2 != commit.merkle_root([l0])
+    assert commit.merkle_root([l0, l1, l0]) != root2 and commit.merkle_root([]) != commit.merkle_root([l0])
+
+
+def _state(n: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)]).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    return model, opt
+
+
+def _hash(model: torch.nn.Module, opt: torch.optim.Optimizer, cache: commit.DigestCache | None) -> bytes:
+    return commit.state_hash(commit.state_tensors(model, [opt]), b"src", {}, cache)
+
+
+def _versions(model: torch.nn.Module) -> list[int]:
+    return [p._version for p in model.parameters()]
+
+
+def test_cache_reuses_unchanged_digests_and_catches_foreach_writes_under_no_version_bump() -> None:
+    """``_foreach_add_`` on ``.data`` writes the parameters without bumping their version counters; the
+    cache must still rehash them, and its commitment must equal a cache-free one at every step."""
+    model, opt = _state()
+    cache = commit.DigestCache()
+    first = _hash(model, opt, cache)
+    assert _hash(model, opt, cache) == first and cache.hits == cache.misses  # second pass: all reused
+    versions = _versions(model)
+    with torch.no_grad():
+        torch._foreach_add_([p.data for p in model.parameters()], 2.0**-40)  # below FP32's resolution
+    assert _versions(model) == versions, "the write this test relies on now bumps version counters"
+    changed = _hash(model, opt, cache)
+    assert changed != first and changed == _hash(model, opt, None)
+
+
+@pytest.mark.parametrize("mode", ["foreach", "fused"])
+def test_cache_matches_uncached_hash_through_optimizer_steps(mode: str) -> None:
+    model, _ = _state()
+    kw = {mode: True}
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **kw)
+    cache = commit.DigestCache()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    seen = {_hash(model, opt, cache)}
+    for i in range(6):
+        if i % 2 == 0:  # every other step writes nothing (the DQN's acting-only steps)
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        h = _hash(model, opt, cache)
+        assert h == _hash(model, opt, None)
+        assert (h in seen) == (i % 2 == 1)
+        seen.add(h)
+
+
+def test_cache_single_element_change_in_a_large_tensor() -> None:
+    t = torch.zeros(1 << 16, dtype=torch.float64)
+    cache = commit.DigestCache()
+    d0 = cache.digest("t", t)
+    for idx in (0, 12345, (1 << 16) - 1):
+        t.view(torch.int64)[idx] ^= 1  # one bit of one element, through an integer view
+        d = cache.digest("t", t)
+        assert d != d0 and d == commit.tensor_digest("t", t)
+        d0 = d
+
+
+def test_cache_detects_dtype_and_shape_change_with_same_bytes() -> None:
+    cache = commit.DigestCache()
+    x = torch.arange(4, dtype=torch.float32)
+    cache.digest("w", x)
+    assert cache.digest("w", x.view(torch.int32)) == commit.tensor_digest("w", x.view(torch.int32))
+    assert cache.digest("w", x.reshape(2, 2)) == commit.tensor_digest("w", x.reshape(2, 2))
+
+
+def test_cache_budget_and_drop_rule() -> None:
+    """Copies stay under the budget; a tensor that changes at every commitment loses its copy and gets
+    one back after the backoff; digests stay right throughout."""
+    cache = commit.DigestCache(budget_bytes=1000, drop_after=2)
+    big = torch.zeros(200, dtype=torch.float64)  # 1600 bytes: never copied
+    small = torch.zeros(50, dtype=torch.float64)  # 400 bytes
+    for _ in range(40):
+        small += 1.0
+        assert cache.digest("big", big) == commit.tensor_digest("big", big)
+        assert cache.digest("small", small) == commit.tensor_digest("small", small)
+        assert cache.copy_bytes <= cache.budget_bytes
+    assert cache.hits == 0
+    # Once it stops changing it is copied again (after at most the first backoffs) and then reused.
+    for _ in range(40):
+        cache.digest("small", small)
+    assert cache.hits > 0 and cache._entries["small"].copy is not None
+    assert cache._entries["big"].copy is None
+
+
+def test_cache_follows_storage_swaps_and_in_place_layout_changes() -> None:
+    """The cache reads a tensor through a view it keeps: a swapped storage (``p.data = ...``) or an in-place
+    transpose (same memory, same shape, other strides) must be seen through, not read via the old view."""
+    p = torch.nn.Parameter(torch.arange(9, dtype=torch.float64).reshape(3, 3))
+    cache = commit.DigestCache()
+    for _ in range(2):
+        cache.digest("p", p)
+    p.data = torch.arange(9, dtype=torch.float64).reshape(3, 3) + 1.0
+    assert cache.digest("p", p) == commit.tensor_digest("p", p)
+    t = torch.arange(9, dtype=torch.float64).reshape(3, 3)
+    cache.digest("t", t)
+    t.t_()
+    assert cache.digest("t", t) == commit.tensor_digest("t", t) != commit.tensor_digest("t", t.t())
