@@ -83,6 +83,11 @@ def _like(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
 Handler = Callable[[torch.Generator, Any, tuple, dict], Any]
 
 
+def draws_randomness(func: Any) -> bool:
+    """Whether ``func`` is a random op: it has a handler here, or torch tags it as seeded."""
+    return func in _HANDLERS or torch.Tag.nondeterministic_seeded in func.tags
+
+
 def handler_for(func: Any, kwargs: dict) -> Handler | None:
     """The handler that draws ``func``'s randomness from a stream, or None for an op that needs no stream
     (it is not random, or names its generator explicitly: an already chosen stream).

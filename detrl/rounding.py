@@ -264,7 +264,8 @@ class RoundingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if decompose.applies(func, args):
+        plan = _PLANS.get(id(func)) or _plan(func)
+        if plan.decomposes and decompose.applies(func, args):
             # Only the sums (and log-softmax backward's exp) are machine dependent: they run under this mode
             # (rounded, logged, computed by the profile); the rest is plain IEEE arithmetic: exact outputs.
             steps = decompose.Steps(self._logged_sum, self._logged_exp)
@@ -272,18 +273,18 @@ class RoundingMode(TorchDispatchMode):
             for t in written_tensors(func, args, kwargs, out):
                 self._round_exact(t)
             return out
-        split = split_needed(func, kwargs)
-        kind = OpKind.EXACT if split else classify(func, kwargs)
+        split = plan.splits and split_needed(func, kwargs)
+        kind = OpKind.EXACT if split else classify(func, kwargs) if plan.alpha else plan.kind
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
         before = snapshot(func, args) if calibrating else args
-        draw = randomness.handler_for(func, kwargs) if self.random is not None else None
+        draw = randomness.handler_for(func, kwargs) if plan.random and self.random is not None else None
         if draw is not None:  # drawn from the stream (plain IEEE arithmetic), then rounded as its kind says
             out = draw(self.random, func, args, kwargs)
         elif split:
             out = run_split(func, args, kwargs)
         else:
             out = self.profile(func, args, kwargs)
-        if func.is_view or kind is OpKind.KEEP:
+        if plan.keep or kind is OpKind.KEEP or (plan.widening and _widens_floats(args)):
             return out
         targets = written_tensors(func, args, kwargs, out)
         if calibrating:
@@ -431,6 +432,46 @@ class RoundingMode(TorchDispatchMode):
         if step._kept.get(kind, 0) < step.max_anomalies:
             module = self.module_path() if self.module_path is not None else ""
             step.keep(Anomaly(op=seq, name=name, module=module, index=index, kind=kind))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What the rounding mode decides about an op once, not at every call (per call, only what depends on
+    its arguments): whether it may be decomposed, split or routed to a random stream, its kind, and
+    whether its output needs no rounding at all."""
+
+    decomposes: bool  # has a decomposition (decompose.applies decides per call)
+    splits: bool  # a fused op computed step by step (fused.split_needed decides per call)
+    alpha: bool  # its kind depends on ``alpha`` (oprules.classify decides per call)
+    kind: OpKind
+    random: bool  # draws randomness (randomness.handler_for routes it)
+    keep: bool  # a view, or a KEEP op: its outputs are its inputs' values
+    widening: bool  # a cast: to FP64 from a narrower float type, its output is on the FP32 grid already
+
+
+_PLANS: dict[int, _Plan] = {}  # by id(): an OpOverload's __hash__ is Python code, called at every op
+_CASTS = frozenset({torch.ops.aten._to_copy.default})
+_NARROW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _plan(func: Any) -> _Plan:
+    kind = classify(func, {})
+    plan = _Plan(
+        decomposes=func in decompose.DECOMPOSITIONS,
+        splits=split_needed(func, {}) or split_needed(func, {"alpha": 2}),
+        alpha=classify(func, {"alpha": 2}) is not kind,
+        kind=kind,
+        random=randomness.draws_randomness(func),
+        keep=bool(func.is_view) or kind is OpKind.KEEP,
+        widening=func in _CASTS,
+    )
+    _PLANS[id(func)] = plan
+    return plan
+
+
+def _widens_floats(args: tuple) -> bool:
+    """A cast's input is a narrower float type: every value is on the FP32 grid, so is the FP64 output."""
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in _NARROW_FLOATS
 
 
 class LogOutOfRange(Exception):
