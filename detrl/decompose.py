@@ -1,4 +1,5 @@
-"""Batch norm and log-softmax backward as small machine-dependent steps plus plain IEEE arithmetic.
+"""Batch norm, layer norm, softmax and log-softmax backward as small machine-dependent steps plus plain
+IEEE arithmetic.
 
 Batch norm's forward and backward kernels each hide a per-channel reduction inside a full-size
 elementwise epilogue. As single ops, every element of their output inherits the reduction's machine
@@ -14,6 +15,15 @@ later in training (a 600-step digits run audited under another libm showed unlog
 from step 221). Written out, ``exp`` is an elementwise op (logged at the element's own scale, where its
 error lives), ``sum(g)`` a small reduction, and the product and difference exact.
 
+Layer norm and softmax backward are the same kind of kernel over rows: a few row sums (one element per
+row) inside a full-size epilogue. Written out, only the row sums are logged, and layer norm's mean sum not
+even those where :func:`_exact_rows` proves that every order of summation gives the exact FP64 sum: as a
+single op, layer norm's mean (exact FP32 ties, rows that cancel at their position's scale) was a fifth of
+the tiny transformer's log. The sums are *row sums*: :func:`summing_rows` tells the emulated hardware
+profiles to order them as the row kernels they stand for do (``hardware.py``'s ``"row"`` chunks), not as
+a plain ``sum`` op. Softmax forward has a formula here, for the profiles, but the rounding mode does not
+decompose it (see :func:`softmax`).
+
 Each function takes :class:`Steps`: the rounding mode passes steps that run under itself (rounded, logged,
 reordered by the hardware profile) and rounds the final outputs as exact; the emulated hardware profiles
 pass their own reordered sums. Results are mathematically equal to torch's kernels.
@@ -21,21 +31,28 @@ pass their own reordered sums. Results are mathematically equal to torch's kerne
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 aten = torch.ops.aten
+#: Every formula here, by op: what the emulated hardware profiles compute these ops with.
+FORMULAS: dict[Any, Callable[..., Any]] = {}
+#: The formulas the rounding mode decomposes its ops into (all but softmax forward, see :func:`softmax`).
 DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 
 
-def _decomposes(op: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _decomposes(op: Any, rounding: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if op in DECOMPOSITIONS:
+        if op in FORMULAS:
             raise RuntimeError(f"duplicate decomposition for {op}")
-        DECOMPOSITIONS[op] = fn
+        FORMULAS[op] = fn
+        if rounding:
+            DECOMPOSITIONS[op] = fn
         return fn
 
     return register
@@ -56,17 +73,99 @@ class Steps:
 
     sum: ChannelSum
     exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp
+    #: ``1 / sqrt(t)``. The rounding mode keeps this default: two correctly rounded IEEE operations, the same
+    #: bits everywhere. Only the emulated profiles' plain FP32/FP64 runs pass a GPU's ``rsqrt`` (their libm).
+    inv_sqrt: Callable[[torch.Tensor], torch.Tensor] = lambda t: 1.0 / t.sqrt()  # noqa: E731
+
+
+_ROW_SUMS: contextvars.ContextVar[bool] = contextvars.ContextVar("detrl_row_sums", default=False)
+
+
+def summing_rows() -> bool:
+    """Whether the sum being computed now is a row sum of layer norm or softmax (called from inside
+    ``Steps.sum``): a hardware profile orders it as its row kernels do."""
+    return _ROW_SUMS.get()
+
+
+def _row_sum(steps: Steps, t: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """``steps.sum(t, dims)``, marked as a row sum for the duration of the call (:func:`summing_rows`)."""
+    token = _ROW_SUMS.set(True)
+    try:
+        return steps.sum(t, dims)
+    finally:
+        _ROW_SUMS.reset(token)
+
+
+def _exact_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Bool ``(*B)``: the rows of ``rows: (*B, n)`` whose sum every IEEE FP64 machine computes exactly, in
+    any order and any chunking (so the same FP64 value everywhere, with nothing to round or log).
+
+    Such a row is FP64 on the FP32 grid, so each term is an integer multiple of its FP32 spacing and all are
+    multiples of the smallest one, ``q``; with ``n * max|x| <= 2**52 * q`` every partial sum, whatever the
+    order, is a multiple of ``q`` below ``2**53 * q``: representable, so every add is exact. The test itself
+    uses only exact operations (max, min, frexp, a product by ``n`` that is correctly rounded, compares), so
+    every machine takes the same decision. Zeros, infinities, NaN and values off the FP32 grid are handled
+    by the same rules (a row holding inf, NaN or an off-grid value is never exact).
+    """
+    if rows.dtype != torch.float64 or rows.shape[-1] == 0:
+        return torch.zeros(rows.shape[:-1], dtype=torch.bool, device=rows.device)
+    magnitude = rows.abs()
+    on_grid = (rows.to(torch.float32).to(torch.float64) == rows).all(-1)
+    _, exponent = torch.frexp(magnitude)
+    spacing = torch.ldexp(torch.ones_like(magnitude), (exponent - 24).clamp(min=-149))
+    q = spacing.masked_fill(magnitude == 0, torch.inf).amin(-1)
+    return on_grid & (magnitude.amax(-1) * rows.shape[-1] <= q * 2.0**52)
+
+
+def _same_dtype(dtype: torch.dtype, *tensors: Any) -> bool:
+    """Whether every entry is None or a strided tensor of ``dtype`` (a floating one)."""
+    return dtype.is_floating_point and all(
+        t is None or (isinstance(t, torch.Tensor) and t.layout == torch.strided and t.dtype == dtype)
+        for t in tensors
+    )
+
+
+def _layer_norm_applies(x: Any, shape: Any, *operands: Any) -> bool:
+    """Layer norm over ``shape``, the trailing dims of a non-empty ``x``, with operands of ``x``'s dtype."""
+    if not isinstance(x, torch.Tensor) or not isinstance(shape, (list, tuple)) or x.dim() < len(shape):
+        return False
+    trailing = list(x.shape[x.dim() - len(shape) :])
+    return trailing == list(shape) and x.numel() > 0 and _same_dtype(x.dtype, x, *operands)
+
+
+def _rows_applies(grad: Any, out: Any, dim: Any, dtype: Any) -> bool:
+    """``(grad, out)`` of one floating dtype (``dtype``, if given, the same), non-empty, rank >= 1."""
+    if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.numel() == 0 or not isinstance(dim, int):
+        return False
+    return (dtype is None or dtype == out.dtype) and _same_dtype(out.dtype, grad, out)
 
 
 def applies(func: Any, args: tuple) -> bool:
-    """Whether ``func(*args)`` has a decomposition here: batch norm in training mode (rank >= 2), and
-    log-softmax backward of one floating dtype throughout."""
-    if func is aten._log_softmax_backward_data.default:
-        if len(args) < 4 or not all(isinstance(t, torch.Tensor) for t in args[:2]):
+    """Whether the rounding mode decomposes ``func(*args)``: it is in :data:`DECOMPOSITIONS` and
+    :func:`formula_applies`."""
+    return func in DECOMPOSITIONS and formula_applies(func, args)
+
+
+def formula_applies(func: Any, args: tuple) -> bool:
+    """Whether :data:`FORMULAS` computes ``func(*args)`` (positional arguments, as autograd passes them):
+    batch norm in training mode (rank >= 2); layer norm and its backward, in training and inference alike,
+    on non-empty input whose operands share its floating dtype (and the backward not asked for the gradient
+    of a missing weight or bias, which torch refuses); softmax on rank >= 1 without ``half_to_float``, and
+    the backward of softmax and log-softmax, of one floating dtype throughout. Elsewhere torch's kernel
+    runs (and raises its own errors)."""
+    if func is aten._log_softmax_backward_data.default or func is aten._softmax_backward_data.default:
+        return len(args) == 4 and _rows_applies(args[0], args[1], args[2], args[3])
+    if func is aten._softmax.default:
+        return len(args) == 3 and not args[2] and _rows_applies(None, args[0], args[1], None)
+    if func is aten.native_layer_norm.default:
+        return len(args) == 5 and _layer_norm_applies(*args[:4])
+    if func is aten.native_layer_norm_backward.default:
+        if len(args) != 8:
             return False
-        grad, out, _, input_dtype = args[:4]
-        return grad.is_floating_point() and grad.dtype == out.dtype == input_dtype and grad.numel() > 0
-    if func not in DECOMPOSITIONS or len(args) < 8:
+        grad, x, shape, mean, rstd, weight, bias, mask = args
+        missing = (mask[1] and weight is None) or (mask[2] and bias is None)
+        return not missing and _layer_norm_applies(x, shape, grad, mean, rstd, weight, bias)
+    if func not in FORMULAS or len(args) < 8:
         return False
     x, training = args[0], args[5] if func is aten.native_batch_norm.default else args[7]
     return bool(training) and x.dim() >= 2 and x.shape[1] > 0 and x.numel() > x.shape[1]
@@ -127,3 +226,104 @@ def log_softmax_backward(steps: Steps, grad_output, output, dim, input_dtype):  
     dim %= max(grad_output.dim(), 1)
     total = steps.sum(grad_output, [dim])
     return grad_output - steps.exp(output) * (total.unsqueeze(dim) if grad_output.dim() else total)
+
+
+# ------------------------------------------------------------------------------- rows: layer norm, softmax
+
+
+def _rows(x: torch.Tensor, shape: list[int]) -> tuple[torch.Tensor, int]:
+    """``x: (*B, *S)`` with ``S = shape`` as rows ``(*B, n)``, ``n = prod(S)`` (``(1, n)`` when ``B`` is empty).
+
+    The batch dims stay apart: a row sum's output ``(*B)`` is then logged at the scale torch's own mean and
+    rstd outputs were (per dim 1 for ``B`` of rank >= 2: a sequence position), not one scale for all rows.
+    """
+    n = math.prod(shape)
+    return x.reshape(*(x.shape[: x.dim() - len(shape)] or (1,)), n), n
+
+
+def _stats_shape(x: torch.Tensor, shape: list[int]) -> list[int]:
+    """Shape of layer norm's mean and rstd: ``(*B, 1, ..., 1)``, one 1 per normalized dim."""
+    return [*x.shape[: x.dim() - len(shape)], *[1] * len(shape)]
+
+
+@_decomposes(aten.native_layer_norm.default)
+def layer_norm(steps: Steps, x, normalized_shape, weight, bias, eps):  # noqa: ANN001, ANN201
+    """Layer norm of ``x: (*B, *S)`` over ``S = normalized_shape``; weight and bias are ``S``-shaped or None.
+    Returns ``(out: (*B, *S), mean, rstd: (*B, 1, ..., 1))`` (biased variance, as torch).
+
+    Two-pass statistics from two row sums (``(*B)`` each): the mean, then the squared deviations from it.
+    """
+    rows, n = _rows(x, normalized_shape)
+    # Rows of FP32-grid values mostly sum exactly in FP64, in any order: those are summed here, the same
+    # value everywhere, and reach the logged sum as zeros (never logged). Rounded and logged, their sums
+    # were most of layer norm's log (exact FP32 ties, and rows that cancel at their position's scale).
+    exact = _exact_rows(rows)
+    logged = _row_sum(steps, rows.masked_fill(exact.unsqueeze(-1), 0.0), [-1])
+    mean = (torch.where(exact, rows.sum(-1), logged) / n).unsqueeze(-1)
+    centred = rows - mean
+    var = (_row_sum(steps, centred * centred, [-1]) / n).unsqueeze(-1)
+    rstd = steps.inv_sqrt(var + eps)
+    out = centred * rstd
+    if weight is not None:
+        out = out * weight.reshape(n)
+    if bias is not None:
+        out = out + bias.reshape(n)
+    stats = _stats_shape(x, normalized_shape)
+    return out.reshape(x.shape), mean.reshape(stats), rstd.reshape(stats)
+
+
+@_decomposes(aten.native_layer_norm_backward.default)
+def layer_norm_backward(  # noqa: ANN201
+    steps: Steps,
+    grad_out,
+    x,
+    normalized_shape,
+    mean,
+    rstd,
+    weight,
+    bias,
+    output_mask,  # noqa: ANN001
+):
+    """Gradients of :func:`layer_norm`: ``(grad_x: (*B, *S), grad_weight: S, grad_bias: S)``, None where
+    masked. ``grad_x = rstd * (gw - mean(gw) - xhat * mean(gw * xhat))`` with ``gw = grad_out * weight``:
+    two row sums; the parameter gradients are sums over all rows."""
+    g, n = _rows(grad_out, normalized_shape)
+    stats = [*g.shape[:-1], 1]
+    rstd = rstd.reshape(stats)
+    xhat = (_rows(x, normalized_shape)[0] - mean.reshape(stats)) * rstd
+    grad_x = grad_w = grad_b = None
+    if output_mask[0]:
+        gw = g if weight is None else g * weight.reshape(n)
+        mean_g = (_row_sum(steps, gw, [-1]) / n).unsqueeze(-1)
+        mean_gx = (_row_sum(steps, gw * xhat, [-1]) / n).unsqueeze(-1)
+        grad_x = ((gw - mean_g - xhat * mean_gx) * rstd).reshape(x.shape)
+    batch = list(range(g.dim() - 1))
+    if output_mask[1]:
+        grad_w = _row_sum(steps, g * xhat, batch).reshape(weight.shape)
+    if output_mask[2]:
+        grad_b = _row_sum(steps, g, batch).reshape(bias.shape)
+    return grad_x, grad_w, grad_b
+
+
+@_decomposes(aten._softmax.default, rounding=False)
+def softmax(steps: Steps, x, dim, half_to_float):  # noqa: ANN001, ANN201, ARG001
+    """``exp(x - max) / sum(exp(x - max))`` along ``dim``, shape of ``x``. The max is exact in any order
+    and ``x - max`` one correctly rounded subtraction; the sum is a reduction to ``x.shape`` without ``dim``.
+
+    The rounding mode does not decompose it (the profiles compute it with this formula): as one op it is
+    elementwise, logged at each element's own scale (its error is relative: the sum of positive terms is),
+    and almost never logged. Decomposed, the rounded sum of exponentials lands on exact FP32 ties
+    (``1 + e`` of a causal row's first two terms) and is logged at its head's scale: the tiny transformer's
+    log grew from 419 to 467 entries a step, GPT-2 tiny's from 937 to 1015."""
+    dim %= x.dim()
+    e = steps.exp(x - x.amax(dim, keepdim=True))
+    return e / _row_sum(steps, e, [dim]).unsqueeze(dim)
+
+
+@_decomposes(aten._softmax_backward_data.default)
+def softmax_backward(steps: Steps, grad_output, output, dim, input_dtype):  # noqa: ANN001, ANN201, ARG001
+    """Input gradient of ``output = softmax(x, dim)``: ``y * g - y * sum(y * g, dim)``, shape of ``g``. Both
+    products are of FP32-grid factors, exact in FP64; the difference is one correctly rounded subtraction."""
+    dim %= output.dim()
+    yg = output * grad_output
+    return yg - output * _row_sum(steps, yg, [dim]).unsqueeze(dim)

@@ -55,7 +55,8 @@ Emulated ops (float32 and float64 everywhere, half types where noted; any device
   kernels use Welford's update, which leaves an ulp of error in the mean that a two-pass sum of FP32-grid
   values does not) and backward (the row sums of
   the input gradient; the weight and bias gradients summed over rows); ``_softmax``, ``_log_softmax`` and
-  their backward (the max is exact in any order, the sum of exponentials is not); ``nll_loss`` and
+  their backward (the max is exact in any order, the sum of exponentials is not); layer norm, softmax and
+  their backward from the formulas in :mod:`detrl.decompose`, as batch norm; ``nll_loss`` and
   ``nll_loss2d`` with ``sum``/``mean`` reduction (cross-entropy is log-softmax plus NLL), and their backward
   (which sums nothing: only the class weight's product is taken in another order); ``embedding_dense_backward``
   (each index's duplicate rows ranked in the profile's order of the occurrences, cut into row chunks and
@@ -65,8 +66,10 @@ Emulated ops (float32 and float64 everywhere, half types where noted; any device
 
 Every other op, ``out=`` overloads, integer/complex dtypes, half types outside matrix products and
 convolutions, and non-strided layouts run natively.  In verifiable precision the rounding mode decomposes
-batch norm and log-softmax backward before a profile sees them (:mod:`detrl.decompose`): their sums and
-exponentials reach the profile as ``sum`` and ``exp`` ops.  In float64 the emulated results agree with native to
+batch norm, layer norm and their backward, and the backward of softmax and log-softmax, before a profile
+sees them (:mod:`detrl.decompose`): their sums and exponentials reach the profile as ``sum`` and ``exp``
+ops, the row sums of layer norm and softmax marked (:func:`detrl.decompose.summing_rows`) to be ordered in
+row chunks.  In float64 the emulated results agree with native to
 a few ulps at the result's scale; in float32 most elements of a large reduction differ.
 """
 
@@ -528,7 +531,9 @@ def _sum_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> 
         (x, dtype), dim, keepdim = _bind(func, args, kwargs), None, False
     else:
         x, dim, keepdim, dtype = _bind(func, args, kwargs)
-    out = _sum(p, x, dim, keepdim, dtype)
+    # A row sum of a decomposed layer norm or softmax (verifiable precision) is ordered as the row kernel it
+    # came from would order it: in "row" chunks, not as a plain sum over a long axis.
+    out = _sum(p, x, dim, keepdim, dtype, "row" if decompose.summing_rows() else "k")
     return func(*args, **kwargs) if out is None else out.to(dtype or x.dtype)
 
 
@@ -754,48 +759,26 @@ def _normalize_backward(p: EmulatedProfile, g: Tensor, xhat: Tensor, rstd: Tenso
     return (g - _reduce(p, g, [1]) / n - xhat * (_reduce(p, g * xhat, [1]) / n)) * rstd
 
 
-@_register(aten.native_layer_norm.default)
-def _layer_norm(
-    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Layer norm over the last ``len(normalized_shape)`` dims of ``x: (*B, *S)``: ``(out: (*B, *S), mean,
-    rstd: (*B, 1, ..., 1))``; weight and bias are ``S``-shaped."""
-    x, shape, weight, bias, eps = _bind(func, args, kwargs)
-    n = math.prod(shape)
-    if not _rows(x, weight, bias) or x.numel() == 0 or n == 0:
+@_register(
+    aten.native_layer_norm.default,
+    aten.native_layer_norm_backward.default,
+    aten._softmax.default,
+    aten._softmax_backward_data.default,
+)
+def _row_decomposed(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Layer norm and softmax, forward and backward, from their formulas in :mod:`detrl.decompose` (two-pass
+    layer norm statistics where native kernels use Welford's update, which leaves an ulp of error in the
+    mean that a two-pass sum of FP32-grid values does not), with every row sum in the profile's row order,
+    ``exp`` and layer norm's ``rsqrt`` from its libm. Where the formula does not apply, and for half types,
+    the native kernel runs. (In verifiable precision the rounding mode decomposes all but softmax forward
+    before a profile sees them; their row sums reach :func:`_sum_op`, which orders them the same way.)"""
+    bound = tuple(_bind(func, args, kwargs))
+    if not decompose.formula_applies(func, bound) or not _rows(*(t for t in bound if isinstance(t, Tensor))):
         return func(*args, **kwargs)
-    xhat, mean, rstd = _normalize(p, x.reshape(-1, n), eps)
-    out = xhat
-    if weight is not None:
-        out = out * weight.reshape(1, n)
-    if bias is not None:
-        out = out + bias.reshape(1, n)
-    stats = (*x.shape[: x.dim() - len(shape)], *[1] * len(shape))
-    return out.reshape(x.shape), mean.reshape(stats), rstd.reshape(stats)
-
-
-@_register(aten.native_layer_norm_backward.default)
-def _layer_norm_backward(
-    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients of :func:`_layer_norm`: ``(grad_x, grad_weight, grad_bias)``; the parameter gradients sum
-    over all ``M`` rows, in the profile's row order too."""
-    go, x, shape, mean, rstd, weight, bias, mask = _bind(func, args, kwargs)
-    n = math.prod(shape)
-    wanted_missing = (mask[1] and weight is None) or (mask[2] and bias is None)
-    if not _rows(go, x, mean, rstd, weight, bias) or x.numel() == 0 or n == 0 or wanted_missing:
-        return func(*args, **kwargs)
-    g = go.reshape(-1, n)
-    xhat = (x.reshape(-1, n) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
-    grad_x = grad_w = grad_b = None
-    if mask[0]:
-        gw = g if weight is None else g * weight.reshape(1, n)
-        grad_x = _normalize_backward(p, gw, xhat, rstd.reshape(-1, 1)).reshape(x.shape)
-    if mask[1]:
-        grad_w = _reduce(p, g * xhat, [0], keepdim=False).reshape(weight.shape)
-    if mask[2]:
-        grad_b = _reduce(p, g, [0], keepdim=False).reshape(bias.shape)
-    return grad_x, grad_w, grad_b
+    steps = decompose.Steps(
+        lambda t, dims: _reduce(p, t, dims, keepdim=False), lambda t: _exp(p, t), lambda t: _rsqrt(p, t)
+    )
+    return decompose.FORMULAS[func](steps, *bound)
 
 
 @_register(aten.native_group_norm.default)
@@ -839,16 +822,6 @@ def _group_norm_backward(
     return grad_x, grad_w, grad_b
 
 
-@_register(aten._softmax.default)
-def _softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
-    """``exp(x - max) / sum(exp(x - max))`` along ``dim`` (the max is exact in any order; the sum is not)."""
-    x, dim, half_to_float = _bind(func, args, kwargs)
-    if half_to_float or not _rows(x) or x.dim() == 0 or x.numel() == 0:
-        return func(*args, **kwargs)
-    e = _exp(p, x - x.amax(dim, keepdim=True))
-    return e / _reduce(p, e, [dim])
-
-
 @_register(aten._log_softmax.default)
 def _log_softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``(x - max) - log(sum(exp(x - max)))`` along ``dim``."""
@@ -857,16 +830,6 @@ def _log_softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
         return func(*args, **kwargs)
     shifted = x - x.amax(dim, keepdim=True)
     return shifted - _log(p, _reduce(p, _exp(p, shifted), [dim]))
-
-
-@_register(aten._softmax_backward_data.default)
-def _softmax_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
-    """``y * g - y * sum(y * g)`` along ``dim`` (native kernels factor it as ``y * (g - sum(y * g))``)."""
-    g, y, dim, input_dtype = _bind(func, args, kwargs)
-    if not _rows(g, y) or input_dtype != g.dtype or g.dim() == 0 or g.numel() == 0:
-        return func(*args, **kwargs)
-    yg = y * g
-    return yg - y * _reduce(p, yg, [dim])
 
 
 @_register(aten._log_softmax_backward_data.default)
