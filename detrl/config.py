@@ -67,18 +67,18 @@ class DataConfig(Strict):
 
 
 class ModelConfig(Strict):
-    name: Literal["cnn_bn", "mlp_dropout", "tiny_transformer", "resnet50", "gpt2"] = "cnn_bn"
+    name: Literal["cnn_bn", "mlp_dropout", "tiny_transformer", "lstm_lm", "resnet50", "gpt2"] = "cnn_bn"
     channels: int = Field(16, ge=1, description="cnn_bn: channels of the first conv")
-    hidden: int = Field(128, ge=1, description="mlp_dropout: hidden units")
+    hidden: int = Field(128, ge=1, description="mlp_dropout and lstm_lm: hidden units")
     dropout: float | None = Field(
         None,
         ge=0.0,
         lt=1.0,
         description="dropout probability (default: 0 for cnn_bn, 0.1 for mlp, transformer and gpt2)",
     )
-    d_model: int = Field(32, ge=2)
+    d_model: int = Field(32, ge=2, description="tiny_transformer: width; lstm_lm: embedding width")
     heads: int = Field(2, ge=1)
-    layers: int = Field(1, ge=1)
+    layers: int = Field(1, ge=1, description="tiny_transformer: blocks; lstm_lm: LSTM layers")
     width: int = Field(64, ge=1, description="resnet50: base width (stem and first stage; 64 is ResNet-50)")
     n_layer: int = Field(12, ge=1, description="gpt2: transformer blocks")
     n_embd: int = Field(768, ge=1, description="gpt2: embedding width")

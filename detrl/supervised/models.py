@@ -106,6 +106,24 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln(x))
 
 
+class LSTMLM(nn.Module):
+    """A character LSTM language model: tokens ``(N, T)`` int64 -> embedding ``d_model`` -> ``layers``
+    LSTM layers of ``hidden`` units -> logits ``(N, T, vocab)``.
+
+    Its weight gradients' rows (one per gate unit) differ in magnitude by orders and drift apart over
+    training, which made it the model whose rounding log grew fastest before ``mm`` took its threshold's
+    unit per row and column (detrl/scale.py)."""
+
+    def __init__(self, vocab: int = 65, d_model: int = 64, hidden: int = 128, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d_model)
+        self.lstm = nn.LSTM(d_model, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.emb(tokens))[0])
+
+
 class Bottleneck(nn.Module):
     expansion = 4
 
@@ -295,6 +313,7 @@ MODELS = {
     "cnn_bn": DigitsCNN,
     "mlp_dropout": MLPDropout,
     "tiny_transformer": TinyTransformer,
+    "lstm_lm": LSTMLM,
     "resnet50": ResNet50,
     "gpt2": GPT2,
 }

@@ -132,6 +132,8 @@ def build_model(cfg: RunConfig, x: torch.Tensor, classes: int = 10) -> torch.nn.
             vocab=data_vocab(cfg), d_model=m.d_model, heads=m.heads, layers=m.layers, seq_len=x.shape[1],
             dropout=dropout,
         )  # fmt: skip
+    if name == "lstm_lm":
+        return MODELS[name](vocab=data_vocab(cfg), d_model=m.d_model, hidden=m.hidden, layers=m.layers)
     if name == "gpt2":
         if cfg.data.name in TEXT_DATA and m.vocab_size < data_vocab(cfg):
             raise ConfigError(
