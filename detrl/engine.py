@@ -496,9 +496,13 @@ class Session:
                 # During calibration the recorder's thresholds grew as it went, each at least the lowest
                 # floor: half of that is the sound threshold for counting unlogged near-midpoint elements.
                 check = Thresholds(default=TAU_FLOOR_MEASURED / 2) if in_calibration else None
+                # An op kind's threshold can also fall during calibration: from TAU_FLOOR, while every call
+                # measured agreed exactly, to its measured value. Entries of those steps were logged at
+                # most at max(final tau, TAU_FLOOR); the replayer honours them within that.
+                honour = TAU_FLOOR if in_calibration else 0.0
                 # The rounding mode routes random ops itself: one dispatch mode per op, not two.
                 stream = self.sources.torch("dropout") if self.route_random_ops else None
-                modes.enter_context(self.rounding.step_scope(rounding, calibrate, check, stream))
+                modes.enter_context(self.rounding.step_scope(rounding, calibrate, check, stream, honour))
             elif self.route_random_ops:
                 modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
             try:

@@ -242,6 +242,8 @@ class RoundingMode(TorchDispatchMode):
         self.calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None
         #: the stream seeded random ops draw from inside a step (see :func:`detrl.randomness.handler_for`)
         self.random: torch.Generator | None = None
+        #: replay: entries are honoured within 2 x max(tau, this) (see :meth:`step_scope`)
+        self.honour_floor = 0.0
 
     @contextlib.contextmanager
     def step_scope(
@@ -250,17 +252,20 @@ class RoundingMode(TorchDispatchMode):
         calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None,
         check_thresholds: Thresholds | None = None,
         random: torch.Generator | None = None,
+        honour_floor: float = 0.0,
     ) -> Iterator[StepRounding]:
         """Enter the mode for one training step's ops: what to record or replay (``step``), an optional
-        calibrator, the replayer's unlogged-near thresholds when not tau/2, and the stream that seeded
-        random ops draw from (None: they are not routed). Restored on exit."""
+        calibrator, the replayer's unlogged-near thresholds when not tau/2, the stream that seeded random
+        ops draw from (None: they are not routed), and the least threshold a replayer honours entries
+        within (a calibration step's: the recorder's thresholds were still moving). Restored on exit."""
         self.step, self.calibrate, self.check_thresholds = step, calibrate, check_thresholds
-        self.random = random
+        self.random, self.honour_floor = random, honour_floor
         try:
             with self:
                 yield step
         finally:
             self.step, self.calibrate, self.check_thresholds, self.random = None, None, None, None
+            self.honour_floor = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -370,6 +375,7 @@ class RoundingMode(TorchDispatchMode):
         sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it."""
         entries = step.entries(seq, x.numel())
         check_tau = self.check_thresholds.tau(name) if self.check_thresholds else tau * REPLAY_CHECK_FRACTION
+        honour = max(tau, self.honour_floor)  # the largest threshold the recorder may have logged it with
         flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
         if entries is not None and (len(entries.indices) or len(entries.pinned_indices)):
             last = max(int(entries.indices[-1]) if len(entries.indices) else -1,
@@ -379,10 +385,10 @@ class RoundingMode(TorchDispatchMode):
                 raise LogOutOfRange(seq, name, last, x.numel())
             flat_near = flat_near.clone()
             if len(entries.indices):
-                self._apply_directions(step, seq, name, x, rounded, entries, tau, scaled)
+                self._apply_directions(step, seq, name, x, rounded, entries, honour, scaled)
                 flat_near[torch.from_numpy(entries.indices).to(x.device)] = False
             if len(entries.pinned_indices):
-                self._apply_pinned(step, seq, name, x, rounded, entries, tau, scaled)
+                self._apply_pinned(step, seq, name, x, rounded, entries, honour, scaled)
                 flat_near[torch.from_numpy(entries.pinned_indices).to(x.device)] = False
         n_unlogged = int(flat_near.sum())
         if n_unlogged:
