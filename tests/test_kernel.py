@@ -15,8 +15,8 @@ from hypothesis.extra import numpy as hnp
 
 from detrl import kernel
 from detrl.rounding import _take, _uncertainty, entries_for, near_midpoint
-from detrl.scale import Scale, channel_scale, reduction_scale
 from detrl.roundlog import OpEntries
+from detrl.scale import Scale, channel_scale, reduction_scale
 
 needs_kernel = pytest.mark.skipif(not kernel.available(), reason="the native kernel is not built here")
 TAUS = [0.0, 2.0**-30, 2.0**-16, 2.0**-8, 0.25, 0.5]
