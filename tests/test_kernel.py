@@ -121,8 +121,12 @@ def _matrix_inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, tor
     """``a: (m, k)``, ``b: (k, n)`` on the FP32 grid, rows and columns of very different magnitudes (a
     weight gradient's shape of trouble)."""
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(m, k, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(-20, 5, (m, 1), generator=g)
-    b = torch.randn(k, n, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(-5, 5, (1, n), generator=g)
+    a = torch.randn(m, k, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(
+        -20, 5, (m, 1), generator=g
+    )
+    b = torch.randn(k, n, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(
+        -5, 5, (1, n), generator=g
+    )
     return a.float().double(), b.float().double()
 
 
