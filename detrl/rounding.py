@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from detrl import decompose, kernel, randomness
 from detrl.fused import run_split, split_needed
 from detrl.oprules import OpKind, classify, op_name
-from detrl.roundlog import OpEntries
+from detrl.roundlog import OpEntries, key32, nearest_with_low16
 from detrl.scale import Scale, reduction_scale, scale_spacing, spacing32
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
@@ -135,7 +135,7 @@ def entries_for(seq: int, idx: torch.Tensor, xs: torch.Tensor, t: torch.Tensor) 
     """Log entries of op ``seq`` for its near-midpoint elements: their row-major indices ``idx``, FP64 values
     ``xs`` and uncertainties ``t`` (all ``(n,)``). Each records the neighbour its nearest rounding chose,
     or, where the uncertainty reaches a quarter of the element's own spacing (heavy cancellation), the
-    rounded value itself (pinned)."""
+    rounded value itself (pinned; :func:`split_short` then stores some of those as 16 key bits)."""
     rs = xs.to(torch.float32).to(torch.float64)
     pinned = 4 * t >= spacing32(rs)
     keep = ~pinned
@@ -145,6 +145,54 @@ def entries_for(seq: int, idx: torch.Tensor, xs: torch.Tensor, t: torch.Tensor) 
         up=(rs.abs() > xs.abs())[keep].cpu().numpy(),
         pinned_indices=idx[pinned].cpu().numpy(),
         pinned_values=rs[pinned].to(torch.float32).cpu().numpy(),
+    )
+
+
+#: A pinned value is stored short (16 key bits) when its uncertainty is at most this many of its spacings.
+SHORT_PINNED_SPACINGS = 2.0**12
+
+
+def split_short(entries: OpEntries, x: torch.Tensor, tau: float, scaled: bool | Scale) -> OpEntries:
+    """``entries`` with the pinned values that the replayer's own rounding names up to their low 16 key
+    bits (:func:`detrl.roundlog.key32`) moved to ``short_indices``/``short_bits``; ``x`` is the op's output
+    already rounded to FP32 (in FP64). Both recording paths (native kernel and reference) call this after
+    rounding, with nothing but the rounded values and the op's unit, so they decide bit-identically.
+
+    A value ``v`` is stored short when it is finite and its uncertainty ``T <= 2**12 s`` (``s``: spacing32
+    of ``v``). Why the replayer's rounded value ``r'`` then lies within 2**15 keys of ``v``: the replayer
+    honours ``v`` only within reach ``2 T + s`` of its FP64 result ``x'``, and ``r'`` is within half a
+    spacing of ``x'``; ``|x'| <= |v| (1 + 2**-10)`` so ``x'``'s spacing is at most ``2 s``, and
+    ``|r' - v| <= 2**13 s + 2 s``. Between ``v`` and ``r'`` the FP32 spacing is at least ``s / 2`` (a
+    distance of ``2**13 s`` is below ``|v| / 2**10`` for a normal ``v``, so at most one binade edge, where
+    the spacing halves, is crossed, and never zero; subnormals all have the spacing 2**-149), so they are
+    at most ``2**14 + 4`` keys apart: half the 2**15 that makes the reconstruction unique, a 2x margin.
+    (A replayer whose own T is larger, from a channel scale one binade up or an honour floor, honours a
+    wider reach; but an honest replayer's FP64 result lies within T of the recorder's, and then ``r'`` is
+    at most about 2**13 keys from ``v``.)
+    T is computed here as the replayer computes it, but from ``v``: for reduction ops it is tau units of
+    the :class:`Scale` or of the channel scale of the rounded output (what :func:`near_midpoint` uses,
+    independent of the element); for elementwise ops it is ``tau |x| 2**-23`` clamped, and taking ``v``
+    for ``x`` is safe: ``|x - v| <= s / 2`` gives ``T(x) <= T(v) (1 + 2**-23)``, inside the 2x margin.
+    """
+    if not len(entries.pinned_indices):
+        return entries
+    idx = torch.from_numpy(entries.pinned_indices).to(x.device)
+    vs = torch.from_numpy(entries.pinned_values).to(x.device).double()
+    if isinstance(scaled, Scale) or scaled:
+        t = _uncertainty(x, x, idx, tau, scaled)
+    else:
+        t = (vs.abs() * (tau * 2.0**-23)).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
+    short = (torch.isfinite(vs) & (t <= SHORT_PINNED_SPACINGS * spacing32(vs))).cpu().numpy()
+    if not short.any():
+        return entries
+    return OpEntries(
+        op=entries.op,
+        indices=entries.indices,
+        up=entries.up,
+        pinned_indices=entries.pinned_indices[~short],
+        pinned_values=entries.pinned_values[~short],
+        short_indices=entries.pinned_indices[short],
+        short_bits=(key32(entries.pinned_values[short]) & 0xFFFF).astype(np.uint16),
     )
 
 
@@ -354,8 +402,11 @@ class RoundingMode(TorchDispatchMode):
                     entries = entries_for(seq, idx, _take(x, idx), _uncertainty(x, rounded, idx, tau, scaled))
                 x.copy_(rounded)
             if entries is not None:
+                entries = split_short(entries, x, tau, scaled)  # x is rounded now, on both paths
                 step.recorded.append(entries)
-                step.stats.logged += len(entries.indices) + len(entries.pinned_indices)
+                step.stats.logged += (
+                    len(entries.indices) + len(entries.pinned_indices) + len(entries.short_indices)
+                )
             return
         rounded = x.to(torch.float32)
         self._replay(step, seq, name, x, rounded, tau, scaled)
@@ -377,9 +428,12 @@ class RoundingMode(TorchDispatchMode):
         check_tau = self.check_thresholds.tau(name) if self.check_thresholds else tau * REPLAY_CHECK_FRACTION
         honour = max(tau, self.honour_floor)  # the largest threshold the recorder may have logged it with
         flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
-        if entries is not None and (len(entries.indices) or len(entries.pinned_indices)):
+        if entries is not None and (
+            len(entries.indices) or len(entries.pinned_indices) or len(entries.short_indices)
+        ):
             last = max(int(entries.indices[-1]) if len(entries.indices) else -1,
-                       int(entries.pinned_indices[-1]) if len(entries.pinned_indices) else -1)  # fmt: skip
+                       int(entries.pinned_indices[-1]) if len(entries.pinned_indices) else -1,
+                       int(entries.short_indices[-1]) if len(entries.short_indices) else -1)  # fmt: skip
             if last >= x.numel():
                 self._anomaly(seq, name, last, "logged-index-out-of-range")
                 raise LogOutOfRange(seq, name, last, x.numel())
@@ -390,6 +444,19 @@ class RoundingMode(TorchDispatchMode):
             if len(entries.pinned_indices):
                 self._apply_pinned(step, seq, name, x, rounded, entries, honour, scaled)
                 flat_near[torch.from_numpy(entries.pinned_indices).to(x.device)] = False
+            if len(entries.short_indices):
+                # The value whose key has the logged low 16 bits nearest this machine's own rounding; then
+                # the pinned checks: a forged low half names a value within 2**15 keys of ours, which
+                # the reach check bounds like any pinned value.
+                sidx = torch.from_numpy(entries.short_indices).to(x.device)
+                own = _take(rounded, sidx).cpu().numpy()
+                values = nearest_with_low16(own, entries.short_bits)
+                as_pinned = OpEntries(
+                    op=entries.op, indices=entries.indices[:0], up=entries.up[:0],
+                    pinned_indices=entries.short_indices, pinned_values=values,
+                )  # fmt: skip
+                self._apply_pinned(step, seq, name, x, rounded, as_pinned, honour, scaled)
+                flat_near[sidx] = False
         n_unlogged = int(flat_near.sum())
         if n_unlogged:
             step.stats.unlogged_near += n_unlogged

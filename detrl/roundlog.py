@@ -48,11 +48,14 @@ __all__ = [
     "StepCursor",
     "dense_reference_bytes",
     "encode_segment",
+    "from_key32",
+    "key32",
+    "nearest_with_low16",
     "rewrite",
     "segment_compressor",
 ]
 
-FORMAT_VERSION: int = 2
+FORMAT_VERSION: int = 3
 
 # --- byte layout (all little-endian; see docs/roundlog.md) -------------------------------------
 FILE_MAGIC = b"DTRLRLOG"
@@ -68,6 +71,11 @@ _RECORD_HEADER = struct.Struct("<IIB")
 
 #: Set in a record's width byte: the record holds pinned FP32 values instead of direction bits.
 PINNED_FLAG = 0x80
+#: Set in a record's width byte: the record holds the low 16 bits of pinned values' keys (:func:`key32`).
+SHORT_FLAG = 0x40
+#: Record kinds, in the order an op's records must come: direction, pinned, short.
+_DIRECTION, _PINNED, _SHORT = 0, 1, 2
+_KIND_NAMES = ("direction", "pinned", "short pinned")
 _U32_LIMIT = 1 << 32
 _U64_LIMIT = 1 << 64
 _I64_LIMIT = 1 << 63
@@ -93,6 +101,41 @@ class RoundLogError(ValueError):
     """A rounding log file is malformed, corrupted or unreadable."""
 
 
+# --- order-preserving keys of FP32 values ------------------------------------------------------
+
+
+def key32(values: np.ndarray) -> np.ndarray:
+    """Order-preserving unsigned keys (uint32, same shape) of FP32 ``values``.
+
+    ``key = bits ^ 0x80000000`` for a clear sign bit, ``~bits`` for a set one: keys increase with the
+    value, -0 and +0 are adjacent (0x7FFFFFFF, 0x80000000), and neighbouring FP32 values (including
+    across zero, the subnormals and up to the infinities) have neighbouring keys. NaNs get keys beyond
+    the infinities'.
+    """
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+    return np.where(bits & np.uint32(0x80000000), ~bits, bits ^ np.uint32(0x80000000)).astype(np.uint32)
+
+
+def from_key32(keys: np.ndarray) -> np.ndarray:
+    """FP32 values (float32, same shape) of :func:`key32` keys; the exact inverse."""
+    k = np.asarray(keys, dtype=np.uint32)
+    bits = np.where(k & np.uint32(0x80000000), k ^ np.uint32(0x80000000), ~k).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def nearest_with_low16(near: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """The FP32 values (float32) whose key is congruent to ``low`` (uint16) mod 2**16 and nearest the key
+    of ``near`` (float32, same shape): the value ``v`` itself whenever ``|key32(v) - key32(near)| < 2**15``
+    and ``low == key32(v) & 0xFFFF``. Keys past either end of the uint32 range are moved by 2**16 back
+    into it (still congruent, within 2**16 of ``near``'s key)."""
+    k = key32(near).astype(np.int64)
+    d = (np.asarray(low, dtype=np.int64) - k) & 0xFFFF
+    d = np.where(d >= 1 << 15, d - (1 << 16), d)
+    got = k + d
+    got = np.where(got < 0, got + (1 << 16), np.where(got >= _U32_LIMIT, got - (1 << 16), got))
+    return from_key32(got.astype(np.uint32))
+
+
 @dataclass
 class OpEntries:
     """Logged elements of one rounded op output within one step.
@@ -105,6 +148,11 @@ class OpEntries:
             uncertainty spans more than a fraction of their own FP32 spacing (results of heavy
             cancellation), for which a direction bit cannot name the value; their FP32 value is stored.
         pinned_values: float32, shape (m,): the FP32 values chosen for ``pinned_indices``.
+        short_indices: int64, shape (k,), strictly increasing, disjoint from ``indices`` and
+            ``pinned_indices``: pinned elements whose uncertainty is small enough that the replayer's own
+            rounded value names all but the low 16 bits of the value's key (:func:`key32`).
+        short_bits: uint16, shape (k,): ``key32(value) & 0xFFFF`` for ``short_indices``; the replayer
+            takes the key congruent to it nearest its own value's (:func:`nearest_with_low16`).
     """
 
     op: int
@@ -112,6 +160,8 @@ class OpEntries:
     up: np.ndarray
     pinned_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pinned_values: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    short_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    short_bits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint16))
 
     def __eq__(self, other: object) -> bool:
         # The generated dataclass __eq__ would compare arrays with ==, which is ambiguous.
@@ -126,6 +176,8 @@ class OpEntries:
                 np.asarray(self.pinned_values, dtype=np.float32).view(np.uint32),
                 np.asarray(other.pinned_values, dtype=np.float32).view(np.uint32),
             )
+            and np.array_equal(self.short_indices, other.short_indices)
+            and np.array_equal(self.short_bits, other.short_bits)
         )
 
 
@@ -203,20 +255,43 @@ def _validated_pinned(e: OpEntries, idx: np.ndarray) -> tuple[np.ndarray, np.nda
     return pidx.astype(np.int64, copy=False), vals.astype(np.float32, copy=False)
 
 
-def _encode_record(op: int, idx: np.ndarray, payload: np.ndarray, pinned: bool) -> bytes:
+def _validated_short(e: OpEntries, idx: np.ndarray, pidx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return (short indices int64 (k,), low key bits uint16 (k,)) of ``e`` after validating them."""
+    sidx = np.asarray(e.short_indices)
+    low = np.asarray(e.short_bits)
+    if sidx.ndim != 1 or low.ndim != 1 or sidx.shape != low.shape:
+        raise ValueError(f"op {e.op}: short_indices and short_bits must be 1-D and of equal length")
+    if sidx.size:
+        if sidx.dtype.kind not in "iu" or low.dtype != np.uint16:
+            raise ValueError(f"op {e.op}: short indices must be integers and short bits uint16")
+        if int(sidx.min()) < 0 or int(sidx.max()) >= _I64_LIMIT or sidx.size >= _U32_LIMIT:
+            raise ValueError(f"op {e.op}: short indices must be in [0, 2**63)")
+        sidx = sidx.astype(np.int64, copy=False)
+        if sidx.size > 1 and not np.all(sidx[1:] > sidx[:-1]):
+            raise ValueError(f"op {e.op}: short indices must be strictly increasing")
+        if np.intersect1d(sidx, idx, assume_unique=True).size:
+            raise ValueError(f"op {e.op}: an element cannot have both a direction and a short pinned value")
+        if np.intersect1d(sidx, pidx, assume_unique=True).size:
+            raise ValueError(f"op {e.op}: an element cannot have both a pinned and a short pinned value")
+    return sidx.astype(np.int64, copy=False), low.astype(np.uint16, copy=False)
+
+
+def _encode_record(op: int, idx: np.ndarray, payload: np.ndarray, kind: int) -> bytes:
     """One payload record: header, delta-coded indices (first absolute), then packed direction bits
-    (a direction record) or FP32 values in byte planes (a pinned record, flagged in the width byte)."""
+    (a direction record), FP32 values in byte planes (a pinned record, 0x80 in the width byte) or the
+    low 16 key bits in 2 byte planes (a short record, 0x40 in the width byte)."""
     deltas = np.diff(idx, prepend=np.int64(0))  # deltas[0] = idx[0]; all >= 0 after validation
     width = 4 if int(deltas.max()) < _U32_LIMIT else 8
-    if pinned:
+    if kind == _PINNED:
         tail = np.asarray(payload, dtype="<f4").view(np.uint8).reshape(-1, 4).T.tobytes()
+        flag = PINNED_FLAG
+    elif kind == _SHORT:
+        tail = np.asarray(payload, dtype="<u2").view(np.uint8).reshape(-1, 2).T.tobytes()
+        flag = SHORT_FLAG
     else:
         tail = np.packbits(payload).tobytes()  # MSB-first, zero padding bits
-    return (
-        _RECORD_HEADER.pack(op, idx.size, width | (PINNED_FLAG if pinned else 0))
-        + _planes(deltas, width)
-        + tail
-    )
+        flag = 0
+    return _RECORD_HEADER.pack(op, idx.size, width | flag) + _planes(deltas, width) + tail
 
 
 def segment_compressor(level: int = 3) -> zstandard.ZstdCompressor:
@@ -250,10 +325,13 @@ def encode_segment(step: int, ops: Iterable[OpEntries], cctx: zstandard.ZstdComp
         prev_op = op
         idx, up = _validated_arrays(e)
         pidx, vals = _validated_pinned(e, idx)
+        sidx, low = _validated_short(e, idx, pidx)
         if idx.size:
-            records.append(_encode_record(op, idx, up, pinned=False))
+            records.append(_encode_record(op, idx, up, _DIRECTION))
         if pidx.size:
-            records.append(_encode_record(op, pidx, vals, pinned=True))
+            records.append(_encode_record(op, pidx, vals, _PINNED))
+        if sidx.size:
+            records.append(_encode_record(op, sidx, low, _SHORT))
     raw = b"".join(records)
     comp = cctx.compress(raw)
     head = _SEG_HEADER.pack(SEGMENT_TAG, step, len(records), len(raw), len(comp), 0)[:-4]
@@ -288,14 +366,14 @@ class RoundLogWriter:
     def append(
         cls, path: str | os.PathLike, offset: int, last_step: int | None, level: int = 3
     ) -> RoundLogWriter:
-        """Reopen an existing version-2 log to continue it (resuming a run).
+        """Reopen an existing log of this version (:data:`FORMAT_VERSION`) to continue it (resuming a run).
 
         The file is truncated to ``offset`` bytes (>= the 16-byte header and <= the file size;
         normally :meth:`RoundLogReader.segment_end` of the last step to keep), and later
         :meth:`write_step` calls must use steps greater than ``last_step`` (None: no constraint,
         for a log with no segment kept). The caller is responsible for ``offset`` lying on a segment
         boundary. With the same ``level``, continuing a truncated file writes the same bytes as an
-        uninterrupted run. Raises RoundLogError if the file is not a version-2 log, ValueError for
+        uninterrupted run. Raises RoundLogError if the file is not a log of this version, ValueError for
         a bad offset or step.
         """
         self = cls.__new__(cls)
@@ -549,7 +627,8 @@ class RoundLogReader:
         Decodes every record with the same checks as :class:`StepCursor` (checksum, frame,
         decompressed length, record structure) but without an op output size to bound it; instead
         a record of more than ``max_entries`` entries is refused before anything is allocated for
-        it. Memory: the returned arrays (up to 12 bytes per entry) plus the cursor's constant.
+        it. Memory: the returned arrays (up to 12 bytes per entry, whatever its kind) plus the
+        cursor's constant.
         """
         with self.cursor(step) as cur:
             out: dict[int, OpEntries] = {}
@@ -660,7 +739,7 @@ class _Head:
     op: int
     count: int
     width: int  # bytes per delta, 4 or 8
-    pinned: bool
+    kind: int  # _DIRECTION, _PINNED or _SHORT
     body: int  # bytes of deltas and bits/values after the header
 
 
@@ -675,8 +754,9 @@ class StepCursor:
     file before that length has been checked against the op output size.
 
     Memory bound: one :meth:`take` allocates at most 12 bytes per element of the op output
-    (``numel``): an int64 index plus a direction bit in a byte, or an int64 index plus an FP32
-    value, for each logged element, and the entries of one op are disjoint indices < ``numel``.
+    (``numel``): an int64 index plus a direction bit in a byte, an int64 index plus an FP32 value,
+    or an int64 index plus 16 key bits, for each logged element, and the entries of one op (all
+    three kinds together) are disjoint indices < ``numel``.
     On top of that, a cursor holds a constant of at most about 10 MiB (the zstd window, at most
     :data:`MAX_WINDOW_BYTES` = 8 MiB, plus chunk buffers of 1 MiB or less).
 
@@ -695,7 +775,7 @@ class StepCursor:
         self._where = "" if seg is None else f"segment {seg.index} (step {step})"
         self._raw_pos = 0  # decompressed bytes consumed
         self._records = 0  # record headers read
-        self._prev: tuple[int, bool] = (-1, True)  # (op, pinned) of the previous record
+        self._prev: tuple[int, int] = (-1, _SHORT)  # (op, kind) of the previous record
         self._pending: _Head | None = None  # a record header read but whose body is not
         self._last_take = -1
         self._zr: zstandard.ZstdDecompressionReader | None = None
@@ -777,22 +857,29 @@ class StepCursor:
         buf = bytearray(_RECORD_HEADER.size)
         self._readinto(memoryview(buf))
         op, count, width_byte = _RECORD_HEADER.unpack(buf)
-        pinned, width = bool(width_byte & PINNED_FLAG), width_byte & ~PINNED_FLAG
+        width = width_byte & ~(PINNED_FLAG | SHORT_FLAG)
         rec = f"record {r} (op {op})"
-        # Ops increase; an op may have a direction record followed by a pinned record.
-        prev_op, prev_pinned = self._prev
-        if not (op > prev_op or (op == prev_op and pinned and not prev_pinned)):
-            raise self._err(f"{rec}: op not greater than previous op {prev_op}")
+        if width_byte & PINNED_FLAG and width_byte & SHORT_FLAG:
+            raise self._err(f"{rec}: width byte 0x{width_byte:02x} flags both pinned and short")
+        kind = _PINNED if width_byte & PINNED_FLAG else _SHORT if width_byte & SHORT_FLAG else _DIRECTION
+        # Ops increase; an op's records come in the order direction, pinned, short (each optional).
+        prev_op, prev_kind = self._prev
+        if op < prev_op or (op == prev_op and kind <= prev_kind):
+            order = ""
+            if op == prev_op:
+                order = f" ({_KIND_NAMES[kind]} record after its {_KIND_NAMES[prev_kind]} record;"
+                order += " an op's records come in the order direction, pinned, short)"
+            raise self._err(f"{rec}: op not greater than previous op {prev_op}{order}")
         if count == 0:
             raise self._err(f"{rec}: empty record")
         if width not in (4, 8):
             raise self._err(f"{rec}: index width {width}, expected 4 or 8")
-        body = count * width + (4 * count if pinned else (count + 7) // 8)
+        body = count * width + ((count + 7) // 8, 4 * count, 2 * count)[kind]
         if self._raw_pos + body > self._raw_len:
             raise self._err(f"{rec}: {count} entries overrun the payload")
         self._records += 1
-        self._prev = (op, pinned)
-        self._pending = _Head(r, op, count, width, pinned, body)
+        self._prev = (op, kind)
+        self._pending = _Head(r, op, count, width, kind, body)
         return self._pending
 
     def _skip(self, head: _Head) -> None:
@@ -818,18 +905,21 @@ class StepCursor:
                 acc[i : i + chunk.size] |= chunk.astype(acc.dtype) << shift
         return high
 
-    def _indices(self, head: _Head, numel: int | None, taken: int, max_entries: int) -> np.ndarray:
+    def _indices(
+        self, head: _Head, numel: int | None, taken: int, max_entries: int, before: str = ""
+    ) -> np.ndarray:
         """Read ``head``'s delta-coded indices: int64, shape (count,), strictly increasing, < numel.
 
-        ``taken`` entries of the same op were already read (its direction record); the count is
-        checked against ``max_entries`` and ``numel - taken`` before anything is allocated.
+        ``taken`` entries of the same op were already read (its earlier records, of the kinds named
+        in ``before``); the count is checked against ``max_entries`` and ``numel - taken`` before
+        anything is allocated.
         """
         rec = f"record {head.r} (op {head.op})"
         count = head.count
         if count > max_entries:
             raise self._err(f"{rec}: {count} entries exceed the limit of {max_entries} per record")
         if numel is not None and count > numel - taken:
-            also = f" plus {taken} direction entries" if taken else ""
+            also = f" plus {taken} {before} entries" if taken else ""
             raise self._err(f"{rec}: {count} entries{also} exceed the op output's {numel} elements")
         acc = np.zeros(count, np.uint64)
         high = self._planes(count, head.width, acc)
@@ -850,44 +940,70 @@ class StepCursor:
         return acc.view(np.int64)
 
     def _take_group(self, head: _Head, numel: int | None, max_entries: int) -> OpEntries:
-        """Read the direction and/or pinned record of ``head.op`` (head is the pending record)."""
+        """Read the direction, pinned and short records of ``head.op`` (each optional, in that order;
+        head is the pending record). All of the op's entries together are checked against ``numel``
+        and must be disjoint."""
         op = head.op
-        idx, up = np.zeros(0, np.int64), np.zeros(0, bool)
-        if not head.pinned:
-            idx = self._indices(head, numel, 0, max_entries)
-            packed = np.empty((head.count + 7) // 8, np.uint8)
-            self._readinto(memoryview(packed))
-            self._pending = None
-            if head.count % 8 and int(packed[-1]) & ((1 << (8 - head.count % 8)) - 1):
-                raise self._err(f"record {head.r} (op {op}): nonzero padding bits in direction bytes")
-            up = np.unpackbits(packed, count=head.count).view(bool)
-            del packed
+        got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        taken = 0
+        while True:
+            rec = f"record {head.r} (op {op})"
+            before = " and ".join(_KIND_NAMES[k] for k in got)
+            idx = self._indices(head, numel, taken, max_entries, before)
+            if head.kind == _DIRECTION:
+                packed = np.empty((head.count + 7) // 8, np.uint8)
+                self._readinto(memoryview(packed))
+                self._pending = None
+                if head.count % 8 and int(packed[-1]) & ((1 << (8 - head.count % 8)) - 1):
+                    raise self._err(f"{rec}: nonzero padding bits in direction bytes")
+                payload = np.unpackbits(packed, count=head.count).view(bool)
+                del packed
+            elif head.kind == _PINNED:
+                bits = np.zeros(head.count, np.uint32)
+                self._planes(head.count, 4, bits)
+                self._pending = None
+                payload = bits.view(np.float32)
+            else:
+                low = np.zeros(head.count, np.uint16)
+                self._planes(head.count, 2, low)
+                self._pending = None
+                payload = low
+            for k, (other, _) in got.items():  # disjointness; chunked searchsorted keeps temporaries small
+                for i in range(0, idx.size, _ELEM_CHUNK):
+                    p = idx[i : i + _ELEM_CHUNK]
+                    at = np.minimum(np.searchsorted(other, p), other.size - 1)
+                    if np.any(other[at] == p):
+                        what = "pinned" if head.kind == _PINNED else "short pinned"
+                        raise self._err(f"{rec}: a {what} element also has a {_KIND_NAMES[k]} entry")
+            got[head.kind] = (idx, payload)
+            taken += head.count
             nxt = self._peek()
             if nxt is None or nxt.op != op:
-                return OpEntries(op=op, indices=idx, up=up)
-            head = nxt  # the op's pinned record (the order check in _peek allows nothing else)
-        pidx = self._indices(head, numel, idx.size, max_entries)
-        bits = np.zeros(head.count, np.uint32)
-        self._planes(head.count, 4, bits)
-        self._pending = None
-        values = bits.view(np.float32)
-        if idx.size:  # disjointness; searchsorted in chunks keeps the temporaries small
-            for i in range(0, pidx.size, _ELEM_CHUNK):
-                p = pidx[i : i + _ELEM_CHUNK]
-                at = np.minimum(np.searchsorted(idx, p), idx.size - 1)
-                if np.any(idx[at] == p):
-                    raise self._err(f"record {head.r} (op {op}): a pinned element also has a direction entry")
-        return OpEntries(op=op, indices=idx, up=up, pinned_indices=pidx, pinned_values=values)
+                break
+            head = nxt  # a later record of the op (the order check in _peek allows nothing else)
+        empty = (np.zeros(0, np.int64),)
+        idx, up = got.get(_DIRECTION, (*empty, np.zeros(0, bool)))
+        pidx, values = got.get(_PINNED, (*empty, np.zeros(0, np.float32)))
+        sidx, low = got.get(_SHORT, (*empty, np.zeros(0, np.uint16)))
+        return OpEntries(
+            op=op,
+            indices=idx,
+            up=up,
+            pinned_indices=pidx,
+            pinned_values=values,
+            short_indices=sidx,
+            short_bits=low,
+        )
 
     # -- public API ------------------------------------------------------------------------------
 
     def take(self, op: int, numel: int) -> OpEntries | None:
         """The entries logged for op position ``op``, whose output has ``numel`` elements.
 
-        Returns the op's direction and/or pinned entries exactly as :meth:`RoundLogReader.read_step`
-        would, or None if the step logged nothing for ``op``. Ops must be asked in strictly
-        increasing order (ValueError otherwise); records of smaller ops not asked for are skipped.
-        A record with more entries than ``numel`` (direction and pinned together), or an index
+        Returns the op's direction, pinned and short entries exactly as
+        :meth:`RoundLogReader.read_step` would, or None if the step logged nothing for ``op``. Ops
+        must be asked in strictly increasing order (ValueError otherwise); records of smaller ops not
+        asked for are skipped. More entries than ``numel`` (the op's records together), or an index
         >= ``numel``, raises RoundLogError; the count is checked before allocating. After a
         RoundLogError the cursor is closed (further calls raise ValueError).
         """

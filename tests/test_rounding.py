@@ -1,12 +1,18 @@
 """The rounding mode: every op result on the FP32 grid, near-midpoint detection, logged directions."""
 
+import contextlib
+import dataclasses
+
 import numpy as np
+import pytest
 import torch
 
+from detrl import kernel
 from detrl.hardware import get_profile
 from detrl.oprules import OpKind, classify
-from detrl.rounding import RoundingMode, StepRounding, Thresholds, near_midpoint
-from detrl.roundlog import OpEntries
+from detrl.rounding import RoundingMode, StepRounding, Thresholds, near_midpoint, split_short
+from detrl.roundlog import OpEntries, key32
+from detrl.scale import Scale
 
 aten = torch.ops.aten
 
@@ -192,11 +198,22 @@ def test_calibration_sets_thresholds_as_it_goes_and_keeps_the_first_step_small(t
     assert first <= 3 * later + 100
 
 
-def test_cancellation_results_are_pinned_and_replayed_by_value():
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "reference"])
+@pytest.mark.parametrize(
+    ("tau", "short"),
+    # T = tau * mm's unit (2**-22 here) against the result's spacing 2**-47: 2**5 spacings (at most 2**12:
+    # the value is stored short, 16 key bits) or 2**13 (the full FP32 value)
+    [(2.0**-20, True), (2.0**-12, False)],
+    ids=["short", "full"],
+)
+def test_cancellation_results_are_pinned_and_replayed_by_value(tau: float, short: bool, native: bool):
     # Element (1, 0) of a @ b sums two terms of magnitude 1 that cancel to 2**-24: at the terms' scale
     # (mm's unit: row and column maxima of its inputs) the FP64 uncertainty spans many of the result's own
     # spacings, so a direction bit cannot name its FP32 value; the recorder stores the value itself
-    # ("pinned").
+    # ("pinned"), or, where the uncertainty is small enough that the replayer's own rounding names all but
+    # the low 16 bits of its key, only those ("short").
+    if native and not kernel.available():
+        pytest.skip("native kernel not built")
     a = torch.tensor([[1.0, 0.0], [1.0, -1.0]], dtype=torch.float64)
     b = torch.tensor([[1.0, 0.0], [1.0 - 2.0**-24, 1.0]], dtype=torch.float64)
 
@@ -208,30 +225,62 @@ def test_cancellation_results_are_pinned_and_replayed_by_value():
                 out[1, 0] += 1.0 + nudge
             return out
 
-        mode = RoundingMode(profile, Thresholds(default=2.0**-20))
+        mode = RoundingMode(profile, Thresholds(default=tau))
         mode.step = step
         with mode:
             return torch.mm(a, b)
 
     rec = StepRounding()
-    out = compute(rec)
-    pinned = [e for e in rec.recorded if len(e.pinned_indices)]
+    ctx = contextlib.nullcontext() if native else kernel.disabled()
+    with ctx:
+        out = compute(rec)
+    pinned = [e for e in rec.recorded if len(e.pinned_indices) or len(e.short_indices)]
     assert pinned, rec.recorded
     entry = pinned[-1]
-    assert 2 in entry.pinned_indices.tolist()  # element (1, 0)
     want = out[1, 0].item()
+    assert want == 2.0**-24
+    if short:
+        assert entry.short_indices.tolist() == [2] and not len(entry.pinned_indices)  # element (1, 0)
+        assert entry.short_bits.tolist() == [int(key32(np.array([want], np.float32))[0]) & 0xFFFF]
+    else:
+        assert entry.pinned_indices.tolist() == [2] and not len(entry.short_indices)
+    assert rec.stats.logged == len(entry.indices) + 1
     rep = StepRounding(replay={e.op: e for e in rec.recorded})
     out2 = compute(rep, nudge=3e-14)  # several FP32 spacings of 2**-24 (2**-47, about 7e-15, each)
     assert out2[1, 0].item() == want and rep.stats.corrected >= 1
+    assert any(an.kind == "pinned-value-differs" for an in rep.anomalies)
+    assert not any(an.violation for an in rep.anomalies)
     # a forged pinned value far from anything this machine could compute is refused
-    forged = OpEntries(
-        op=entry.op, indices=entry.indices, up=entry.up, pinned_indices=entry.pinned_indices,
-        pinned_values=np.full_like(entry.pinned_values, 0.5),
-    )  # fmt: skip
+    if short:  # the farthest a forged low half can name: 2**15 keys from this machine's own value
+        low = (entry.short_bits.astype(np.int64) + (1 << 15)) & 0xFFFF
+        forged = dataclasses.replace(entry, short_bits=low.astype(np.uint16))
+    else:
+        forged = dataclasses.replace(entry, pinned_values=np.full_like(entry.pinned_values, 0.5))
     rep3 = StepRounding(replay={**{e.op: e for e in rec.recorded}, entry.op: forged})
     out3 = compute(rep3)
     assert out3[1, 0].item() == want
     assert any(an.kind == "pinned-value-far" for an in rep3.anomalies)
+    assert rep3.stats.refused == 1
+
+
+def test_short_pinned_values_split_by_uncertainty():
+    # split_short keeps a pinned value full where T exceeds 2**12 of its spacings, or it is not finite
+    values = np.array([1.0, 1.0, np.inf, -3.0], np.float32)
+    entries = OpEntries(
+        op=0, indices=np.zeros(0, np.int64), up=np.zeros(0, bool),
+        pinned_indices=np.arange(4, dtype=np.int64), pinned_values=values,
+    )  # fmt: skip
+    unit = torch.tensor([2.0**-23 * 2**12, 2.0**-23 * 2**13, 1.0, 2.0**-22 * 2**12], dtype=torch.float64)
+    scale = Scale(outer=1, channels=4, inner=1, col=unit)
+    x = torch.from_numpy(values.astype(np.float64)).view(1, 4)
+    got = split_short(entries, x, 1.0, scale)
+    assert got.pinned_indices.tolist() == [1, 2] and got.short_indices.tolist() == [0, 3]
+    assert got.short_bits.tolist() == (key32(values[[0, 3]]) & 0xFFFF).tolist()
+    assert np.array_equal(got.pinned_values.view(np.uint32), values[[1, 2]].view(np.uint32))
+    # elementwise ops: T = tau |v| 2**-23: tau spacings at 1.0, 1.5 tau at -3.0
+    for tau, n_short in [(2.0**11, 3), (2.0**12, 2), (2.0**12 * 1.01, 0)]:
+        got = split_short(entries, x, tau, False)
+        assert len(got.short_indices) == n_short, tau
 
 
 def test_log_entries_for_elements_far_from_a_midpoint_are_refused():

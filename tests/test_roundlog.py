@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from detrl.roundlog import (
     FORMAT_VERSION,
@@ -31,6 +33,9 @@ from detrl.roundlog import (
     RoundLogWriter,
     dense_reference_bytes,
     encode_segment,
+    from_key32,
+    key32,
+    nearest_with_low16,
     rewrite,
     segment_compressor,
 )
@@ -46,7 +51,7 @@ def random_ops(
     rng: np.random.Generator, n_ops: int, max_entries: int, space: int = 1 << 20, pinned: bool = False
 ) -> list[OpEntries]:
     """Random sparse entries: ``n_ops`` distinct sorted op positions, each with sorted unique indices
-    (and, with ``pinned``, sometimes disjoint pinned values, or only pinned values)."""
+    (and, with ``pinned``, sometimes disjoint pinned values, some of them short, or only pinned values)."""
     ops = []
     for op in np.sort(rng.choice(5000, size=n_ops, replace=False)):
         n = int(rng.integers(1, max_entries + 1))
@@ -56,19 +61,27 @@ def random_ops(
             which = rng.random(n) < 0.3
             if rng.random() < 0.2:
                 which[:] = True  # an op with only pinned values
+            short = which & (rng.random(n) < 0.5)
+            which &= ~short
             e = OpEntries(
                 int(op),
-                idx[~which],
-                e.up[~which],
+                idx[~which & ~short],
+                e.up[~which & ~short],
                 pinned_indices=idx[which],
                 pinned_values=rng.standard_normal(int(which.sum())).astype(np.float32),
+                short_indices=idx[short],
+                short_bits=rng.integers(0, 1 << 16, size=int(short.sum())).astype(np.uint16),
             )
         ops.append(e)
     return ops
 
 
 def as_dict(ops: list[OpEntries]) -> dict[int, OpEntries]:
-    return {e.op: e for e in ops if e.indices.size or e.pinned_indices.size}
+    return {e.op: e for e in ops if e.indices.size or e.pinned_indices.size or e.short_indices.size}
+
+
+def n_records(e: OpEntries) -> int:
+    return bool(e.indices.size) + bool(e.pinned_indices.size) + bool(e.short_indices.size)
 
 
 def record(op: int, deltas: list[int], bits: bytes, width: int = 4, flag: int = 0) -> bytes:
@@ -81,6 +94,11 @@ def record(op: int, deltas: list[int], bits: bytes, width: int = 4, flag: int = 
 def pinned_record(op: int, deltas: list[int], values: list[float]) -> bytes:
     v = np.array(values, "<f4").view(np.uint8).reshape(-1, 4).T.tobytes()  # byte planes
     return record(op, deltas, v, flag=0x80)
+
+
+def short_record(op: int, deltas: list[int], low: list[int], width: int = 4) -> bytes:
+    lo = np.array(low, "<u2").view(np.uint8).reshape(-1, 2).T.tobytes()  # 2 byte planes
+    return record(op, deltas, lo, width=width, flag=0x40)
 
 
 def segment(
@@ -387,7 +405,7 @@ def test_append_refuses_bad_offsets_and_files(tmp_path: Path, small_log: Path) -
     assert small_log.stat().st_size == size  # untouched
     other = tmp_path / "other"
     other.write_bytes(b"not a log at all, do not truncate me")
-    with pytest.raises(RoundLogError, match="not a version 2 rounding log"):
+    with pytest.raises(RoundLogError, match="not a version 3 rounding log"):
         RoundLogWriter.append(other, 16, last_step=None)
     assert other.read_bytes() == b"not a log at all, do not truncate me"
     with pytest.raises(RoundLogError, match="cannot open"):
@@ -466,11 +484,13 @@ def test_wrong_magic_and_version(small_log: Path, tmp_path: Path) -> None:
     p.write_bytes(b"NOTALOG!" + data[8:])
     assert_rejected(p, "bad magic")
     forge(p, [], version=7)
-    assert_rejected(p, "unsupported format version 7 (this detrl reads version 2)")
+    assert_rejected(p, "unsupported format version 7 (this detrl reads version 3)")
     p.write_bytes(file_header(1) + data[16:])  # a version-1 file (its index and trailer not needed)
-    err = assert_rejected(p, "unsupported format version 1 (this detrl reads version 2)")
+    err = assert_rejected(p, "unsupported format version 1 (this detrl reads version 3)")
     assert "\n" not in str(err)
-    p.write_bytes(HEADER.pack(b"DTRLRLOG", 2, 1, 0) + data[16:])
+    p.write_bytes(file_header(2) + data[16:])  # a version-2 file (no short pinned records)
+    assert_rejected(p, "unsupported format version 2 (this detrl reads version 3)")
+    p.write_bytes(HEADER.pack(b"DTRLRLOG", FORMAT_VERSION, 1, 0) + data[16:])
     assert_rejected(p, "unsupported header flags")
 
 
@@ -574,6 +594,22 @@ def test_zstd_window_is_bounded(tmp_path: Path) -> None:
         (record(3, [1], b"\x00") + record(2, [1], b"\x00"), 2, "op not greater"),
         (pinned_record(3, [1], [1.0]) + record(3, [2], b"\x00"), 2, "op not greater"),  # pinned first
         (pinned_record(3, [1], [1.0]) + pinned_record(3, [2], [1.0]), 2, "op not greater"),
+        # short records: after the op's direction and pinned records, once, well-formed
+        (short_record(3, [1], [7]) + record(3, [2], b"\x00"), 2, "direction record after its short pinned"),
+        (short_record(3, [1], [7]) + pinned_record(3, [2], [1.0]), 2, "pinned record after its short pinned"),
+        (short_record(3, [1], [7]) + short_record(3, [2], [7]), 2, "short pinned record after its short"),
+        (short_record(3, [1], [7]) + short_record(2, [2], [7]), 2, "op not greater than previous op 3"),
+        (record(3, [1], b"\x00") + short_record(3, [1], [7]), 2, "short pinned element also has a direction"),
+        (
+            pinned_record(3, [1], [1.0]) + short_record(3, [1], [7]),
+            2,
+            "short pinned element also has a pinned",
+        ),
+        (short_record(3, [1, 0], [7, 8]), 1, "not strictly increasing"),
+        (short_record(3, [5, 6], [7, 8], width=8), 1, "non-canonical"),
+        (short_record(3, [1, 2], [7, 8])[:-1], 1, "overrun the payload"),  # one low byte missing
+        (short_record(3, [1, 2], [7, 8]) + b"\x00", 1, "1 trailing bytes"),
+        (record(3, [1], b"\x00\x00", flag=0xC0), 1, "flags both pinned and short"),
         (struct.pack("<IIB", 0, 1000, 4) + b"\x00" * 20, 1, "overrun the payload"),
         (struct.pack("<IIB", 0, 0, 4) + b"\x00" * 5, 1, "empty record"),
         (record(0, [1], b"\x00")[:-1] + b"\x00" * 5, 1, "trailing"),
@@ -645,6 +681,121 @@ def test_pinned_values_are_validated(tmp_path: Path) -> None:
     assert_rejected(path, "also has a direction entry")
 
 
+def _short_entries() -> OpEntries:
+    e = _pinned_entries()
+    e.short_indices = np.array([0, 3, 8, 2**41], dtype=np.int64)
+    e.short_bits = np.array([0, 1, 0xFFFF, 0x8000], dtype=np.uint16)
+    return e
+
+
+def test_short_pinned_values_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    only_short = OpEntries(
+        op=5, indices=np.zeros(0, np.int64), up=np.zeros(0, bool),
+        short_indices=np.array([4, 9], np.int64), short_bits=np.array([0x1234, 0xABCD], np.uint16),
+    )  # fmt: skip
+    direction_and_short = OpEntries(
+        op=6, indices=np.array([1], np.int64), up=np.array([True]),
+        short_indices=np.array([0], np.int64), short_bits=np.array([3], np.uint16),
+    )  # fmt: skip
+    ops = [_short_entries(), only_short, direction_and_short]
+    with RoundLogWriter(path) as w:
+        w.write_step(1, ops)
+    with RoundLogReader(path) as r:
+        got = r.read_step(1)
+        assert [got[e.op] for e in ops] == ops
+        assert got[3].short_bits.dtype == np.uint16 and got[3].short_indices.dtype == np.int64
+        assert got[3] != _pinned_entries()  # __eq__ compares the short entries too
+        with r.cursor(1) as c:
+            assert [c.take(e.op, 2**41 + 1) for e in ops] == ops
+            c.finish()
+        with r.cursor(1) as c, pytest.raises(RoundLogError, match=f"index {2**41} is outside"):
+            c.take(3, 2**41)
+
+
+def test_short_pinned_values_are_validated(tmp_path: Path) -> None:
+    for field, value, match in [
+        ("short_indices", np.array([0, 3, 9, 2**41]), "both a direction and a short"),
+        ("short_indices", np.array([0, 3, 7, 2**41]), "both a pinned and a short"),
+        ("short_indices", np.array([0, 3, 3, 2**41]), "strictly increasing"),
+        ("short_indices", np.array([0, 3, 8]), "equal length"),
+        ("short_bits", np.array([0, 1, 2, 3], np.int32), "uint16"),
+    ]:
+        bad = _short_entries()
+        setattr(bad, field, value)
+        with RoundLogWriter(tmp_path / "log") as w, pytest.raises(ValueError, match=match):
+            w.write_step(1, [bad])
+    # numel bounds the direction, pinned and short records together, checked before allocating
+    raw = record(0, [0, 1], b"\x00") + pinned_record(0, [2], [1.0]) + short_record(0, [3, 1], [1, 2])
+    path = tmp_path / "forged"
+    forge(path, [segment(1, 3, raw)])
+    with RoundLogReader(path) as r:
+        with r.cursor(1) as c, pytest.raises(RoundLogError, match="record 2 \\(op 0\\): 2 entries plus 3"):
+            c.take(0, 4)
+        with r.cursor(1) as c:
+            assert c.take(0, 5).short_indices.tolist() == [3, 4]
+            c.finish()
+
+
+# --- order-preserving FP32 keys ----------------------------------------------------------------
+
+finite32 = st.floats(width=32, allow_nan=False, allow_infinity=True, allow_subnormal=True)
+EDGES = [0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, 1.1754944e-38, 3.4028235e38, -3.4028235e38, np.inf, -np.inf]
+
+
+def test_keys_at_the_edges() -> None:
+    v = np.array(EDGES, np.float32)
+    k = key32(v).astype(np.int64)
+    assert k[1] + 1 == k[0]  # -0 and +0 adjacent, -0 first
+    assert k[0] + 1 == k[2] and k[3] + 1 == k[1]  # the smallest subnormals next to the zeros
+    assert k[6] + 1 == key32(np.array([np.inf], np.float32))[0]  # FLT_MAX next to inf
+    assert np.array_equal(from_key32(key32(v)).view(np.uint32), v.view(np.uint32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(finite32, min_size=2, max_size=20))
+def test_key32_round_trips_and_is_monotone(xs: list[float]) -> None:
+    v = np.array(xs, np.float32)
+    k = key32(v)
+    assert k.dtype == np.uint32
+    assert np.array_equal(from_key32(k).view(np.uint32), v.view(np.uint32))
+    for a, b, ka, kb in zip(v[:-1], v[1:], k[:-1], k[1:], strict=True):
+        if a < b:
+            assert ka < kb
+        elif a > b:
+            assert ka > kb
+        else:  # equal values: the same key, except -0 < +0
+            assert (ka == kb) == (np.signbit(a) == np.signbit(b))
+        if a != np.inf:  # neighbouring values have neighbouring keys
+            with np.errstate(over="ignore"):
+                up = np.nextafter(a, np.float32(np.inf))  # FLT_MAX -> inf
+            step = int(key32(np.array([up], np.float32))[0]) - int(ka)
+            assert step == (2 if a == 0 and np.signbit(a) else 1)  # nextafter(-0) skips +0
+
+
+@settings(max_examples=300, deadline=None)
+@given(finite32, st.integers(-(1 << 15) + 1, (1 << 15) - 1))
+def test_low16_reconstruction_is_exact_within_2_15_keys(x: float, diff: int) -> None:
+    v = np.array([x], np.float32)
+    k = int(key32(v)[0])
+    near_key = k + diff
+    if not 0 <= near_key < 1 << 32:
+        near_key = k - diff
+    near = from_key32(np.array([near_key], np.uint32))  # any bit pattern, NaN included
+    got = nearest_with_low16(near, (key32(v) & 0xFFFF).astype(np.uint16))
+    assert got.view(np.uint32)[0] == v.view(np.uint32)[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, (1 << 32) - 1), st.integers(0, (1 << 16) - 1))
+def test_low16_reconstruction_stays_close_and_congruent(near_key: int, low: int) -> None:
+    near = from_key32(np.array([near_key], np.uint32))
+    got = int(key32(nearest_with_low16(near, np.array([low], np.uint16)))[0])
+    assert got & 0xFFFF == low and abs(got - near_key) <= 1 << 16
+    if (1 << 15) <= near_key < (1 << 32) - (1 << 15):
+        assert abs(got - near_key) <= 1 << 15
+
+
 # --- file objects ------------------------------------------------------------------------------
 
 
@@ -712,7 +863,7 @@ def test_cursor_matches_read_step_on_random_logs(tmp_path: Path) -> None:
     with RoundLogReader(p) as r:
         for s in r.steps:
             full = r.read_step(s)
-            records = sum(bool(e.indices.size) + bool(e.pinned_indices.size) for e in full.values())
+            records = sum(n_records(e) for e in full.values())
             # ask for a random subset of the logged ops, plus ops that were not logged
             asked = sorted(set(rng.choice(5010, size=8).tolist()) | {op for op in full if rng.random() < 0.6})
             with r.cursor(s) as c:
@@ -721,14 +872,8 @@ def test_cursor_matches_read_step_on_random_logs(tmp_path: Path) -> None:
                     assert got == full.get(op)
                 c.finish()
                 unasked = [e for op, e in full.items() if op not in asked]
-                assert c.skipped_records == sum(
-                    bool(e.indices.size) + bool(e.pinned_indices.size) for e in unasked
-                )
-                assert records - c.skipped_records == sum(
-                    bool(full[op].indices.size) + bool(full[op].pinned_indices.size)
-                    for op in asked
-                    if op in full
-                )
+                assert c.skipped_records == sum(n_records(e) for e in unasked)
+                assert records - c.skipped_records == sum(n_records(full[op]) for op in asked if op in full)
                 c.finish()  # idempotent
                 with pytest.raises(ValueError, match="finished"):
                     c.take(6000, 1)

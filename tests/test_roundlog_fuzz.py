@@ -46,14 +46,20 @@ def _random_ops(rng: np.random.Generator) -> list[OpEntries]:
     for op in np.sort(rng.choice(12, size=int(rng.integers(0, 5)), replace=False)):
         n = int(rng.integers(1, 40))
         idx = np.sort(rng.choice(1 << 20, size=n, replace=False)).astype(np.int64)
-        which = rng.random(n) < (0.3 if rng.random() < 0.5 else 0.0)
+        # each element a direction, a pinned value or a short pinned value (any of the three may be absent)
+        kind = rng.choice(3, size=n, p=[0.5, 0.25, 0.25] if rng.random() < 0.5 else [1.0, 0.0, 0.0])
+        if rng.random() < 0.2:
+            kind[:] = rng.integers(0, 3)  # an op with one kind only
+        which, short = kind == 1, kind == 2
         ops.append(
             OpEntries(
                 int(op),
-                idx[~which],
-                rng.random(int((~which).sum())) < 0.5,
+                idx[kind == 0],
+                rng.random(int((kind == 0).sum())) < 0.5,
                 pinned_indices=idx[which],
                 pinned_values=rng.standard_normal(int(which.sum())).astype(np.float32),
+                short_indices=idx[short],
+                short_bits=rng.integers(0, 1 << 16, size=int(short.sum())).astype(np.uint16),
             )
         )
     return ops
@@ -235,7 +241,7 @@ records = st.builds(
     _record,
     st.integers(0, 15),
     st.one_of(st.integers(0, 40), st.sampled_from(HUGE).map(lambda v: v % (1 << 32))),
-    st.sampled_from([0, 2, 4, 8, 0x84, 0x88, 0x80, 0xFF]),
+    st.sampled_from([0, 2, 4, 8, 0x84, 0x88, 0x80, 0x44, 0x48, 0x40, 0xC4, 0xFF]),
     st.binary(max_size=200),
 )
 
