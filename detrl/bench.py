@@ -91,7 +91,7 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     },
     # GPT-2 small (124M, GPT-2's 50,257-token vocabulary; needs the gpt2 extra), batch 8 x 64, AdamW
     "gpt2": {
-        "data": {"name": "synthetic_text", "seq_len": 64, "n": 512, "vocab": 50257},
+        "data": {"name": "corpus", "tokenizer": "bpe", "vocab_size": 8192, "seq_len": 64, "n": 4096},
         "model": {"name": "gpt2"},
         "optimizer": {"name": "adamw", "lr": 0.0003, "weight_decay": 0.01},
         "train": {"batch_size": 8},

@@ -117,7 +117,18 @@ class BaseBundle:
             for step in reader.steps:
                 entries = reader.read_step(step)
                 ops[step] = [
-                    (op, 1 + max([*e.indices.tolist()[-1:], *e.pinned_indices.tolist()[-1:], 0]))
+                    (
+                        op,
+                        1
+                        + max(
+                            [
+                                *e.indices.tolist()[-1:],
+                                *e.pinned_indices.tolist()[-1:],
+                                *e.short_indices.tolist()[-1:],
+                                0,
+                            ]
+                        ),
+                    )
                     for op, e in sorted(entries.items())
                 ]
         if workdir.exists():
