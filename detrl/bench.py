@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -266,7 +267,12 @@ def _spawn_worker(spec: dict[str, Any]) -> dict[str, Any]:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"benchmark worker failed ({spec}): {proc.stderr.strip().splitlines()[-1:]}")
+    what = f"benchmark worker for {spec['model']} ({spec['variant']})"
+    if proc.returncode < 0:  # SIGKILL with no output: most often the kernel's out-of-memory killer
+        signame = signal.Signals(-proc.returncode).name
+        raise ChildProcessError(f"{what} was killed by {signame} (out of memory?)")
+    last = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}, no output"]
+    raise ChildProcessError(f"{what} failed: {last[0]}")
 
 
 @benchmark("overhead", "step time and peak memory of verifiable precision against plain FP64 and FP32")
