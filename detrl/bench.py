@@ -447,13 +447,14 @@ def bench_roundlog(rest: list[str]) -> int:
             _log(f"recording {model}, {steps} steps ...")
             s = _record(make_config(model, "verifiable", steps, args.threads), Path(tmp) / model)
             _log(f"{model}: {time.perf_counter() - t0:.0f} s")
+            per_step = s.log_bytes[-steps:]  # log_bytes starts with the initial state's leaf (no log)
             parts = [("step 1", [0])]
             if steps > 1:
                 parts.append((f"steps 2..{steps}", list(range(1, steps))))
             for label, idx in parts:
                 logged = statistics.mean(s.step_stats[i].logged for i in idx)
                 rounded = statistics.mean(s.step_stats[i].rounded_elements for i in idx)
-                lb = statistics.mean(s.log_bytes[i] for i in idx)
+                lb = statistics.mean(per_step[i] for i in idx)
                 dense = statistics.mean(dense_reference_bytes(s.step_stats[i].rounded_elements) for i in idx)
                 if model == "resnet50" and label != "step 1":
                     resnet_bytes = lb
