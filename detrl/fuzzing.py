@@ -116,21 +116,7 @@ class BaseBundle:
         with RoundLogReader(io.BytesIO(log)) as reader:
             for step in reader.steps:
                 entries = reader.read_step(step)
-                ops[step] = [
-                    (
-                        op,
-                        1
-                        + max(
-                            [
-                                *e.indices.tolist()[-1:],
-                                *e.pinned_indices.tolist()[-1:],
-                                *e.short_indices.tolist()[-1:],
-                                0,
-                            ]
-                        ),
-                    )
-                    for op, e in sorted(entries.items())
-                ]
+                ops[step] = [(op, 1 + max(e.last_index(), 0)) for op, e in sorted(entries.items())]
         if workdir.exists():
             shutil.rmtree(workdir)
         (workdir / bundle_mod.CHECKPOINTS).mkdir(parents=True)

@@ -178,10 +178,11 @@ def split_short(entries: OpEntries, x: torch.Tensor, tau: float, scaled: bool | 
         return entries
     idx = torch.from_numpy(entries.pinned_indices).to(x.device)
     vs = torch.from_numpy(entries.pinned_values).to(x.device).double()
-    if isinstance(scaled, Scale) or scaled:
-        t = _uncertainty(x, x, idx, tau, scaled)
-    else:
-        t = (vs.abs() * (tau * 2.0**-23)).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
+    t = (
+        _uncertainty(x, x, idx, tau, scaled)
+        if isinstance(scaled, Scale) or scaled
+        else _element_uncertainty(vs, tau)
+    )
     short = (torch.isfinite(vs) & (t <= SHORT_PINNED_SPACINGS * spacing32(vs))).cpu().numpy()
     if not short.any():
         return entries
@@ -431,9 +432,7 @@ class RoundingMode(TorchDispatchMode):
         if entries is not None and (
             len(entries.indices) or len(entries.pinned_indices) or len(entries.short_indices)
         ):
-            last = max(int(entries.indices[-1]) if len(entries.indices) else -1,
-                       int(entries.pinned_indices[-1]) if len(entries.pinned_indices) else -1,
-                       int(entries.short_indices[-1]) if len(entries.short_indices) else -1)  # fmt: skip
+            last = entries.last_index()
             if last >= x.numel():
                 self._anomaly(seq, name, last, "logged-index-out-of-range")
                 raise LogOutOfRange(seq, name, last, x.numel())
@@ -560,12 +559,18 @@ def _uncertainty(
     if isinstance(scaled, Scale):
         return scaled.at(idx) * tau
     if not scaled:
-        return (_take(x, idx).abs() * (tau * 2.0**-23)).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
+        return _element_uncertainty(_take(x, idx), tau)
     t = scale_spacing(rounded).mul_(tau).reshape(-1)
     if t.numel() == 1:
         return t.expand(idx.numel())
     inner = math.prod(x.shape[2:])  # channel of a row-major index in (N, C, *S)
     return t[(idx // inner) % x.shape[1]]
+
+
+def _element_uncertainty(values: torch.Tensor, tau: float) -> torch.Tensor:
+    """T of elementwise ops at FP64 ``values``: tau spacings at each, ``|v| * 2**-23`` bounding the spacing,
+    at least tau subnormal spacings and finite for infinities (:func:`near_midpoint`'s rule)."""
+    return (values.abs() * (tau * 2.0**-23)).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

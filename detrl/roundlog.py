@@ -163,6 +163,14 @@ class OpEntries:
     short_indices: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     short_bits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint16))
 
+    def last_index(self) -> int:
+        """The largest element index of any kind of entry, -1 when there are none (each kind's indices are
+        strictly increasing, so it is one of their last)."""
+        return max(
+            (int(a[-1]) for a in (self.indices, self.pinned_indices, self.short_indices) if len(a)),
+            default=-1,
+        )
+
     def __eq__(self, other: object) -> bool:
         # The generated dataclass __eq__ would compare arrays with ==, which is ambiguous.
         if not isinstance(other, OpEntries):
@@ -236,44 +244,46 @@ def _planes(deltas: np.ndarray, width: int) -> bytes:
     return deltas.astype("<u4" if width == 4 else "<u8").view(np.uint8).reshape(-1, width).T.tobytes()
 
 
+def _validated_values(
+    e: OpEntries,
+    what: str,
+    fields: tuple[str, str],
+    dtype: type,
+    dtype_text: str,
+    others: tuple[tuple[str, np.ndarray], ...],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return the indices (int64) and values (``dtype``) of ``e``'s entries of one value kind after
+    validating them: ``fields`` names their two attributes, ``what`` the kind (``"pinned"``, ``"short"``);
+    ``others`` are ``(entry kind, indices)`` the indices must be disjoint from."""
+    idx_name, val_name = fields
+    kidx, vals = np.asarray(getattr(e, idx_name)), np.asarray(getattr(e, val_name))
+    if kidx.ndim != 1 or vals.ndim != 1 or kidx.shape != vals.shape:
+        raise ValueError(f"op {e.op}: {idx_name} and {val_name} must be 1-D and of equal length")
+    if kidx.size:
+        if kidx.dtype.kind not in "iu" or vals.dtype != dtype:
+            raise ValueError(f"op {e.op}: {what} indices must be integers and {dtype_text}")
+        if int(kidx.min()) < 0 or int(kidx.max()) >= _I64_LIMIT or kidx.size >= _U32_LIMIT:
+            raise ValueError(f"op {e.op}: {what} indices must be in [0, 2**63)")
+        kidx = kidx.astype(np.int64, copy=False)
+        if kidx.size > 1 and not np.all(kidx[1:] > kidx[:-1]):
+            raise ValueError(f"op {e.op}: {what} indices must be strictly increasing")
+        entry = "pinned value" if what == "pinned" else "short pinned value"
+        for other_kind, other in others:
+            if np.intersect1d(kidx, other, assume_unique=True).size:
+                raise ValueError(f"op {e.op}: an element cannot have both a {other_kind} and a {entry}")
+    return kidx.astype(np.int64, copy=False), vals.astype(dtype, copy=False)
+
+
 def _validated_pinned(e: OpEntries, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Return (pinned indices int64 (m,), values float32 (m,)) of ``e`` after validating them."""
-    pidx = np.asarray(e.pinned_indices)
-    vals = np.asarray(e.pinned_values)
-    if pidx.ndim != 1 or vals.ndim != 1 or pidx.shape != vals.shape:
-        raise ValueError(f"op {e.op}: pinned_indices and pinned_values must be 1-D and of equal length")
-    if pidx.size:
-        if pidx.dtype.kind not in "iu" or vals.dtype != np.float32:
-            raise ValueError(f"op {e.op}: pinned indices must be integers and values float32")
-        if int(pidx.min()) < 0 or int(pidx.max()) >= _I64_LIMIT or pidx.size >= _U32_LIMIT:
-            raise ValueError(f"op {e.op}: pinned indices must be in [0, 2**63)")
-        pidx = pidx.astype(np.int64, copy=False)
-        if pidx.size > 1 and not np.all(pidx[1:] > pidx[:-1]):
-            raise ValueError(f"op {e.op}: pinned indices must be strictly increasing")
-        if np.intersect1d(pidx, idx, assume_unique=True).size:
-            raise ValueError(f"op {e.op}: an element cannot have both a direction and a pinned value")
-    return pidx.astype(np.int64, copy=False), vals.astype(np.float32, copy=False)
+    fields = ("pinned_indices", "pinned_values")
+    return _validated_values(e, "pinned", fields, np.float32, "values float32", (("direction", idx),))
 
 
 def _validated_short(e: OpEntries, idx: np.ndarray, pidx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Return (short indices int64 (k,), low key bits uint16 (k,)) of ``e`` after validating them."""
-    sidx = np.asarray(e.short_indices)
-    low = np.asarray(e.short_bits)
-    if sidx.ndim != 1 or low.ndim != 1 or sidx.shape != low.shape:
-        raise ValueError(f"op {e.op}: short_indices and short_bits must be 1-D and of equal length")
-    if sidx.size:
-        if sidx.dtype.kind not in "iu" or low.dtype != np.uint16:
-            raise ValueError(f"op {e.op}: short indices must be integers and short bits uint16")
-        if int(sidx.min()) < 0 or int(sidx.max()) >= _I64_LIMIT or sidx.size >= _U32_LIMIT:
-            raise ValueError(f"op {e.op}: short indices must be in [0, 2**63)")
-        sidx = sidx.astype(np.int64, copy=False)
-        if sidx.size > 1 and not np.all(sidx[1:] > sidx[:-1]):
-            raise ValueError(f"op {e.op}: short indices must be strictly increasing")
-        if np.intersect1d(sidx, idx, assume_unique=True).size:
-            raise ValueError(f"op {e.op}: an element cannot have both a direction and a short pinned value")
-        if np.intersect1d(sidx, pidx, assume_unique=True).size:
-            raise ValueError(f"op {e.op}: an element cannot have both a pinned and a short pinned value")
-    return sidx.astype(np.int64, copy=False), low.astype(np.uint16, copy=False)
+    fields, others = ("short_indices", "short_bits"), (("direction", idx), ("pinned", pidx))
+    return _validated_values(e, "short", fields, np.uint16, "short bits uint16", others)
 
 
 def _encode_record(op: int, idx: np.ndarray, payload: np.ndarray, kind: int) -> bytes:
