@@ -140,8 +140,8 @@ class DigestCache:
         self.hits = self.misses = 0  # digests reused / computed (for tests and benchmarks)
         self._entries: dict[str, _Entry] = {}
 
-    def digest(self, name: str, t: torch.Tensor, reuse: bool = False) -> bytes:
-        """The digest of ``t`` under ``name``; ``reuse`` is accepted for compatibility and ignored."""
+    def digest(self, name: str, t: torch.Tensor) -> bytes:
+        """The digest of ``t`` under ``name`` (:func:`tensor_digest`), reused if its bytes did not change."""
         e = self._entries.get(name)
         layout = _layout(t)
         if e is not None and e.src is t and e.layout == layout:
@@ -214,17 +214,15 @@ def hash_tensors(
     tensors: Mapping[str, torch.Tensor],
     extra: Iterable[tuple[str, bytes]] = (),
     cache: DigestCache | None = None,
-    reuse: bool = False,
     tag: bytes = STATE_TAG,
 ) -> bytes:
     """BLAKE3 of ``tag, count, name-sorted per-tensor digests, count, name-sorted extra blobs``.
 
     Each per-tensor digest (:func:`tensor_digest`, 32 bytes) covers its own name, dtype and shape; the
     counts and the length prefixes of the extra names and blobs make the encoding parse back uniquely.
-    ``cache``: take unchanged tensors' digests from it (:class:`DigestCache`); ``reuse`` is ignored (the
-    old ``frozen`` claim: the cache's own byte comparison decides).
+    ``cache``: take unchanged tensors' digests from it (:class:`DigestCache`: its own byte comparison
+    decides, never a claim of the caller's).
     """
-    del reuse
     h = _hasher(tag + struct.pack("<Q", len(tensors)))
     for name in sorted(tensors):
         t = tensors[name]
@@ -243,7 +241,6 @@ def state_hash(
     sources: bytes,
     parts: Mapping[str, bytes],
     cache: DigestCache | None = None,
-    reuse: bool = False,
 ) -> bytes:
     """A step's state commitment: the state tensors, the switchboard's canonical bytes (``sources``) and
     each attached part's digest (``parts``: name -> digest, e.g. a replay buffer's hash chain)."""
