@@ -174,24 +174,34 @@ class Calibrator:
             self.classes[key] = seen + 1
         self.calibrated_calls += 1
         worst = self.worst.get(name, 0.0)
+        # each result's unit once, not once per profile: the same for every alternative it is compared with
+        units = [
+            _unit(func, before, a, kind) if a.dtype == torch.float64 and a.numel() else None for a in produced
+        ]
         for prof in self.profiles:
             fresh = snapshot(func, before)  # in-place ops must not touch the snapshot
             alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
-            for a, b in zip(produced, alt):
-                if a.dtype == torch.float64 and b.dtype == torch.float64 and a.shape == b.shape and a.numel():
-                    worst = max(worst, _disagreement(a, b, kind, reduction_scale(func, before, a)))
+            for a, b, unit in zip(produced, alt, units):
+                if unit is not None and b.dtype == torch.float64 and a.shape == b.shape:
+                    worst = max(worst, _disagreement(a, b, unit))
         self.worst[name] = worst
         floor = TAU_FLOOR_MEASURED if kind is OpKind.REDUCTION and worst > 0 else TAU_FLOOR
         self.thresholds.per_op[name] = min(TAU_CAP, max(floor, self.margin * worst))
 
 
-def _disagreement(a: torch.Tensor, b: torch.Tensor, kind: OpKind, scale: Scale | None = None) -> float:
-    """Largest ``|a - b|`` in the units the op is logged in: ``scale`` (an ``mm``), the output's channel
-    scale (other reductions) or the element's own spacing."""
-    diff = (a - b).abs()
+def _unit(func: Any, args: tuple, a: torch.Tensor, kind: OpKind) -> tuple[tuple[int, ...], torch.Tensor]:
+    """The units result ``a`` is logged in, as ``(view shape, unit)``, ``unit`` broadcasting against ``a``
+    viewed so: its :class:`Scale` (an ``mm``), its channel scale (other reductions) or each element's own
+    spacing."""
+    scale: Scale | None = reduction_scale(func, args, a)
     if scale is not None:
-        rel = diff.reshape(scale.outer, scale.channels, scale.inner) / scale.dense()
-    else:
-        rel = diff / (scale_spacing(a) if kind is OpKind.REDUCTION else spacing32(a))
+        return (scale.outer, scale.channels, scale.inner), scale.dense()
+    return tuple(a.shape), scale_spacing(a) if kind is OpKind.REDUCTION else spacing32(a)
+
+
+def _disagreement(a: torch.Tensor, b: torch.Tensor, unit: tuple[tuple[int, ...], torch.Tensor]) -> float:
+    """Largest ``|a - b|`` in the units ``unit`` (:func:`_unit` of ``a``)."""
+    shape, spacing = unit
+    rel = (a - b).abs().reshape(shape) / spacing
     rel = rel[torch.isfinite(rel)]
     return float(rel.max()) if rel.numel() else 0.0
