@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from detrl.scale import spacing32
+
 aten = torch.ops.aten
 #: Every formula here, by op: what the emulated hardware profiles compute these ops with.
 FORMULAS: dict[Any, Callable[..., Any]] = {}
@@ -111,9 +113,7 @@ def _exact_rows(rows: torch.Tensor) -> torch.Tensor:
         return torch.zeros(rows.shape[:-1], dtype=torch.bool, device=rows.device)
     magnitude = rows.abs()
     on_grid = (rows.to(torch.float32).to(torch.float64) == rows).all(-1)
-    _, exponent = torch.frexp(magnitude)
-    spacing = torch.ldexp(torch.ones_like(magnitude), (exponent - 24).clamp(min=-149))
-    q = spacing.masked_fill(magnitude == 0, torch.inf).amin(-1)
+    q = spacing32(magnitude).masked_fill(magnitude == 0, torch.inf).amin(-1)
     return on_grid & (magnitude.amax(-1) * rows.shape[-1] <= q * 2.0**52)
 
 
