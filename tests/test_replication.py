@@ -1,6 +1,7 @@
 """Acceptance: verifiable runs replicate bit for bit on every profile; plain FP32 runs do not; and what the
 log does, as measured: the replays need corrections, and which models diverge without their log."""
 
+import functools
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from detrl import Divergence, Session, Sources
 from detrl.bench import strip_log
 from detrl.config import validate
 from detrl.supervised.data import synthetic_text
+from detrl.supervised.models import LSTMLM
 from detrl.supervised.train import fingerprint, run
 
 PROFILES = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
@@ -136,19 +138,6 @@ def test_resnet50_step_replicates_on_other_profiles(tmp_path):
 # ------------------------------------------------------------------------ script models (no task config)
 
 
-class LSTMLM(nn.Module):
-    """A character LSTM: tokens ``(N, T)`` -> embedding -> one LSTM layer -> logits ``(N, T, vocab)``."""
-
-    def __init__(self, vocab: int = 32, d: int = 32, hidden: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.lstm = nn.LSTM(d, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.lstm(self.emb(tokens))[0])
-
-
 class TiedLM(nn.Module):
     """Token and position embeddings, one causal self-attention without projections (a softmax), a GELU
     layer and a final layer norm, read out through the token embedding itself (tied, as GPT-2's head is):
@@ -170,7 +159,11 @@ class TiedLM(nn.Module):
         return F.linear(self.ln(x + F.gelu(self.mix(x))), self.tok.weight)
 
 
-SCRIPTS = {"lstm_lm": LSTMLM, "tied_embedding": TiedLM}
+#: The character LSTM is the recipe model at one layer of 64 units (tokens (N, T) -> logits (N, T, vocab)).
+SCRIPTS = {
+    "lstm_lm": functools.partial(LSTMLM, vocab=32, d_model=32, hidden=64, layers=1),
+    "tied_embedding": TiedLM,
+}
 
 
 def script(session: Session, model: str, steps: int) -> None:
