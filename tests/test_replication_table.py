@@ -23,7 +23,7 @@ def test_l2_distance_by_hand() -> None:
     b = {"w": np.array([[1.0, 0.0], [3.0, 5.0]], dtype=np.float32), "n": np.array([9], dtype=np.int64)}
     assert rep.l2_distance(a, b) == pytest.approx(math.sqrt(4.0 + 1.0))  # integers are not weights
     assert rep.l2_distance(a, a) == 0.0
-    assert rep.l2_distance(a, {}) == 0.0  # nothing shared, nothing measured
+    assert rep.l2_distance(a, {}) is None  # nothing shared (a run that stopped): not a distance of 0
 
 
 def test_auditors_default_to_every_profile_but_the_trainer() -> None:
