@@ -609,11 +609,10 @@ def summarise(out: str | Path, command: str | None = None, config: str | None = 
 
     out = Path(out)
     spec = AblationConfig.model_validate_json((out / SPEC).read_text())
-    if _read_result(out, "control", 0) is None:
+    ref = _read_result(out, "control", 0)
+    if ref is None:
         raise ConfigError(f"{out}: control run 0 has not finished; run the sweep first")
     protocol = protocol_of(run_config(spec, "control", 0))
-    ref = _read_result(out, "control", 0)
-    assert ref is not None
     ref_steps, ref_digests, ref_params = _trajectory(out, "control", 0)
     ref_final = _npz(out, "control", 0, PARAMS)
     rows: dict[str, Any] = {}

@@ -841,24 +841,22 @@ def _log_softmax_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwa
     return g - _exp(p, y) * _reduce(p, g, [dim])
 
 
-def _nll_flat(x: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-    """``(scores: (R, C), target: (R,))`` for nll_loss's ``(C,)``/``(N, C)`` input or nll_loss2d's
-    ``(N, C, H, W)`` with targets ``(N, H, W)``: the class axis last, one row per prediction."""
+def _nll_rows(x: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(scores: (R, C), valid: (R,) bool, classes: (R,) with ignored rows at 0)`` for nll_loss's
+    ``(C,)``/``(N, C)`` input or nll_loss2d's ``(N, C, H, W)`` with targets ``(N, H, W)``: the class axis
+    last, one row per prediction. None if a target is out of range (the native kernel raises its own error
+    for those)."""
     if x.dim() == 1:
-        return x.unsqueeze(0), target.reshape(1)
-    if x.dim() == 2:
-        return x, target
-    return x.movedim(1, -1).reshape(-1, x.shape[1]), target.reshape(-1)
-
-
-def _nll_targets(scores: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor] | None:
-    """``(valid: (R,) bool, classes: (R,) with ignored rows at 0)``; None if a target is out of range (the
-    native kernel raises its own error for those)."""
+        scores, target = x.unsqueeze(0), target.reshape(1)
+    elif x.dim() == 2:
+        scores = x
+    else:
+        scores, target = x.movedim(1, -1).reshape(-1, x.shape[1]), target.reshape(-1)
     valid = target != ignore_index
     classes = target.where(valid, 0)
     if classes.numel() and (int(classes.min()) < 0 or int(classes.max()) >= scores.shape[1]):
         return None
-    return valid, classes
+    return scores, valid, classes
 
 
 @_register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
@@ -868,11 +866,10 @@ def _nll_loss(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -
     x, target, weight, reduction, ignore_index = _bind(func, args, kwargs)
     if reduction == 0 or not _rows(x, weight) or x.numel() == 0:
         return func(*args, **kwargs)
-    scores, target = _nll_flat(x, target)
-    checked = _nll_targets(scores, target, ignore_index)
-    if checked is None:
+    rows = _nll_rows(x, target, ignore_index)
+    if rows is None:
         return func(*args, **kwargs)
-    valid, classes = checked
+    scores, valid, classes = rows
     w = valid.to(x.dtype) if weight is None else weight[classes] * valid
     # Ignored rows add an exact zero, whatever their scores (-inf at a masked class included).
     picked = torch.where(valid, -scores.gather(1, classes.unsqueeze(1)).squeeze(1) * w, 0.0)
@@ -889,11 +886,10 @@ def _nll_loss_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs
     g, x, target, weight, reduction, ignore_index, total = _bind(func, args, kwargs)
     if reduction == 0 or weight is None or not _rows(g, x, weight, total) or x.numel() == 0:
         return func(*args, **kwargs)
-    scores, flat_target = _nll_flat(x, target)
-    checked = _nll_targets(scores, flat_target, ignore_index)
-    if checked is None:
+    rows = _nll_rows(x, target, ignore_index)
+    if rows is None:
         return func(*args, **kwargs)
-    valid, classes = checked
+    scores, valid, classes = rows
     value = -(weight[classes] * g)
     if reduction == 1:
         value = value / total
