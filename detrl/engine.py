@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -111,6 +112,18 @@ class Batch:
     index: torch.Tensor
 
 
+def _weakly(method: Callable[[], str]) -> Callable[[], str]:
+    """``method``, bound to a session, through a weak reference (``""`` once the session is gone): the
+    session holds what it is given to, and must not be kept alive by it (see :class:`Loader`)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> str:
+        bound = ref()
+        return bound() if bound is not None else ""
+
+    return call
+
+
 class Loader:
     """Minibatches of ``data = (x, y)`` in an order drawn from the ``data_order`` stream (see
     :meth:`Session.loader`). Its position is resume state: a resumed run continues mid-epoch."""
@@ -124,7 +137,11 @@ class Loader:
             raise ValueError(f"dataset has {len(x)} examples, fewer than batch_size={batch_size}")
         if steps is None and epochs is None:
             raise ValueError("loader needs steps or epochs")
-        self.session, self.data, self.batch_size = session, data, batch_size
+        # Weakly: the session holds its loader as resume state, and a cycle would keep the run's model and
+        # optimizer state alive until Python's cyclic collector next runs, which with few but huge tensors
+        # can be runs later (the GPT-2 small replication rows were killed for memory that way).
+        self.session: Session = weakref.proxy(session)
+        self.data, self.batch_size = data, batch_size
         self.steps, self.epochs = steps, epochs
         self.done, self.epoch, self.pos = 0, 0, 0
         self.order: np.ndarray | None = None  # the current epoch's permutation, once drawn
@@ -272,7 +289,7 @@ class Session:
         self._tracker: ModuleTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":
             self._tracker = ModuleTracker()
-        self.rounding = RoundingMode(self.profile, self.thresholds, self._module_path)
+        self.rounding = RoundingMode(self.profile, self.thresholds, _weakly(self._module_path))
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.step_index = 0
