@@ -623,7 +623,7 @@ def test_full_size_resnet50_step_needs_its_log(tmp_path: Path) -> None:
 def test_full_size_gpt2_steps_need_their_log(tmp_path: Path) -> None:
     """Three GPT-2 small steps (124M parameters, batch 8 x 64) replay bit for bit on ``emulated:splitk``
     with their log (which corrected 25 elements on this CPU), and diverge with the log emptied (at step 3
-    on this CPU, in `detrl bench replication`: most corrections fall in bits the state never reads)."""
+    on this CPU, as in `detrl bench replication`)."""
     cfg = cfg_of("gpt2", "train.steps=3", "verify.checkpoint_every=0")
     assert train.size(cfg)["params"] == 124_439_808
     session = record(cfg, tmp_path / "run")
