@@ -429,10 +429,7 @@ class RoundingMode(TorchDispatchMode):
         check_tau = self.check_thresholds.tau(name) if self.check_thresholds else tau * REPLAY_CHECK_FRACTION
         honour = max(tau, self.honour_floor)  # the largest threshold the recorder may have logged it with
         flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
-        if entries is not None and (
-            len(entries.indices) or len(entries.pinned_indices) or len(entries.short_indices)
-        ):
-            last = entries.last_index()
+        if entries is not None and (last := entries.last_index()) >= 0:  # -1: no entry of any kind
             if last >= x.numel():
                 self._anomaly(seq, name, last, "logged-index-out-of-range")
                 raise LogOutOfRange(seq, name, last, x.numel())
