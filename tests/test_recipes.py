@@ -586,11 +586,12 @@ def test_init_from_checks_keys_shapes_and_format(tmp_path: Path) -> None:
     assert torch.equal(ours.lm.transformer.h[1].mlp.c_fc.weight, hf.transformer.h[1].mlp.c_fc.weight)
 
 
-# --- the full-size models: a verifiable step or three, replayed ---------------------------------------
+# --- where the log matters: the full-size models, and the tiny recipes made larger ------------------
 # Measured on a 2-core CPU: the ResNet-50 test takes about 40 s, the GPT-2 small one (3 steps) about 8
-# minutes and up to 14 GB resident. An FP32 rounding that the state reads moves about once in 1e8-1e9
-# rounded results; a step of either rounds more than 2e8 (GPT-2 small 1.9e9), so at this size (and only
-# here, in the suite) the replay needs its log within a few steps.
+# minutes and up to 14 GB resident. An FP32 rounding that the state reads moves once in some 1e6-1e9
+# rounded results, depending on the model (NEEDS_LOG in tests/test_replication.py); a step of either
+# full-size model rounds more than 2e8 (GPT-2 small 1.9e9), so the replay needs its log within a few
+# steps. The tiny recipes need theirs only once wider, and at larger batches (TINY_NEEDS_LOG).
 
 
 def replays_only_with_its_log(run: Path, hardware: str) -> int | None:
@@ -605,13 +606,40 @@ def replays_only_with_its_log(run: Path, hardware: str) -> int | None:
     return emptied.diverged_step
 
 
+#: The tiny recipes at a size where a profile's replay needs the log, as measured on this CPU: (recipe,
+#: overrides, profile, the step at which the log-emptied bundle diverges there). At their configs' sizes
+#: their log-emptied bundles replicate over the 10 steps on every profile (tests/test_replication.py says
+#: why); ResNet-50 at width 32 needs its log in its first step, GPT-2 at width 128 and batch 32 x 32 at
+#: step 24. (The schedules depend on train.steps, which is part of each case.)
+TINY_NEEDS_LOG = [
+    pytest.param(
+        "resnet50_tiny", ("model.width=32", "train.batch_size=16", "train.steps=2"), "emulated:splitk", 1
+    ),
+    pytest.param(
+        "gpt2_tiny",
+        ("model.n_embd=128", "train.batch_size=32", "train.steps=30"),
+        "emulated:pairwise",
+        24,
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "hardware", "diverges_at"), TINY_NEEDS_LOG)
+def test_a_larger_tiny_recipe_needs_its_log(
+    tmp_path: Path, name: str, overrides: tuple[str, ...], hardware: str, diverges_at: int
+) -> None:
+    record(cfg_of(name, *overrides, "verify.checkpoint_every=0"), tmp_path / "run")
+    assert replays_only_with_its_log(tmp_path / "run", hardware) == diverges_at
+
+
 @pytest.mark.slow
 def test_full_size_resnet50_step_needs_its_log(tmp_path: Path) -> None:
     """One ResNet-50 step at batch 8 replays bit for bit on ``emulated:splitk``, where the log corrects
     elements the state reads (2 on this CPU, in the forward convolution of ``layers.0.conv2`` and the
     backward of ``layers.15.conv2``): the auditor's own nearest rounding differed from the trainer's. The
     same bundle with its log emptied diverges at that step. At the paper's size FP64 rounded to FP32 needs
-    its log; the small models of tests/test_replication.py replicate without theirs."""
+    its log."""
     cfg = cfg_of("resnet50", "train.steps=1", "train.batch_size=8", "verify.checkpoint_every=0")
     assert train.size(cfg)["params"] == 23_520_842
     session = record(cfg, tmp_path / "run")

@@ -3,6 +3,7 @@ log does, as measured: the replays need corrections, and which models diverge wi
 
 import functools
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from detrl import Divergence, Session, Sources
 from detrl.bench import strip_log
-from detrl.config import validate
+from detrl.config import apply_overrides, validate
 from detrl.supervised.data import synthetic_text
 from detrl.supervised.models import LSTMLM
 from detrl.supervised.train import fingerprint, run
@@ -34,11 +35,15 @@ OPTIMIZERS = {
 }
 
 
-def config(model: str, opt: str, precision: str = "verifiable", steps: int = 30):
-    return validate({
-        "name": f"{model}-{opt}", "precision": precision, **MODELS[model], "optimizer": OPTIMIZERS[opt],
-        "train": {"steps": steps, "batch_size": 16}, "verify": {"checkpoint_every": 10},
-    })  # fmt: skip
+def config(
+    model: str, opt: str, precision: str = "verifiable", steps: int = 30, overrides: Sequence[str] = ()
+):
+    """The config of recipe ``model`` of MODELS with optimizer ``opt``; ``overrides`` as ``--set`` takes them."""
+    return validate(apply_overrides({
+        "name": f"{model}-{opt}", "precision": precision, **MODELS[model],
+        "optimizer": OPTIMIZERS[opt], "train": {"steps": steps, "batch_size": 16},
+        "verify": {"checkpoint_every": 10},
+    }, list(overrides)))  # fmt: skip
 
 
 def record(cfg, run_dir, hardware="native"):
@@ -166,12 +171,14 @@ SCRIPTS = {
 }
 
 
-def script(session: Session, model: str, steps: int) -> None:
-    """Train script model ``model`` on the synthetic bigram text for ``steps`` AdamW steps in ``session``."""
+def script(session: Session, model: str, steps: int, overrides: Sequence[str] = ()) -> None:
+    """Train script model ``model`` on the synthetic bigram text for ``steps`` AdamW steps in ``session``;
+    ``overrides`` set its constructor's arguments (``model.d=128``) and ``train.batch_size`` (16)."""
+    settings = apply_overrides({"model": {}, "train": {"batch_size": 16}}, list(overrides))
     tokens = synthetic_text(vocab=32, seq_len=16, n=256)
-    net = session.init(SCRIPTS[model])
+    net = session.init(functools.partial(SCRIPTS[model], **settings["model"]))
     opt = session.track(torch.optim.AdamW(net.parameters(), lr=0.01))
-    for batch in session.loader(tokens, batch_size=16, steps=steps):
+    for batch in session.loader(tokens, batch_size=settings["train"]["batch_size"], steps=steps):
         with session.step():
             logits = net(batch.x)
             F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.y.reshape(-1)).backward()
@@ -179,20 +186,20 @@ def script(session: Session, model: str, steps: int) -> None:
             opt.zero_grad(set_to_none=True)
 
 
-def record_any(model: str, run_dir, steps: int) -> Session:
+def record_any(model: str, run_dir, steps: int, overrides: Sequence[str] = ()) -> Session:
     """Record ``model`` (a recipe of MODELS, or a script of SCRIPTS) for ``steps`` steps on native."""
     if model in MODELS:
-        return record(config(model, "sgd", steps=steps), run_dir)
+        return record(config(model, "sgd", steps=steps, overrides=overrides), run_dir)
     with Session(run_dir, mode="record", precision="verifiable", sources=Sources(seed=0)) as s:
-        script(s, model, steps)
+        script(s, model, steps, overrides)
     return s
 
 
-def replay_any(model: str, run_dir, hardware: str, steps: int) -> Session:
+def replay_any(model: str, run_dir, hardware: str, steps: int, overrides: Sequence[str] = ()) -> Session:
     if model in MODELS:
-        return replay(config(model, "sgd", steps=steps), run_dir, hardware)
+        return replay(config(model, "sgd", steps=steps, overrides=overrides), run_dir, hardware)
     with Session(run_dir, mode="replay", hardware=hardware) as s:
-        script(s, model, steps)
+        script(s, model, steps, overrides)
     return s
 
 
@@ -213,7 +220,57 @@ def test_script_models_replicate_on_every_profile(tmp_path, model, steps):
 
 # ----------------------------------------------------------------------------------- the log matters
 
-#: (model, steps, profiles to try in order), for models whose replay needs corrections within a few steps.
+#: Every model of these tests at a size where a profile's replay needs the log, as measured on this CPU:
+#: (model, overrides, steps, profile, the step at which the log-emptied bundle diverges there). The replay
+#: moves an FP32 rounding the state reads only where its FP64 result and the recorder's fall on two sides
+#: of a midpoint. They differ by an FP64 ulp or a few, so that takes some 1e8-1e9 results of the ops the
+#: profiles compute differently: hundreds to thousands of steps at the fast tests' sizes (below), a few
+#: steps once a model is wider or sees larger batches (more, and longer, reductions a step). The runs and
+#: these profiles are deterministic, so the step is exact. (``emulated:atomic`` draws fresh orders.)
+NEEDS_LOG = [
+    pytest.param("cnn_bn", ("model.channels=32", "train.batch_size=64"), 10, "emulated:pairwise", 8),
+    pytest.param("tied_embedding", ("model.d=128",), 4, "emulated:splitk", 3),
+    pytest.param(
+        "tiny_transformer",
+        ("model.d_model=128", "model.heads=4", "data.seq_len=64", "train.batch_size=32"),
+        16,
+        "emulated:pairwise",
+        14,
+        marks=pytest.mark.slow,
+    ),
+    # one element corrected, at step 142 (splitk corrects none in 200 steps); about 70 s on this CPU
+    pytest.param("lstm_lm", (), 150, "emulated:pairwise", 142, marks=pytest.mark.slow),
+    # the last to need it, after 6e9 rounded results (its first 100 steps correct 4 pinned values near 0
+    # in fc2, which the state never reads); about 8 minutes on this CPU
+    pytest.param(
+        "mlp_dropout",
+        ("model.hidden=1024", "train.batch_size=512"),
+        611,
+        "emulated:pairwise",
+        611,
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize(("model", "overrides", "steps", "hardware", "diverges_at"), NEEDS_LOG)
+def test_every_model_needs_its_log_once_it_is_large_enough(
+    tmp_path, model, overrides, steps, hardware, diverges_at
+):
+    """The replay on ``hardware`` replicates bit for bit only through the log: with it, the log corrects
+    elements (the replayer's own nearest rounding differed from the recorder's); with the log emptied, the
+    same bundle diverges at step ``diverges_at``."""
+    record_any(model, tmp_path / "run", steps, overrides)
+    rep = replay_any(model, tmp_path / "run", hardware, steps, overrides)
+    assert rep.step_index == steps and rep.totals.corrected > 0
+    assert rep.totals.unlogged_near == 0 and rep.totals.refused == 0
+    strip_log(tmp_path / "run", tmp_path / "nolog")
+    with pytest.raises(Divergence) as e:
+        replay_any(model, tmp_path / "nolog", hardware, steps, overrides)
+    assert e.value.step == diverges_at
+
+
+#: (model, steps, profiles to try in order): what the log does at the fast tests' sizes.
 #: Until layer norm was decomposed (detrl/decompose.py), its native Welford mean carried an ulp of error
 #: where the profiles' two-pass mean of FP32-grid rows was exact, at exact FP32 ties: the tiny transformer
 #: and the tied-embedding model needed hundreds of corrections in 30 steps and, emptied of their logs,
@@ -223,11 +280,8 @@ def test_script_models_replicate_on_every_profile(tmp_path, model, steps):
 #: --models gpt2_tiny --quality-models ''``, 10 steps) none either, and replicates without its log where it
 #: diverged before; the tied-embedding model 19-26 corrections in 30 steps from step 1 on every profile,
 #: in ``_log_softmax`` (log-probabilities near 0, read only by the loss value) and, on pairwise, GELU (its
-#: libm), and its log-emptied bundle replicates. No model here needs its log within the fast tests'
-#: steps (the character LSTM does at step 142: a slow test below): an FP32 rounding moves about once in
-#: 1e8-1e9 rounded results, which these models take hundreds to thousands of steps to reach. The full-size
-#: ResNet-50 and GPT-2 small reach it within their first step, and their log-emptied bundles diverge there
-#: (tests/test_recipes.py, slow).
+#: libm), and its log-emptied bundle replicates. At these sizes no model needs its log within the fast
+#: tests' steps; at the sizes of NEEDS_LOG each one does.
 LOG_CORRECTS = [
     pytest.param("tied_embedding", 3, ["emulated:reversed", "emulated:atomic", "emulated:splitk"]),
 ]
@@ -292,27 +346,12 @@ def test_without_layer_norm_the_log_corrects_only_bits_the_state_never_reads(
     spacings of the result. Only the loss value reads those bits (log-softmax backward rounds ``exp`` of
     them to FP32 first), so the log-emptied bundle still replicates. Every other op of theirs disagrees by
     a few FP64 ulps, which rarely moves an FP32 rounding: none among the 7e7 rounded results of 600 CNN
-    steps or the 9e7 of 800 MLP steps. The character LSTM has one by step 142 (the next test).
+    steps or the 9e7 of 800 MLP steps. The character LSTM has one by step 142 (NEEDS_LOG).
     """
     record_any(model, tmp_path / "run", steps)
     hw, _ = _replay_until_corrected(model, tmp_path / "run", steps, profiles)
     strip_log(tmp_path / "run", tmp_path / "nolog")
     assert replay_any(model, tmp_path / "nolog", hw, steps).step_index == steps
-
-
-@pytest.mark.slow
-def test_the_character_lstm_needs_its_log_at_step_142(tmp_path):
-    """The one small model seen to need its log within minutes: the character LSTM's replay on pairwise
-    corrects one element the state reads, at step 142 of 150 (splitk corrects none in 200 steps), and its
-    log-emptied bundle diverges at that step. About 70 s on this CPU."""
-    steps = 150
-    record_any("lstm_lm", tmp_path / "run", steps)
-    rep = replay_any("lstm_lm", tmp_path / "run", "emulated:pairwise", steps)
-    assert rep.step_index == steps and rep.totals.corrected == 1 and rep.totals.unlogged_near == 0
-    strip_log(tmp_path / "run", tmp_path / "nolog")
-    with pytest.raises(Divergence) as e:
-        replay_any("lstm_lm", tmp_path / "nolog", "emulated:pairwise", steps)
-    assert e.value.step == 142
 
 
 # ------------------------------------------------------------------------------------------ calibration
