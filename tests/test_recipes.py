@@ -588,7 +588,7 @@ def test_init_from_checks_keys_shapes_and_format(tmp_path: Path) -> None:
 
 # --- where the log matters: the full-size models, and the tiny recipes made larger ------------------
 # Measured on a 2-core CPU: the ResNet-50 test takes about 40 s, the GPT-2 small one (3 steps) about 8
-# minutes and up to 14 GB resident. An FP32 rounding that the state reads moves once in some 1e6-1e9
+# minutes and up to 14 GB resident. An FP32 rounding that the state reads moves once in 2.6e6 to 6e9
 # rounded results, depending on the model (NEEDS_LOG in tests/test_replication.py); a step of either
 # full-size model rounds more than 2e8 (GPT-2 small 1.9e9), so the replay needs its log within a few
 # steps. The tiny recipes need theirs only once wider, and at larger batches (TINY_NEEDS_LOG).

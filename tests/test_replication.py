@@ -223,9 +223,9 @@ def test_script_models_replicate_on_every_profile(tmp_path, model, steps):
 #: Every model of these tests at a size where a profile's replay needs the log, as measured on this CPU:
 #: (model, overrides, steps, profile, the step at which the log-emptied bundle diverges there). The replay
 #: moves an FP32 rounding the state reads only where its FP64 result and the recorder's fall on two sides
-#: of a midpoint. They differ by an FP64 ulp or a few, so that takes some 1e8-1e9 results of the ops the
-#: profiles compute differently: hundreds to thousands of steps at the fast tests' sizes (below), a few
-#: steps once a model is wider or sees larger batches (more, and longer, reductions a step). The runs and
+#: of a midpoint. They differ by an FP64 ulp or a few, so that takes many rounded results, from 2.6e6
+#: (the tied-embedding model at width 128) to 6e9 (the MLP) as measured: hundreds to thousands of steps at
+#: the fast tests' sizes (below), fewer once a model is wider or sees larger batches. The runs and
 #: these profiles are deterministic, so the step is exact. (``emulated:atomic`` draws fresh orders.)
 NEEDS_LOG = [
     pytest.param("cnn_bn", ("model.channels=32", "train.batch_size=64"), 10, "emulated:pairwise", 8),
