@@ -38,7 +38,8 @@ OPTIMIZERS = {
 def config(
     model: str, opt: str, precision: str = "verifiable", steps: int = 30, overrides: Sequence[str] = ()
 ):
-    """The config of recipe ``model`` of MODELS with optimizer ``opt``; ``overrides`` as ``--set`` takes them."""
+    """The config of recipe ``model`` of MODELS with optimizer ``opt``; ``overrides`` in ``--set``'s form
+    (``model.channels=32``)."""
     return validate(apply_overrides({
         "name": f"{model}-{opt}", "precision": precision, **MODELS[model],
         "optimizer": OPTIMIZERS[opt], "train": {"steps": steps, "batch_size": 16},
