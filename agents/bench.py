@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from detrl import config as config_mod
-from detrl import tasks
-from detrl.fmt import machine_line
-from detrl.sources import STREAMS, Sources
+from detrl.core.sources import STREAMS, Sources
+from detrl.run import config as config_mod
+from detrl.run import tasks
+from detrl.run.fmt import machine_line
 
 REPO = Path(__file__).resolve().parents[1]
 

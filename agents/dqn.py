@@ -36,10 +36,10 @@ from torch.nn import functional as F
 import envs
 from agents.buffers import FrameReplayBuffer, ReplayBuffer
 from agents.networks import QNetworks, build_q_network
-from detrl.config import RunBase, Strict, VerifyConfig
-from detrl.engine import Session
-from detrl.sources import Sources
-from detrl.tasks import Task
+from detrl.core.engine import Session
+from detrl.core.sources import Sources
+from detrl.run.config import RunBase, Strict, VerifyConfig
+from detrl.run.tasks import Task
 
 
 # ---------------------------------------------------------------------------------------------- config

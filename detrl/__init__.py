@@ -16,14 +16,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "STREAMS": "detrl.sources",
-    "Sources": "detrl.sources",
-    "Batch": "detrl.engine",
-    "Divergence": "detrl.engine",
-    "Session": "detrl.engine",
-    "BundleError": "detrl.bundle",
-    "Precision": "detrl.precision",
-    "Thresholds": "detrl.rounding",
+    "STREAMS": "detrl.core.sources",
+    "Sources": "detrl.core.sources",
+    "Batch": "detrl.core.engine",
+    "Divergence": "detrl.core.engine",
+    "Session": "detrl.core.engine",
+    "BundleError": "detrl.formats.bundle",
+    "Precision": "detrl.core.precision",
+    "Thresholds": "detrl.core.rounding",
 }
 __all__ = sorted(_EXPORTS)
 

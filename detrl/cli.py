@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from detrl.fmt import format_bytes
+from detrl.run.fmt import format_bytes
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -35,9 +35,10 @@ AUDIT_EPILOG = """exit codes (verdicts):
 
 def _resume_config(run_dir: Path, overrides: list[str]) -> Any:
     """The config a ``--resume`` continues: the bundle's own, with only the ``--set`` keys its task allows."""
-    from detrl import bundle as bundle_mod
-    from detrl import config as config_mod
-    from detrl import safeio, tasks
+    from detrl.formats import bundle as bundle_mod
+    from detrl.formats import safeio
+    from detrl.run import config as config_mod
+    from detrl.run import tasks
 
     if run_dir.is_dir() and safeio.DirLock.is_locked(run_dir):  # before reading files another run appends to
         raise safeio.LockedError(run_dir)
@@ -83,8 +84,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     import torch
 
-    from detrl import config as config_mod
-    from detrl import tasks
+    from detrl.run import config as config_mod
+    from detrl.run import tasks
 
     if args.resume:
         for given, what in ((args.out, "--out"), (args.config, "a CONFIG file"), (args.force, "--force")):
@@ -143,7 +144,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"greedy evaluation: mean return {sum(r) / max(1, len(r)):.1f} over {len(r)} episodes")
     print(f"bundle: {out}  (precision {cfg.precision}, hardware {cfg.hardware})")
     if cfg.precision == "verifiable":
-        from detrl.roundlog import dense_reference_bytes
+        from detrl.formats.roundlog import dense_reference_bytes
 
         log_bytes = sum(session.log_bytes)
         dense = dense_reference_bytes(t.rounded_elements)
@@ -163,8 +164,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from detrl.audit import audit, parse_caps
-    from detrl.bundle import BundleError
+    from detrl.apps.audit import audit, parse_caps
+    from detrl.formats.bundle import BundleError
 
     try:
         report = audit(
@@ -198,7 +199,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
-    from detrl.hardware import get_profile, profile_names
+    from detrl.core.hardware import get_profile, profile_names
 
     names = profile_names()  # has cuda only where a CUDA device exists
     for name in names:
@@ -216,7 +217,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from detrl import ablation
+    from detrl.apps import ablation
 
     sources = ablation.parse_sources(args.sources) if args.sources is not None else None
     spec = ablation.load_spec(args.config, runs=args.runs, sources=sources)
@@ -245,7 +246,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from detrl import report
+    from detrl.apps import report
 
     made = report.make_report(args.dir)
     print(f"report: {made.markdown}")
@@ -383,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INTERRUPTED
         if os.environ.get("DETRL_DEBUG"):
             raise
-        from detrl.bundle import BundleError
-        from detrl.config import ConfigError
-        from detrl.roundlog import RoundLogError
+        from detrl.formats.bundle import BundleError
+        from detrl.formats.roundlog import RoundLogError
+        from detrl.run.config import ConfigError
 
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if isinstance(e, (ConfigError, BundleError, RoundLogError, OSError, ValueError)):

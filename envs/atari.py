@@ -25,7 +25,7 @@ import ale_py
 import gymnasium as gym
 import numpy as np
 
-from detrl.sources import Sources
+from detrl.core.sources import Sources
 from envs.ale import AleGame
 from envs.core import SourcedEnv, check_arrays, generator_from_state, meta_int, meta_value
 from envs.ids import ale_rom

@@ -26,7 +26,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from detrl.sources import Sources
+from detrl.core.sources import Sources
 
 #: Episode seeds are drawn in ``[0, 2**31)``.
 EPISODE_SEED_RANGE = 2**31

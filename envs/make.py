@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gymnasium as gym
 
-from detrl.sources import Sources
+from detrl.core.sources import Sources
 from envs.atari import AtariPreprocessing
 from envs.classic import ClassicControl
 from envs.ids import check_env_id, is_atari, is_minatar

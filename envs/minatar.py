@@ -35,7 +35,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from detrl.sources import Sources
+from detrl.core.sources import Sources
 from envs.core import SourcedEnv, check_arrays, generator_from_state, meta_int, meta_value
 from envs.ids import minatar_game
 

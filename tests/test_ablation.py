@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detrl import ablation
+from detrl.apps import ablation
 from detrl.cli import main
 
 # 1,000 env steps: the first updates run from step 202; 128 inputs to the second layer give emulated:atomic

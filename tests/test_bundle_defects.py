@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 import torch
 
-from detrl import bundle as bundle_mod
-from detrl import safeio
 from detrl.cli import main
-from detrl.roundlog import RoundLogReader, rewrite
+from detrl.formats import bundle as bundle_mod
+from detrl.formats import safeio
+from detrl.formats.roundlog import RoundLogReader, rewrite
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/supervised/digits_cnn.yaml"

@@ -1,11 +1,11 @@
 """Property tests of the bundle readers on damaged input: each accepts or raises its one error type.
 
 ``parse_manifest``, ``parse_commitments``, ``decode_checkpoint`` and ``Bundle`` may raise only
-:class:`~detrl.bundle.BundleError`; the rounding-log reader and its cursors only
-:class:`~detrl.roundlog.RoundLogError`. Anything else escaping (``IndexError``, ``struct.error``,
+:class:`~detrl.formats.bundle.BundleError`; the rounding-log reader and its cursors only
+:class:`~detrl.formats.roundlog.RoundLogError`. Anything else escaping (``IndexError``, ``struct.error``,
 ``RecursionError``, ``UnicodeError``, ``MemoryError`` ...) fails the test, and hypothesis shrinks it.
 The damage starts from a real bundle recorded once for the module; the mutation driver
-(:mod:`detrl.fuzzing`) is the one ``detrl bench fuzz`` runs by the hundred thousand.
+(:mod:`detrl.testing.fuzzing`) is the one ``detrl bench fuzz`` runs by the hundred thousand.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from detrl import bundle as bundle_mod
-from detrl import fuzzing, safeio
-from detrl.bundle import BundleError, Caps
 from detrl.cli import main
-from detrl.roundlog import RoundLogError, RoundLogReader
+from detrl.formats import bundle as bundle_mod
+from detrl.formats import safeio
+from detrl.formats.bundle import BundleError, Caps
+from detrl.formats.roundlog import RoundLogError, RoundLogReader
+from detrl.testing import fuzzing
 
 TRAIN = ["configs/supervised/digits_cnn.yaml", "--set", "train.steps=8", "--set", "verify.checkpoint_every=4",
          "--no-tensorboard", "--quiet"]  # fmt: skip
@@ -40,7 +41,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> fuzzing.BaseBundle:
     return fuzzing.BaseBundle.load(root / "run", root / "work" / "run")
 
 
-# Byte edits (detrl.fuzzing.EDITS): positions wrap around the data, so hypothesis may draw any integer.
+# Byte edits (detrl.testing.fuzzing.EDITS): positions wrap around the data, so hypothesis may draw any integer.
 interesting = st.sampled_from(fuzzing.INTERESTING_INTS)
 edits = st.lists(
     st.tuples(

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from detrl import Session, Sources
-from detrl.calibrate import CLASSES_KEY, DEFAULT_MAX_PER_CLASS, Calibrator, shape_class
-from detrl.oprules import op_name
-from detrl.rounding import Thresholds
+from detrl.core.calibrate import CLASSES_KEY, DEFAULT_MAX_PER_CLASS, Calibrator, shape_class
+from detrl.core.oprules import op_name
+from detrl.core.rounding import Thresholds
 
 PROFILES = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
 DEPTH = 6  # identical hidden layers: their calls fall into the same classes

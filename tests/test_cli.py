@@ -120,7 +120,7 @@ def test_unknown_config_key_suggests_the_nearest(tmp_path, capsys):
 def test_packaged_config_resolves_outside_a_checkout(tmp_path, monkeypatch):
     import pytest
 
-    from detrl import config
+    from detrl.run import config
 
     monkeypatch.chdir(tmp_path)  # no configs/ here: only the package's copy can answer
     assert config.load("configs/dqn/tiny.yaml").name == config.load("dqn/tiny.yaml").name == "tiny"

@@ -1,4 +1,4 @@
-"""Commitments (detrl/commit.py): the canonical encoding is injective, and the digest cache's test of
+"""Commitments (detrl/formats/commit.py): the canonical encoding is injective, and the digest cache's test of
 "unchanged" is sound (it compares bytes, so fused and foreach writes are caught)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from detrl import commit
+from detrl.formats import commit
 
 
 def _digests(cases: dict[str, tuple[str, torch.Tensor]]) -> dict[str, bytes]:

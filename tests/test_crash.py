@@ -1,10 +1,10 @@
 """Crash safety end to end: Ctrl-C, SIGKILL at every durable point, a second writer, resumes that never destroy.
 
 Recordings are ``configs/dqn/tiny.yaml`` and ``configs/supervised/digits_cnn.yaml`` shaped as in
-:data:`detrl.crashtest.KINDS`; each is recorded once per module, uninterrupted, as the reference every
-interrupted and resumed bundle must equal byte for byte (:func:`detrl.crashtest.bundle_files_equal`).
+:data:`detrl.testing.crashtest.KINDS`; each is recorded once per module, uninterrupted, as the reference every
+interrupted and resumed bundle must equal byte for byte (:func:`detrl.testing.crashtest.bundle_files_equal`).
 Interrupted runs are real ``detrl`` processes; precise kills go through the driver in
-:mod:`detrl.crashtest`. The default run takes the fast cases (about a minute); ``-m slow`` adds Ctrl-C at
+:mod:`detrl.testing.crashtest`. The default run takes the fast cases (about a minute); ``-m slow`` adds Ctrl-C at
 wall-clock moments and the SIGKILL matrix (a few minutes on two cores).
 """
 
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from detrl import crashtest as ct
-from detrl.audit import audit
-from detrl.bundle import BundleError
+from detrl.apps.audit import audit
 from detrl.cli import main
+from detrl.formats.bundle import BundleError
+from detrl.testing import crashtest as ct
 
 STOP_NOTICE = "detrl: stopping after this step (Ctrl-C again to abort)"
 #: An interrupted ``detrl`` exits 130; where the Ctrl-C lands inside code torch runs through
@@ -236,7 +236,7 @@ def test_ctrl_c_at_wall_clock_moments(tmp_path, refs):
 def test_sigkill_matrix_every_killed_bundle_is_incomplete_and_resumes_to_the_reference(tmp_path, refs):
     """SIGKILL before and after checkpoint writes and manifest replacements, inside them (temp file not
     renamed, records not fsynced), at random steps and times, and in resumes of killed and of stopped
-    bundles (see :func:`detrl.crashtest.matrix`): each killed bundle audits incomplete (never bad input),
+    bundles (see :func:`detrl.testing.crashtest.matrix`): each killed bundle audits incomplete (never bad input),
     its durable step never goes back, a resume killed re-recording held steps changes nothing, and a
     plain resume completes it to the reference."""
     outcomes = ct.run_matrix(ct.KINDS, tmp_path, jobs=2, core_only=True, refs=refs)

@@ -1,4 +1,4 @@
-"""Layer norm and softmax decompositions (detrl/decompose.py): torch's kernels mathematically, and in
+"""Layer norm and softmax decompositions (detrl/core/decompose.py): torch's kernels mathematically, and in
 verifiable precision only their sums and exponentials reach the log."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from detrl import decompose
-from detrl.hardware import get_profile
-from detrl.rounding import RoundingMode, StepRounding, Thresholds
+from detrl.core import decompose
+from detrl.core.hardware import get_profile
+from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 
 aten = torch.ops.aten
 PLAIN = decompose.Steps(lambda t, dims: t.sum(dims))

@@ -20,9 +20,11 @@ import torch
 import yaml
 
 from agents import dqn
-from detrl import BundleError, Session, Sources, commit, tasks
-from detrl import config as config_mod
+from detrl import BundleError, Session, Sources
 from detrl.cli import main
+from detrl.formats import commit
+from detrl.run import config as config_mod
+from detrl.run import tasks
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "dqn" / "tiny.yaml"

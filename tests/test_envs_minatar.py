@@ -19,9 +19,10 @@ from gymnasium.utils.env_checker import check_env
 import envs
 from agents import dqn
 from agents.networks import MinAtarCNN, build_q_network
-from detrl import Session, Sources, tasks
-from detrl import config as config_mod
+from detrl import Session, Sources
 from detrl.cli import main
+from detrl.run import config as config_mod
+from detrl.run import tasks
 from envs.ids import MINATAR
 
 BREAKOUT = "MinAtar/Breakout-v1"

@@ -1,4 +1,4 @@
-"""Tests for detrl.hardware: emulated profiles reorder reductions but stay mathematically equal to native."""
+"""Tests for detrl.core.hardware: emulated profiles reorder reductions but stay mathematically equal to native."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from detrl.hardware import HardwareMode, Profile, get_profile, profile_names
+from detrl.core.hardware import HardwareMode, Profile, get_profile, profile_names
 
 aten = torch.ops.aten
 EMULATED = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
@@ -75,7 +75,7 @@ def test_cuda_profile_needs_a_device():
 
 
 def test_registry_refuses_duplicates():
-    from detrl.hardware import _register
+    from detrl.core.hardware import _register
 
     with pytest.raises(RuntimeError, match="registered twice"):
         _register(aten.mm.default)(lambda p, func, args, kwargs: None)

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from detrl import kernel
-from detrl.rounding import _take, _uncertainty, entries_for, near_midpoint
-from detrl.roundlog import OpEntries
-from detrl.scale import Scale, channel_scale, reduction_scale
+from detrl.core import kernel
+from detrl.core.rounding import _take, _uncertainty, entries_for, near_midpoint
+from detrl.core.scale import Scale, channel_scale, reduction_scale
+from detrl.formats.roundlog import OpEntries
 
 needs_kernel = pytest.mark.skipif(not kernel.available(), reason="the native kernel is not built here")
 TAUS = [0.0, 2.0**-30, 2.0**-16, 2.0**-8, 0.25, 0.5]
@@ -25,7 +25,7 @@ TAUS = [0.0, 2.0**-30, 2.0**-16, 2.0**-8, 0.25, 0.5]
 def test_the_kernel_is_built_where_a_c_compiler_exists() -> None:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the install falls back to the pure-torch reference")
-    assert kernel.available(), "pip install built no detrl._roundkernel although a C compiler exists"
+    assert kernel.available(), "pip install built no detrl.core._roundkernel although a C compiler exists"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -230,9 +230,9 @@ def test_non_contiguous_and_other_dtypes_take_the_reference() -> None:
 @needs_kernel
 def test_a_recording_is_the_same_bundle_with_and_without_the_kernel(tmp_path) -> None:  # noqa: ANN001
     """The whole record path: every log entry, threshold and commitment the same, byte for byte."""
-    from detrl import bundle as bundle_mod
-    from detrl import config as config_mod
-    from detrl import tasks
+    from detrl.formats import bundle as bundle_mod
+    from detrl.run import config as config_mod
+    from detrl.run import tasks
 
     def record(where):  # noqa: ANN001, ANN202
         cfg = config_mod.load(

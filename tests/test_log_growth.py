@@ -4,7 +4,7 @@ A log that grows with training would end up larger than the model. It did, for a
 model measured at an earlier version: from 2.9 KB to 456 KB per step over 20 steps, almost all of it
 pinned entries of the weight-gradient ``mm``, whose rows drift apart in magnitude as training goes on,
 while the threshold's unit was taken per column. ``mm`` is now measured in units of its inputs' row and
-column maxima (:func:`detrl.scale.reduction_scale`); this test holds every model of the replication matrix
+column maxima (:func:`detrl.core.scale.reduction_scale`); this test holds every model of the replication matrix
 to a flat log.
 """
 

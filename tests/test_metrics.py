@@ -1,4 +1,4 @@
-"""detrl.metrics against hand-computed values on small fixed arrays (arithmetic in the comments)."""
+"""detrl.apps.metrics against hand-computed values on small fixed arrays (arithmetic in the comments)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from detrl import metrics as M
+from detrl.apps import metrics as M
 
 
 def one_hot_logits(preds: list[list[int]], classes: int) -> np.ndarray:

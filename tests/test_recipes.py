@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from detrl import tasks
-from detrl.audit import audit, check_caps
+from detrl.apps.audit import audit, check_caps
 from detrl.bench import strip_log
-from detrl.bundle import BundleError
 from detrl.cli import main
-from detrl.config import ConfigError, load
-from detrl.hardware import profile_names
+from detrl.core.hardware import profile_names
+from detrl.formats.bundle import BundleError
+from detrl.run import tasks
+from detrl.run.config import ConfigError, load
 from detrl.supervised import data as datasets
 from detrl.supervised import train
 from detrl.supervised.weights import export_safetensors, load_init
@@ -61,7 +61,7 @@ def one_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 @pytest.mark.parametrize("name", ["resnet50", "resnet50_tiny", "gpt2", "gpt2_tiny", "gpt2_finetune"])
 def test_recipe_configs_name_their_schedule_and_data(name: str) -> None:
-    from detrl.config import read_raw
+    from detrl.run.config import read_raw
 
     raw = read_raw(f"configs/supervised/{name}.yaml")
     assert "schedule" in raw["optimizer"] and "name" in raw["data"]  # written out, not defaults
@@ -311,7 +311,7 @@ def _op_names(
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from detrl.randomness import StreamRandomMode
+    from detrl.core.randomness import StreamRandomMode
 
     class Names(TorchDispatchMode):
         def __init__(self) -> None:

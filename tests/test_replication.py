@@ -12,7 +12,7 @@ from torch import nn
 
 from detrl import Divergence, Session, Sources
 from detrl.bench import strip_log
-from detrl.config import apply_overrides, validate
+from detrl.run.config import apply_overrides, validate
 from detrl.supervised.data import synthetic_text
 from detrl.supervised.models import LSTMLM
 from detrl.supervised.train import fingerprint, run
@@ -272,7 +272,7 @@ def test_every_model_needs_its_log_once_it_is_large_enough(
 
 
 #: (model, steps, profiles to try in order): what the log does at the fast tests' sizes.
-#: Until layer norm was decomposed (detrl/decompose.py), its native Welford mean carried an ulp of error
+#: Until layer norm was decomposed (detrl/core/decompose.py), its native Welford mean carried an ulp of error
 #: where the profiles' two-pass mean of FP32-grid rows was exact, at exact FP32 ties: the tiny transformer
 #: and the tied-embedding model needed hundreds of corrections in 30 steps and, emptied of their logs,
 #: diverged at step 1 or 2 on every profile. Now every machine computes layer norm from the same (logged, or
@@ -365,9 +365,9 @@ def test_calibration_measures_row_ops_and_the_libm_instead_of_the_floor():
     the calibration step measures their disagreement and sets reduction thresholds from it (elementwise
     ones keep the floor that stands for real libms, measured disagreement x margin being below it). A
     calibrator whose only profile computes them natively measures nothing: every one gets the floor."""
-    from detrl.calibrate import DEFAULT_MARGIN, TAU_CAP, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
-    from detrl.hardware import get_profile
-    from detrl.rounding import RoundingMode, StepRounding, Thresholds
+    from detrl.core.calibrate import DEFAULT_MARGIN, TAU_CAP, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
+    from detrl.core.hardware import get_profile
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 
     torch.manual_seed(0)
     model = TiedLM().double()

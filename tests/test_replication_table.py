@@ -1,4 +1,4 @@
-"""The replication experiment (detrl.replication, `detrl bench replication`): its measures and one small run."""
+"""The replication experiment (detrl.apps.replication, `detrl bench replication`): its measures and one small run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from detrl import replication as rep
+from detrl.apps import replication as rep
 
 
 def test_first_divergence_is_the_first_differing_step() -> None:
@@ -73,8 +73,8 @@ def test_a_finished_run_is_freed_without_the_cyclic_collector(tmp_path) -> None:
     import gc
     import weakref
 
-    from detrl.audit import audit
-    from detrl.engine import Session
+    from detrl.apps.audit import audit
+    from detrl.core.engine import Session
 
     cfg = rep.load_model_config("digits_cnn", 2)
     # A process's first optimizer imports torch._dynamo, and that import leaves its callers' frames in a

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from detrl import report
+from detrl.apps import report
 from detrl.cli import main
-from detrl.config import ConfigError
+from detrl.run.config import ConfigError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = [100, 200, 300, 400]

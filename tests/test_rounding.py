@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from detrl import kernel
-from detrl.hardware import get_profile
-from detrl.oprules import OpKind, classify
-from detrl.rounding import RoundingMode, StepRounding, Thresholds, near_midpoint, split_short
-from detrl.roundlog import OpEntries, key32
-from detrl.scale import Scale
+from detrl.core import kernel
+from detrl.core.hardware import get_profile
+from detrl.core.oprules import OpKind, classify
+from detrl.core.rounding import RoundingMode, StepRounding, Thresholds, near_midpoint, split_short
+from detrl.core.scale import Scale
+from detrl.formats.roundlog import OpEntries, key32
 
 aten = torch.ops.aten
 
@@ -102,7 +102,7 @@ def test_every_result_lands_on_the_fp32_grid_forward_backward_and_foreach_optimi
         if b.is_floating_point():
             assert on_grid(b)
     # backward ops and foreach optimizer ops reach the mode
-    # (batch norm is decomposed: its per-channel sums reach the profile, see detrl/decompose.py)
+    # (batch norm is decomposed: its per-channel sums reach the profile, see detrl/core/decompose.py)
     assert {"convolution_backward", "gelu_backward", "mm", "sum"} <= set(seen)
     assert any(n.startswith("_foreach_") for n in seen)
     assert step.stats.rounded_elements > 0
@@ -178,7 +178,7 @@ def test_calibration_sets_thresholds_as_it_goes_and_keeps_the_first_step_small(t
     import torch.nn.functional as F
 
     from detrl import Session, Sources
-    from detrl.calibrate import TAU_FLOOR_MEASURED
+    from detrl.core.calibrate import TAU_FLOOR_MEASURED
     from detrl.supervised import data
     from detrl.supervised.models import DigitsCNN
 

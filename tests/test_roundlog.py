@@ -1,4 +1,4 @@
-"""Tests for detrl.roundlog: round trips, size, torn tails, streaming cursors, appending, and
+"""Tests for detrl.formats.roundlog: round trips, size, torn tails, streaming cursors, appending, and
 rejection of every kind of malformed file.
 
 Forged files are built by hand from the layout in docs/roundlog.md (not via the module's
@@ -24,7 +24,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detrl.roundlog import (
+from detrl.formats.roundlog import (
     FORMAT_VERSION,
     MAX_WINDOW_BYTES,
     OpEntries,
@@ -331,7 +331,7 @@ def test_killed_writer_leaves_a_readable_log(tmp_path: Path) -> None:
     p = tmp_path / "killed.rlog"
     code = (
         "import os, signal, numpy as np\n"
-        "from detrl.roundlog import OpEntries, RoundLogWriter\n"
+        "from detrl.formats.roundlog import OpEntries, RoundLogWriter\n"
         f"w = RoundLogWriter({str(p)!r})\n"
         "for s in range(1, 4):\n"
         "    w.write_step(s, [OpEntries(s, np.arange(s) * 3, np.ones(s, bool))])\n"

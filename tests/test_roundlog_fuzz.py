@@ -1,4 +1,4 @@
-"""Property tests for detrl.roundlog on untrusted bytes.
+"""Property tests for detrl.formats.roundlog on untrusted bytes.
 
 Whatever a rounding log file holds (flipped bits, cuts, random bytes, huge lengths in headers,
 forged payloads behind valid checksums, damaged zstd frames), opening it and reading every step,
@@ -20,7 +20,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detrl.roundlog import (
+from detrl.formats.roundlog import (
     FORMAT_VERSION,
     OpEntries,
     RoundLogError,

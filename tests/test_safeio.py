@@ -1,4 +1,4 @@
-"""detrl.safeio: reads of an untrusted bundle stay inside it, never block, are bounded; writes are atomic."""
+"""detrl.formats.safeio: reads of an untrusted bundle stay inside it, never block, are bounded; writes are atomic."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detrl import safeio
-from detrl.safeio import (
+from detrl.formats import safeio
+from detrl.formats.safeio import (
     DirLock,
     LockedError,
     UnsafeInput,

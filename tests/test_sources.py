@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from detrl import Sources
-from detrl.randomness import StreamRandomMode
-from detrl.sources import STREAMS, derive_seed
+from detrl.core.randomness import StreamRandomMode
+from detrl.core.sources import STREAMS, derive_seed
 
 
 def test_each_stream_has_its_own_seed_derived_from_base_and_name():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from detrl import tasks
-from detrl.audit import audit
-from detrl.config import ConfigError, apply_overrides, read_raw, validate
+from detrl.apps.audit import audit
+from detrl.run import tasks
+from detrl.run.config import ConfigError, apply_overrides, read_raw, validate
 from detrl.supervised import data as datasets
 from detrl.supervised import train
 

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 import yaml
 
 from detrl import Divergence, Session, Sources
-from detrl import bundle as bundle_mod
-from detrl import config as config_mod
 from detrl.cli import main
-from detrl.hardware import Profile
-from detrl.roundlog import OpEntries, RoundLogReader, rewrite
+from detrl.core.hardware import Profile
+from detrl.formats import bundle as bundle_mod
+from detrl.formats.roundlog import OpEntries, RoundLogReader, rewrite
+from detrl.run import config as config_mod
 from detrl.supervised import data
 from detrl.supervised.models import DigitsCNN
 

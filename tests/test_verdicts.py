@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from detrl import Divergence
-from detrl.audit import EXIT_CODES
+from detrl.apps.audit import EXIT_CODES
 from detrl.cli import AUDIT_EPILOG, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def test_the_calibration_seed_is_what_made_recordings_differ(
 ) -> None:
     """Before calibration was seeded, one config logged different element counts in different recordings.
     Only the calibration seed does that: change it, and the thresholds and log change; the states do not."""
-    from detrl import calibrate
+    from detrl.core import calibrate
 
     sets = ("train.steps=8", "verify.checkpoint_every=4")
     _record("configs/supervised/digits_cnn.yaml", tmp_path / "a", *sets)

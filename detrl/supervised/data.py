@@ -129,7 +129,7 @@ def image_folder(path: str | Path, size: int = 32) -> tuple[torch.Tensor, torch.
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError as e:  # pillow comes with matplotlib, a dependency
-        from detrl.config import ConfigError
+        from detrl.run.config import ConfigError
 
         raise ConfigError(f"data.name=image_folder needs Pillow: pip install pillow ({e})") from None
     root = Path(path)
@@ -284,7 +284,7 @@ def train_bpe(raw: bytes, vocab_size: int) -> str:
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as e:  # an optional extra: detrl[gpt2]
-        from detrl.config import ConfigError
+        from detrl.run.config import ConfigError
 
         raise ConfigError(
             f"data.tokenizer=bpe needs Hugging Face tokenizers: pip install 'detrl[gpt2]' ({e})"

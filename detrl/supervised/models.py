@@ -112,7 +112,7 @@ class LSTMLM(nn.Module):
 
     Its weight gradients' rows (one per gate unit) differ in magnitude by orders and drift apart over
     training, which made it the model whose rounding log grew fastest before ``mm`` took its threshold's
-    unit per row and column (detrl/scale.py)."""
+    unit per row and column (detrl/core/scale.py)."""
 
     def __init__(self, vocab: int = 65, d_model: int = 64, hidden: int = 128, layers: int = 2) -> None:
         super().__init__()
@@ -183,7 +183,7 @@ class Dropout(nn.Module):
     into one fused ``native_dropout`` on CUDA, into ``empty_like``, ``bernoulli_``, ``div_`` and ``mul``
     on the CPU. Record and replay on different devices would then see different op sequences, and the
     rounding log (keyed by op position) would not line up. Calling ``native_dropout`` directly gives one
-    sequence everywhere; the ``dropout`` stream draws its mask (:mod:`detrl.randomness`).
+    sequence everywhere; the ``dropout`` stream draws its mask (:mod:`detrl.core.randomness`).
     """
 
     def __init__(self, p: float = 0.1) -> None:
@@ -262,7 +262,7 @@ class GPT2(nn.Module):
         try:  # an optional extra: detrl[gpt2]
             from transformers import AttentionInterface, GPT2Config, GPT2LMHeadModel
         except ImportError as e:
-            from detrl.config import ConfigError
+            from detrl.run.config import ConfigError
 
             raise ConfigError(
                 f"model.name=gpt2 needs Hugging Face transformers: pip install 'detrl[gpt2]' ({e})"

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from detrl.config import ConfigError, RunConfig
-from detrl.engine import Session
+from detrl.core.engine import Session
+from detrl.run.config import ConfigError, RunConfig
+from detrl.run.tasks import Task
 from detrl.supervised import data as datasets
 from detrl.supervised.models import MODELS
 from detrl.supervised.weights import file_sha256, load_init
-from detrl.tasks import Task
 
 
 def load_data(cfg: RunConfig, path: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from detrl import bundle as bundle_mod
+from detrl.formats import bundle as bundle_mod
 
 
 def file_sha256(path: str | Path, what: str = "model.init_from") -> str:
@@ -94,7 +94,7 @@ def export_safetensors(run_dir: str | Path, path: str | Path) -> int:
     as FP32: exact for a verifiable run, whose values lie on the FP32 grid (an fp64 run's are rounded).
     The metadata names the source (step, Merkle root of the durable commitments, precision). The file is
     written to a temporary name and renamed, so ``path`` is never half-written. Returns the step exported.
-    The bundle is read as untrusted input (:class:`detrl.bundle.Bundle`: checked, bounded, SHA-256 verified).
+    The bundle is read as untrusted input (:class:`detrl.formats.bundle.Bundle`: checked, bounded, SHA-256 verified).
     """
     from safetensors.torch import save
 
@@ -117,7 +117,7 @@ def export_safetensors(run_dir: str | Path, path: str | Path) -> int:
     meta = {
         "detrl.step": str(step),
         "detrl.merkle_root": m.durable.merkle_root if m.durable is not None else "",
-        "detrl.precision": m.precision,
+        "detrl.core.precision": m.precision,
         "detrl.task": str(m.task),
     }
     target = Path(path)

@@ -3,7 +3,7 @@
 A task is a :class:`Task` value: its config schema, its train loop and how it sets up a Session. detrl
 ships the ``supervised`` task; other packages contribute tasks through the entry-point group
 ``detrl.tasks`` (``agents`` contributes ``dqn``), so detrl never imports them by name and layers point
-one way. Every caller that turns a config into a :class:`~detrl.engine.Session` (the CLI, the auditor,
+one way. Every caller that turns a config into a :class:`~detrl.core.engine.Session` (the CLI, the auditor,
 the benchmarks, the tests) goes through :func:`session_for`.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from detrl.engine import Session
-from detrl.hardware import get_profile
-from detrl.sources import Sources
+from detrl.core.engine import Session
+from detrl.core.hardware import get_profile
+from detrl.core.sources import Sources
 
 ENTRY_POINT_GROUP = "detrl.tasks"
 #: Tasks that ship with detrl itself: name -> "module:attribute" (imported on first use).
@@ -33,8 +33,8 @@ class Task:
 
     Attributes:
         name: the config's ``task`` value.
-        config: the pydantic schema of its configs (a :class:`~detrl.config.RunBase` subclass; this module
-            does not import :mod:`detrl.config`, which finds schemas here: no import circle).
+        config: the pydantic schema of its configs (a :class:`~detrl.run.config.RunBase` subclass; this module
+            does not import :mod:`detrl.run.config`, which finds schemas here: no import circle).
         run: ``run(cfg, session, progress=False, writer=None) -> metrics``: the train loop, recording,
             replaying or off. It must stop after a whole step once ``session.stop_requested`` is set, and
             call ``session.restore()`` after building its state so ``--resume`` continues.

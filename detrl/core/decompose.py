@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from detrl.scale import spacing32
+from detrl.core.scale import spacing32
 
 aten = torch.ops.aten
 #: Every formula here, by op: what the emulated hardware profiles compute these ops with.

@@ -1,8 +1,8 @@
 """Mutation fuzzing of the run-bundle readers (``detrl bench fuzz`` and ``tests/test_bundle_fuzz.py``).
 
 A bundle comes from an untrusted party, so every reader of its files must either accept the input or
-raise its one error type: :class:`~detrl.bundle.BundleError` for the manifest, commitments and
-checkpoint readers and for :class:`~detrl.bundle.Bundle`, :class:`~detrl.roundlog.RoundLogError` for the
+raise its one error type: :class:`~detrl.formats.bundle.BundleError` for the manifest, commitments and
+checkpoint readers and for :class:`~detrl.formats.bundle.Bundle`, :class:`~detrl.formats.roundlog.RoundLogError` for the
 rounding-log reader and its step cursors. Anything else (an ``IndexError``, a ``RecursionError``, a
 ``MemoryError``, a ``struct.error`` ...) is a bug.
 
@@ -35,10 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from detrl import bundle as bundle_mod
-from detrl import safeio
-from detrl.bundle import BundleError, Caps
-from detrl.roundlog import RoundLogError, RoundLogReader
+from detrl.formats import bundle as bundle_mod
+from detrl.formats import safeio
+from detrl.formats.bundle import BundleError, Caps
+from detrl.formats.roundlog import RoundLogError, RoundLogReader
 
 #: What fuzz_case damages; "bundle" damages one file of a bundle directory and opens it with Bundle.
 TARGETS = ("manifest", "commitments", "checkpoint", "roundlog", "bundle")

@@ -1,7 +1,7 @@
 /* The rounding kernel of verifiable precision: FP64 -> FP32 rounding, the midpoint test and the compaction
  * of the logged elements, in one pass over an op's output instead of a dozen torch calls.
  *
- * It computes exactly what the pure-torch reference in detrl/rounding.py computes (near_midpoint,
+ * It computes exactly what the pure-torch reference in detrl/core/rounding.py computes (near_midpoint,
  * scale_spacing, _uncertainty), operation for operation in IEEE double and float arithmetic: the same
  * casts (round to nearest even, overflow to infinity), the same products and clamps, NaN propagated as
  * torch propagates it. tests/test_kernel.py checks both on random and adversarial inputs. Build flags:

@@ -44,7 +44,7 @@ Each run is an ordinary bundle (``detrl audit`` reads it) in ``OUT/runs/<conditi
 bundle files, ``result.json`` (written last: its presence marks the run done), ``params.npz`` (final
 parameters), ``trajectory.npz`` (a hash of the parameters after every step, and the parameters at every
 trace point), ``logits.npz`` (supervised: test logits) and ``tb/`` (TensorBoard scalars). Runs execute in
-a local process pool or on Ray (:mod:`detrl.executors`), one torch thread each; no number depends on the
+a local process pool or on Ray (:mod:`detrl.run.executors`), one torch thread each; no number depends on the
 executor or the number of workers.
 """
 
@@ -64,11 +64,12 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, ValidationError, field_validator
 
-from detrl import config as config_mod
-from detrl import metrics, safeio
-from detrl.config import ConfigError, Strict
-from detrl.engine import Session
-from detrl.sources import STREAMS
+from detrl.apps import metrics
+from detrl.core.engine import Session
+from detrl.core.sources import STREAMS
+from detrl.formats import safeio
+from detrl.run import config as config_mod
+from detrl.run.config import ConfigError, Strict
 
 RL_SOURCES = ["init", "explore", "replay", "env", "bitflip", "hardware"]
 SUPERVISED_SOURCES = ["init", "data_order", "augment", "dropout", "hardware", "bitflip"]
@@ -142,7 +143,7 @@ def load_spec(path: str | Path, **overrides: Any) -> AblationConfig:
     """Read and validate an ablation config; ``overrides`` (``runs=5``, ``sources=[...]``) replace its keys.
 
     A relative ``base`` that exists beside the ablation file is taken from there; otherwise it is resolved
-    as :func:`detrl.config.read_raw` resolves it (packaged configs included). Default sources follow the
+    as :func:`detrl.run.config.read_raw` resolves it (packaged configs included). Default sources follow the
     protocol. Every condition's run config is validated here, so that a bad one fails before any run.
     """
     raw = config_mod.read_raw(path)
@@ -299,7 +300,7 @@ class TracedSession(Session):
 
     def _commit(self, step: int, batch_hash: bytes, rounding: Any = None, frozen: bool = False) -> None:
         super()._commit(step, batch_hash, rounding, frozen)
-        from detrl import commit
+        from detrl.formats import commit
 
         assert self.model is not None
         model_state = commit.state_tensors(self.model)
@@ -334,8 +335,9 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
     """
     import torch
 
-    from detrl import bundle as bundle_mod
-    from detrl import commit, tasks
+    from detrl.formats import bundle as bundle_mod
+    from detrl.formats import commit
+    from detrl.run import tasks
 
     torch.set_num_threads(1)
     spec = AblationConfig.model_validate_json(spec_json)
@@ -451,11 +453,11 @@ def run_sweep(
     An interrupted sweep (Ctrl-C, SIGKILL, a lost machine) resumes with the same call and redoes only the
     runs that had not finished. Jobs run in a local process pool of ``workers`` processes (default
     ``os.cpu_count()``), or on Ray when ``ray`` is ``auto``, ``local`` or a cluster address (see
-    :func:`detrl.executors.run_ray`); each run has one torch thread, and no result depends on the
+    :func:`detrl.run.executors.run_ray`); each run has one torch thread, and no result depends on the
     executor or on ``workers``. ``only``: a subset of :func:`jobs` to run (tests use it to stop a sweep
     part way).
     """
-    from detrl import executors
+    from detrl.run import executors
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -605,7 +607,7 @@ def summarise(out: str | Path, command: str | None = None, config: str | None = 
     end and over training, the learning curve with a min-max band, and the protocol's metrics. ``command``
     and ``config``: what made the sweep, for the report.
     """
-    from detrl import fmt
+    from detrl.run import fmt
 
     out = Path(out)
     spec = AblationConfig.model_validate_json((out / SPEC).read_text())

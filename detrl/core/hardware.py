@@ -49,14 +49,14 @@ Emulated ops (float32 and float64 everywhere, half types where noted; any device
   ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution`` (split over input channels, within each group),
   ``convolution_backward`` (grad_input split over output channels, grad_weight / grad_bias over the batch).
 * ``sum`` and ``mean``; batch norm forward and backward in training mode (per-channel sums in profile order,
-  :mod:`detrl.decompose`).
+  :mod:`detrl.core.decompose`).
 * Rows, recomputed from their textbook formulas with every sum in the profile's row order (the ``"row"``
   chunk) and pairwise's libm: layer norm and group norm, forward (two-pass mean and variance where native
   kernels use Welford's update, which leaves an ulp of error in the mean that a two-pass sum of FP32-grid
   values does not) and backward (the row sums of
   the input gradient; the weight and bias gradients summed over rows); ``_softmax``, ``_log_softmax`` and
   their backward (the max is exact in any order, the sum of exponentials is not); layer norm, softmax and
-  their backward from the formulas in :mod:`detrl.decompose`, as batch norm; ``nll_loss`` and
+  their backward from the formulas in :mod:`detrl.core.decompose`, as batch norm; ``nll_loss`` and
   ``nll_loss2d`` with ``sum``/``mean`` reduction (cross-entropy is log-softmax plus NLL), and their backward
   (which sums nothing: only the class weight's product is taken in another order); ``embedding_dense_backward``
   (each index's duplicate rows ranked in the profile's order of the occurrences, cut into row chunks and
@@ -67,8 +67,8 @@ Emulated ops (float32 and float64 everywhere, half types where noted; any device
 Every other op, ``out=`` overloads, integer/complex dtypes, half types outside matrix products and
 convolutions, and non-strided layouts run natively.  In verifiable precision the rounding mode decomposes
 batch norm, layer norm and their backward, and the backward of softmax and log-softmax, before a profile
-sees them (:mod:`detrl.decompose`): their sums and exponentials reach the profile as ``sum`` and ``exp``
-ops, the row sums of layer norm and softmax marked (:func:`detrl.decompose.summing_rows`) to be ordered in
+sees them (:mod:`detrl.core.decompose`): their sums and exponentials reach the profile as ``sum`` and ``exp``
+ops, the row sums of layer norm and softmax marked (:func:`detrl.core.decompose.summing_rows`) to be ordered in
 row chunks.  In float64 the emulated results agree with native to
 a few ulps at the result's scale; in float32 most elements of a large reduction differ.
 """
@@ -87,7 +87,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from detrl import decompose
+from detrl.core import decompose
 
 __all__ = ["HardwareMode", "MAX_PIECES", "Profile", "EmulatedProfile", "get_profile", "profile_names"]
 
@@ -554,7 +554,7 @@ def _mean_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) ->
 @_register(aten.native_batch_norm.default, aten.native_batch_norm_backward.default)
 def _batch_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Batch norm forward and backward in training mode, with per-channel statistics from profile-ordered
-    sums (the formulas live in :mod:`detrl.decompose`); inference mode runs natively."""
+    sums (the formulas live in :mod:`detrl.core.decompose`); inference mode runs natively."""
     if not decompose.applies(func, args) or not _emulable(args[0]):
         return func(*args, **kwargs)
 
@@ -766,7 +766,7 @@ def _normalize_backward(p: EmulatedProfile, g: Tensor, xhat: Tensor, rstd: Tenso
     aten._softmax_backward_data.default,
 )
 def _row_decomposed(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Layer norm and softmax, forward and backward, from their formulas in :mod:`detrl.decompose` (two-pass
+    """Layer norm and softmax, forward and backward, from their formulas in :mod:`detrl.core.decompose` (two-pass
     layer norm statistics where native kernels use Welford's update, which leaves an ulp of error in the
     mean that a two-pass sum of FP32-grid values does not), with every row sum in the profile's row order,
     ``exp`` and layer norm's ``rsqrt`` from its libm. Where the formula does not apply, and for half types,

@@ -3,7 +3,7 @@
 During the first recorded step(s), :class:`Calibrator` reruns logged ops under each emulated hardware
 profile on the same inputs and measures the largest FP64 disagreement with the result actually computed,
 in the op kind's units (FP32 spacings at the element, or at the output's largest magnitude for
-reductions). It keeps the live :class:`~detrl.rounding.Thresholds` up to date as it goes, so each op call
+reductions). It keeps the live :class:`~detrl.core.rounding.Thresholds` up to date as it goes, so each op call
 it measures is logged with a threshold covering its own measured disagreement:
 
     tau(op kind) = clamp(margin x largest disagreement so far, floor, TAU_CAP)
@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from detrl.hardware import get_profile
-from detrl.oprules import OpKind, op_name
-from detrl.rounding import Thresholds, snapshot, written_tensors
-from detrl.scale import Scale, reduction_scale, scale_spacing, spacing32
+from detrl.core.hardware import get_profile
+from detrl.core.oprules import OpKind, op_name
+from detrl.core.rounding import Thresholds, snapshot, written_tensors
+from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
 
 DEFAULT_MARGIN = 16.0
 #: 128 FP64 ulps: libm and FMA differences of elementwise ops, and every op whose disagreement the emulated

@@ -12,9 +12,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from detrl import tasks
-from detrl.hardware import get_profile
-from detrl.sources import Sources
+from detrl.core.hardware import get_profile
+from detrl.core.sources import Sources
+from detrl.run import tasks
 
 
 class ConfigError(ValueError):

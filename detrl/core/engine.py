@@ -15,8 +15,8 @@ The same script with ``mode="replay"`` re-executes the run on another hardware p
 rounding log, and compares every commitment; the first mismatch raises :class:`Divergence`, which names the
 step, whether the batch differed, and the decisive rounding anomaly (op, module, element).
 
-The Session drives; :mod:`detrl.bundle` owns the files (:class:`~detrl.bundle.BundleWriter` while
-recording, :class:`~detrl.bundle.Bundle` when replaying or resuming).
+The Session drives; :mod:`detrl.formats.bundle` owns the files (:class:`~detrl.formats.bundle.BundleWriter` while
+recording, :class:`~detrl.formats.bundle.Bundle` when replaying or resuming).
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ import numpy as np
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
-from detrl import bundle as bundle_mod
-from detrl import commit
-from detrl.bundle import RESUME_PREFIX, BundleError
-from detrl.calibrate import DEFAULT_MARGIN, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
-from detrl.hardware import HardwareMode, Profile, get_profile
-from detrl.precision import Precision
-from detrl.randomness import StreamRandomMode
-from detrl.rounding import Anomaly, LogOutOfRange, RoundingMode, StepRounding, StepStats, Thresholds
-from detrl.roundlog import RoundLogError
-from detrl.sources import Sources, state_bytes
+from detrl.core.calibrate import DEFAULT_MARGIN, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
+from detrl.core.hardware import HardwareMode, Profile, get_profile
+from detrl.core.precision import Precision
+from detrl.core.randomness import StreamRandomMode
+from detrl.core.rounding import Anomaly, LogOutOfRange, RoundingMode, StepRounding, StepStats, Thresholds
+from detrl.core.sources import Sources, state_bytes
+from detrl.formats import bundle as bundle_mod
+from detrl.formats import commit
+from detrl.formats.bundle import RESUME_PREFIX, BundleError
+from detrl.formats.roundlog import RoundLogError
 
 __all__ = ["RESUME_PREFIX", "Batch", "Divergence", "Loader", "Session", "StatePart"]
 
@@ -187,8 +187,8 @@ class Session:
         mode: ``"record"``, ``"replay"`` or ``"off"`` (train without a bundle, e.g. for ablations).
         precision: ``fp32``, ``fp64`` or ``verifiable``. Replay and resume take it from the bundle.
         sources: the switchboard. Replay takes it from the bundle.
-        hardware: profile name (``native``, ``emulated:splitk``, ...; see :mod:`detrl.hardware`) or a
-            :class:`~detrl.hardware.Profile` instance (a machine of your own).
+        hardware: profile name (``native``, ``emulated:splitk``, ...; see :mod:`detrl.core.hardware`) or a
+            :class:`~detrl.core.hardware.Profile` instance (a machine of your own).
         checkpoint_every: save a checkpoint every this many steps (0: only the last). Each is a durable point.
         thresholds: a :class:`Thresholds`, or ``"calibrate"`` to measure them during the first steps.
         margin: calibrated threshold = margin x the largest disagreement measured between profiles.
@@ -208,7 +208,7 @@ class Session:
         resume: with ``mode="record"``, continue the bundle in ``run_dir`` from its last checkpoint (see
             :meth:`restore`); the bundle is unchanged until the run goes past the steps it holds.
         force: with ``mode="record"``, replace a bundle already in ``run_dir`` (otherwise refused).
-        caps: the reader's bounds when replaying or resuming (:class:`detrl.bundle.Caps`).
+        caps: the reader's bounds when replaying or resuming (:class:`detrl.formats.bundle.Caps`).
     """
 
     def __init__(

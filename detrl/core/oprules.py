@@ -77,7 +77,7 @@ _ELEMENTWISE = _packets(
     "_foreach_pow_", "_foreach_exp", "_foreach_exp_", "_softmax", "elu", "elu_backward", "leaky_relu",
     "leaky_relu_backward", "hardswish", "log_sigmoid_forward",
 )  # fmt: skip
-# (addcmul, addcdiv, lerp and add/sub with alpha are computed step by step by detrl/fused.py, which
+# (addcmul, addcdiv, lerp and add/sub with alpha are computed step by step by detrl/core/fused.py, which
 # makes them EXACT; they are listed above for the overloads it does not cover, e.g. ``out=`` variants.)
 
 # Ops in _EXACT that become fused (FMA-able) when a scaling argument is not 1.

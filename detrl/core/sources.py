@@ -7,7 +7,7 @@ recorded in the run bundle so the run can still be replayed.
 
 Streams live on the host (a CPU ``torch.Generator`` and a ``numpy.random.Generator`` per stream), so a CPU
 and a GPU run draw the same numbers; random ops inside a step are routed here by
-:class:`detrl.randomness.StreamRandomMode`.
+:class:`detrl.core.randomness.StreamRandomMode`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 #: Streams every run has. ``bitflip`` moves one initial weight to its neighbouring float when enabled;
-#: ``hardware`` names the accumulation-order source (see :mod:`detrl.hardware`).
+#: ``hardware`` names the accumulation-order source (see :mod:`detrl.core.hardware`).
 STREAMS: tuple[str, ...] = (
     "init",
     "data_order",

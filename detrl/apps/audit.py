@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from detrl import bundle as bundle_mod
-from detrl import config as config_mod
-from detrl import tasks
-from detrl.bundle import BundleError
-from detrl.engine import Divergence
-from detrl.roundlog import RoundLogError, dense_reference_bytes
-from detrl.sources import Sources
+from detrl.core.engine import Divergence
+from detrl.core.sources import Sources
+from detrl.formats import bundle as bundle_mod
+from detrl.formats.bundle import BundleError
+from detrl.formats.roundlog import RoundLogError, dense_reference_bytes
+from detrl.run import config as config_mod
+from detrl.run import tasks
 
 EXIT_CODES = {"replicated": 0, "diverged": 1, "bad input": 2, "incomplete": 3, "log incomplete": 4}
 #: Unlogged near-midpoint elements (seen within tau/2 here) and refused entries an honest log may show.

@@ -100,7 +100,7 @@ def handler_for(func: Any, kwargs: dict) -> Handler | None:
     if handler is None and torch.Tag.nondeterministic_seeded in func.tags:
         raise RuntimeError(
             f"random op {func} has no switchboard stream in detrl; it would draw from the device RNG "
-            "and break replay (add a handler in detrl/randomness.py)"
+            "and break replay (add a handler in detrl/core/randomness.py)"
         )
     return handler
 
@@ -108,7 +108,7 @@ def handler_for(func: Any, kwargs: dict) -> Handler | None:
 class StreamRandomMode(TorchDispatchMode):
     """Route seeded random aten ops to the CPU generator ``generator`` (a switchboard stream).
 
-    In verifiable precision the rounding mode routes them itself (:class:`detrl.rounding.RoundingMode`'s
+    In verifiable precision the rounding mode routes them itself (:class:`detrl.core.rounding.RoundingMode`'s
     ``random``), through the same :func:`handler_for`: a second dispatch mode costs every op of a step
     about 10 microseconds."""
 

@@ -1,13 +1,13 @@
 """Kill and resume recordings on purpose: the driver behind ``tests/test_crash.py`` and ``detrl bench crash``.
 
 A *child* runs ``detrl`` with the bundle's file operations patched so that it kills itself at an exact
-moment: the k-th call of :func:`detrl.safeio.write_atomic` (a checkpoint or the manifest), of
+moment: the k-th call of :func:`detrl.formats.safeio.write_atomic` (a checkpoint or the manifest), of
 ``os.replace`` (the rename inside it) or of ``os.fsync``, before or after the call, or when the writer
 appends a given step::
 
-    python -m detrl.crashtest --kill write_atomic:5:after -- train configs/dqn/tiny.yaml --out D --quiet
-    python -m detrl.crashtest --kill step:700:sigint -- train ...         # Ctrl-C after step 700
-    python -m detrl.crashtest --trace calls.txt -- train ...              # list the calls, kill nothing
+    python -m detrl.testing.crashtest --kill write_atomic:5:after -- train configs/dqn/tiny.yaml --out D --quiet
+    python -m detrl.testing.crashtest --kill step:700:sigint -- train ...         # Ctrl-C after step 700
+    python -m detrl.testing.crashtest --trace calls.txt -- train ...              # list the calls, kill nothing
 
 A kill spec is ``FUNC:K[:WHEN]``: FUNC one of ``write_atomic``, ``replace``, ``fsync`` (K counts its calls
 from 1) or ``step`` (K is the step number; the signal comes when the writer has appended it); WHEN one of
@@ -45,7 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from detrl import bench, fmt
+from detrl import bench
+from detrl.run import fmt
 
 #: The recordings the matrix kills: name -> the ``detrl train`` arguments (config and ``--set``s).
 KINDS: dict[str, list[str]] = {
@@ -156,7 +157,7 @@ def child_cmd(
     cli_args: list[str], kill: str | None = None, trace: str | os.PathLike | None = None
 ) -> list[str]:
     """The command line that runs ``detrl CLI_ARGS`` through the driver (killed as ``kill`` says)."""
-    cmd = python_cmd("-m", "detrl.crashtest")
+    cmd = python_cmd("-m", "detrl.testing.crashtest")
     if kill:
         cmd += ["--kill", kill]
     if trace:
@@ -214,7 +215,7 @@ class Runner:
 
             self._tmp = Path(tempfile.mkdtemp(prefix="detrl-crashtest-"))
             self._server = subprocess.Popen(
-                python_cmd("-m", "detrl.crashtest", "--serve"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                python_cmd("-m", "detrl.testing.crashtest", "--serve"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 text=True, env=child_env(),
             )  # fmt: skip
         assert self._server.stdin is not None and self._server.stdout is not None and self._tmp is not None
@@ -576,8 +577,8 @@ def _describe(func: str, args: tuple) -> str:
 
 def install(specs: list[str], trace: str | None) -> None:
     """Patch the bundle's file operations in this process so that ``specs`` fire (see the module doc)."""
-    import detrl.bundle
-    import detrl.safeio
+    import detrl.formats.bundle
+    import detrl.formats.safeio
 
     wanted: dict[tuple[str, int], list[str]] = {}
     for spec in (part for group in specs for part in group.split(",") if part):
@@ -613,10 +614,10 @@ def install(specs: list[str], trace: str | None) -> None:
 
         return patched
 
-    detrl.safeio.write_atomic = wrap("write_atomic", detrl.safeio.write_atomic)
+    detrl.formats.safeio.write_atomic = wrap("write_atomic", detrl.formats.safeio.write_atomic)
     os.replace = wrap("replace", os.replace)
     os.fsync = wrap("fsync", os.fsync)
-    writer = detrl.bundle.BundleWriter
+    writer = detrl.formats.bundle.BundleWriter
     writer.append_step = wrap("step", writer.append_step, skip_self=True)  # type: ignore[method-assign]
 
 
@@ -628,9 +629,9 @@ def _serve() -> int:
     answer is one JSON line ``{"rc"}`` once the child is gone. Nothing runs a torch op here, so the
     children start with no thread pools to inherit.
     """
-    import detrl.audit  # noqa: F401 - imported to be inherited by the children
+    import detrl.apps.audit  # noqa: F401 - imported to be inherited by the children
     import detrl.cli
-    from detrl import tasks
+    from detrl.run import tasks
 
     for name in tasks.names():
         tasks.get(name)
@@ -685,7 +686,9 @@ def _reaped(pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m detrl.crashtest", description="run detrl, killed on purpose")
+    p = argparse.ArgumentParser(
+        prog="python -m detrl.testing.crashtest", description="run detrl, killed on purpose"
+    )
     p.add_argument("--kill", action="append", default=[], metavar="FUNC:K[:WHEN]")
     p.add_argument("--trace", metavar="FILE", help="append one line per patched call")
     p.add_argument("--serve", action="store_true", help="fork a child per JSON request on stdin (Runner)")
@@ -708,7 +711,7 @@ if __name__ == "__main__":
 # `detrl bench crash` lives here, beside the matrix it runs, and reaches the registry through the
 # `detrl.benchmarks` entry point: detrl.bench never imports this driver, which drives detrl.cli.
 def bench_crash(rest: list[str]) -> int:
-    """Run the kill/resume matrix of :mod:`detrl.crashtest` (the slow test's driver): every kill point, the
+    """Run the kill/resume matrix of :mod:`detrl.testing.crashtest` (the slow test's driver): every kill point, the
     durable step it left, the audit verdict, and whether a plain ``--resume`` gave the uninterrupted
     bundle byte for byte. Exits 1 if any point failed."""
     ct = sys.modules[__name__]

@@ -25,11 +25,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from detrl import decompose, kernel, randomness
-from detrl.fused import run_split, split_needed
-from detrl.oprules import OpKind, classify, op_name
-from detrl.roundlog import OpEntries, key32, nearest_with_low16
-from detrl.scale import Scale, reduction_scale, scale_spacing, spacing32
+from detrl.core import decompose, kernel, randomness
+from detrl.core.fused import run_split, split_needed
+from detrl.core.oprules import OpKind, classify, op_name
+from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
+from detrl.formats.roundlog import OpEntries, key32, nearest_with_low16
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
 REPLAY_CHECK_FRACTION = 0.5
@@ -154,7 +154,7 @@ SHORT_PINNED_SPACINGS = 2.0**12
 
 def split_short(entries: OpEntries, x: torch.Tensor, tau: float, scaled: bool | Scale) -> OpEntries:
     """``entries`` with the pinned values that the replayer's own rounding names up to their low 16 key
-    bits (:func:`detrl.roundlog.key32`) moved to ``short_indices``/``short_bits``; ``x`` is the op's output
+    bits (:func:`detrl.formats.roundlog.key32`) moved to ``short_indices``/``short_bits``; ``x`` is the op's output
     already rounded to FP32 (in FP64). Both recording paths (native kernel and reference) call this after
     rounding, with nothing but the rounded values and the op's unit, so they decide bit-identically.
 
@@ -234,7 +234,7 @@ class StepRounding:
     """The rounding work of one step: what to record, or what to replay.
 
     ``replay`` is None when recording; otherwise the step's log: a streaming cursor
-    (:meth:`detrl.roundlog.RoundLogReader.cursor`, read op by op with a memory bound from each op's size)
+    (:meth:`detrl.formats.roundlog.RoundLogReader.cursor`, read op by op with a memory bound from each op's size)
     or a mapping op position -> entries. ``max_anomalies`` caps the anomalies kept *per kind*, so that many
     honest corrections never push the one missing entry out of the report.
     """
@@ -284,12 +284,12 @@ class RoundingMode(TorchDispatchMode):
         self.thresholds = thresholds
         self.module_path = module_path
         self.step: StepRounding | None = None
-        self._nested = 0  # depth inside decompositions (detrl/decompose.py)
+        self._nested = 0  # depth inside decompositions (detrl/core/decompose.py)
         #: thresholds for the replayer's unlogged-near check, when not tau/2 (the calibration step)
         self.check_thresholds: Thresholds | None = None
         self._scratch = Scratch()
         self.calibrate: Callable[[Any, tuple, dict, Any, OpKind], None] | None = None
-        #: the stream seeded random ops draw from inside a step (see :func:`detrl.randomness.handler_for`)
+        #: the stream seeded random ops draw from inside a step (see :func:`detrl.core.randomness.handler_for`)
         self.random: torch.Generator | None = None
         #: replay: entries are honoured within 2 x max(tau, this) (see :meth:`step_scope`)
         self.honour_floor = 0.0

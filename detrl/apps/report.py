@@ -14,7 +14,7 @@ Everything is a pure function of ``summary.json``: no date, path of DIR or softw
 the PNGs carry no ``Software`` tag, so regenerating from the same file gives the same bytes (with the same
 matplotlib). ``summary.json`` is treated as untrusted: read without following a link, at most
 :data:`MAX_SUMMARY_BYTES`, strict JSON, every field type-checked and size-bounded; any defect is one
-:class:`~detrl.config.ConfigError` line.
+:class:`~detrl.run.config.ConfigError` line.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator
 
-from detrl import safeio
-from detrl.config import ConfigError
+from detrl.formats import safeio
+from detrl.run.config import ConfigError
 
 __all__ = ["Report", "Summary", "load_summary", "make_report", "write_report"]
 
@@ -141,7 +141,7 @@ class Series:
 
 @dataclass(frozen=True)
 class Row:
-    """One condition of the sweep (see the module docstring of :mod:`detrl.ablation` for its meaning)."""
+    """One condition of the sweep (see the module docstring of :mod:`detrl.apps.ablation` for its meaning)."""
 
     name: str
     n: int
@@ -1634,7 +1634,7 @@ def make_report(out: str | Path) -> Report:
 def write_report(out: str | Path) -> Path:
     """Turn the ablation sweep directory ``out`` into ``out/report/report.md`` with its plots and numbers.
 
-    Returns the path of ``report.md``. Raises :class:`~detrl.config.ConfigError` (one line) when ``out`` has
+    Returns the path of ``report.md``. Raises :class:`~detrl.run.config.ConfigError` (one line) when ``out`` has
     no ``summary.json`` or it is malformed.
     """
     return make_report(out).markdown

@@ -4,7 +4,7 @@
 
     manifest.json   format, version, config, switchboard, thresholds, status, the durable point, checkpoints
     commitments     append-only: per step, BLAKE3 of the state after it and of the batch it consumed
-    roundlog        append-only: the sparse rounding log, one segment per step (detrl/roundlog.py)
+    roundlog        append-only: the sparse rounding log, one segment per step (detrl/formats/roundlog.py)
     checkpoints/    step_NNNNNNNN.safetensors: parameters, buffers, optimizer state, resume state
 
 :class:`BundleWriter` writes it while a run records; :class:`Bundle` reads and validates it for an audit
@@ -44,11 +44,11 @@ from typing import Any, BinaryIO, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from detrl import commit, safeio
-from detrl.roundlog import (
+from detrl.formats import commit, safeio
+from detrl.formats.roundlog import (
     HEADER_BYTES as ROUNDLOG_HEADER_BYTES,
 )
-from detrl.roundlog import (
+from detrl.formats.roundlog import (
     OpEntries,
     RoundLogError,
     RoundLogReader,
@@ -61,7 +61,7 @@ FORMAT = "detrl-bundle"
 #: 3: append-only binary commitments with per-record CRCs, a manifest written from the start with a
 #: durable point and a status, checkpoints listed with their SHA-256, rounding log v2 (no trailer).
 #: 4: commitments (state, batch, Merkle leaves and nodes) are BLAKE3 over length-prefixed records with
-#: v2 domain tags (detrl/commit.py); checkpoint files keep their SHA-256.
+#: v2 domain tags (detrl/formats/commit.py); checkpoint files keep their SHA-256.
 VERSION = 4
 MANIFEST = "manifest.json"
 COMMITMENTS = "commitments"
@@ -391,7 +391,7 @@ class ResumePoint:
 
 # ---------------------------------------------------------------------------------------------- writing
 class BundleWriter:
-    """Writes a bundle while a run records; :class:`~detrl.engine.Session` drives it step by step.
+    """Writes a bundle while a run records; :class:`~detrl.core.engine.Session` drives it step by step.
 
     ``header``: the manifest fields fixed for the run (config, precision, hardware, sources, ...).
     ``force``: replace an existing bundle in ``run_dir`` (otherwise refused). ``resume``: continue the

@@ -8,7 +8,7 @@ a device exists): the *trainer* records on ``native``, and each *auditor* profil
 - ``fp32``: trains the same config in plain FP32 on its own hardware;
 - ``rounded``: trains it in verifiable precision on its own hardware, rounding to nearest and never
   reading the trainer's log (the paper's "rounded without log" column);
-- ``verifiable``: replays the trainer's bundle with its log (:func:`detrl.audit.audit`).
+- ``verifiable``: replays the trainer's bundle with its log (:func:`detrl.apps.audit.audit`).
 
 Each row gives the first step at which the auditor's weights stop being bitwise equal to the trainer's
 (from a 64-bit digest of every parameter and buffer after every step), and the L2 distance of the weights
@@ -34,10 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from detrl import config as config_mod
-from detrl import metrics, tasks
-from detrl.ablation import TracedSession, first_divergence
-from detrl.roundlog import dense_reference_bytes
+from detrl.apps import metrics
+from detrl.apps.ablation import TracedSession, first_divergence
+from detrl.formats.roundlog import dense_reference_bytes
+from detrl.run import config as config_mod
+from detrl.run import tasks
 
 MODES = ("fp32", "rounded", "verifiable")
 RECORDER = "native"
@@ -115,7 +116,7 @@ def trace_run(
 
 
 def l2_distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float | None:
-    """:func:`detrl.metrics.l2_distance` over the floating tensors both states hold (counters and step
+    """:func:`detrl.apps.metrics.l2_distance` over the floating tensors both states hold (counters and step
     indices are not weights); None when they share none (a run that stopped keeps no final state)."""
 
     def weights(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -153,7 +154,7 @@ def replicate(
 ) -> tuple[ModelCosts, list[Row]]:
     """Run the experiment for one model config: the trainer's three recordings on ``native``, then every
     auditor in every mode. ``data``: the data path for configs that read one."""
-    from detrl.audit import audit
+    from detrl.apps.audit import audit
 
     name = cfg.name
     steps = tasks.get(cfg.task).planned_steps(cfg)
@@ -276,7 +277,7 @@ def learning_quality(
 
 def auditor_profiles(names: Sequence[str] | None = None) -> list[str]:
     """The auditors: the given names, or the four emulated profiles plus ``cuda`` when a device exists."""
-    from detrl.hardware import profile_names
+    from detrl.core.hardware import profile_names
 
     if names:
         return list(names)

@@ -1,7 +1,7 @@
-"""The native rounding kernel (``detrl/_roundkernel.c``), and when it applies.
+"""The native rounding kernel (``detrl/core/_roundkernel.c``), and when it applies.
 
 Verifiable precision rounds every op's FP64 output to FP32 and, for ops that need a log, finds the elements
-within T of an FP32 midpoint. The pure-torch reference in :mod:`detrl.rounding` does that in about a dozen
+within T of an FP32 midpoint. The pure-torch reference in :mod:`detrl.core.rounding` does that in about a dozen
 torch calls, each a pass over the output with its own dispatch; the kernel does it in one pass (two for
 outputs measured at their channel's scale, one more to count before allocating the entries). It is a plain
 C extension, built at install time with the machine's C compiler; where it is missing (no compiler, an
@@ -20,11 +20,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from detrl.roundlog import OpEntries
-from detrl.scale import Scale
+from detrl.core.scale import Scale
+from detrl.formats.roundlog import OpEntries
 
 try:
-    from detrl import _roundkernel as _native
+    from detrl.core import _roundkernel as _native
 except ImportError:  # built without a C compiler: the pure-torch reference does the work
     _native = None
 
@@ -84,8 +84,8 @@ def _layout(x: torch.Tensor, scaled: bool) -> tuple[int, int, int]:
 def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -> OpEntries | None:
     """Round ``x`` (see :func:`applies`) to FP32 in place and return op ``seq``'s log entries for its elements
     within T of an FP32 midpoint, or None where there are none: the same entries as
-    :func:`detrl.rounding.entries_for` makes from :func:`detrl.rounding.near_midpoint` (``scaled``: False,
-    True, or a :class:`~detrl.rounding.Scale`, as there)."""
+    :func:`detrl.core.rounding.entries_for` makes from :func:`detrl.core.rounding.near_midpoint` (``scaled``: False,
+    True, or a :class:`~detrl.core.rounding.Scale`, as there)."""
     assert _native is not None
     n = x.numel()
     if n == 0:

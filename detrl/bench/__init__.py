@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from detrl.fmt import format_bytes, machine_line
+from detrl.run.fmt import format_bytes, machine_line
 
 #: The paper's code writes this much rounding log per ResNet-50 step at batch 8 (measured with its published code).
 PAPER_LOG_BYTES_PER_STEP = 26.2e6
@@ -130,7 +130,7 @@ def _log(msg: str) -> None:
 
 
 def make_config(model: str, precision: str, steps: int, threads: int = 1, **train: Any) -> Any:
-    from detrl import config as config_mod
+    from detrl.run import config as config_mod
 
     raw = json.loads(json.dumps(MODEL_CONFIGS[model]))
     raw.update(name=f"bench_{model}", precision=precision, threads=threads)
@@ -197,14 +197,14 @@ LOG_GOALS = {"resnet50": 26_200, "gpt2": 42_200, "lstm_lm": 5_000}
 
 def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``warmup + steps`` training steps of one variant in this (fresh) process; time and measure it."""
-    from detrl import tasks
-    from detrl.rounding import Thresholds
+    from detrl.core.rounding import Thresholds
+    from detrl.run import tasks
     from detrl.supervised import train
 
     torch.set_num_threads(spec["threads"])
     mode, precision, native = VARIANTS[spec["variant"]]
     if not native:
-        from detrl import kernel
+        from detrl.core import kernel
 
         kernel.set_enabled(False)  # this process is this variant's alone
     warmup, steps = spec["warmup"], spec["steps"]
@@ -412,7 +412,7 @@ def _log_column(model: str, per_step: list[int]) -> str:
 
 # --------------------------------------------------------------------------------------------- roundlog
 def _record(cfg: Any, run_dir: Path) -> Any:
-    from detrl import tasks
+    from detrl.run import tasks
 
     session = tasks.session_for(cfg, run_dir, "record", force=True)
     with session:
@@ -422,7 +422,7 @@ def _record(cfg: Any, run_dir: Path) -> Any:
 
 @benchmark("roundlog", "rounding-log bytes per step against the dense encoding and the paper's 26.2 MB")
 def bench_roundlog(rest: list[str]) -> int:
-    from detrl.roundlog import dense_reference_bytes
+    from detrl.formats.roundlog import dense_reference_bytes
 
     p = argparse.ArgumentParser(prog="detrl bench roundlog")
     p.add_argument("--models", default="digits_cnn,mlp_dropout,tiny_transformer,resnet50")
@@ -483,8 +483,8 @@ def bench_roundlog(rest: list[str]) -> int:
 # ------------------------------------------------------------------------------------------------ nolog
 def strip_log(src: Path, dst: Path) -> None:
     """Copy bundle ``src`` to ``dst`` with every step of its rounding log emptied, resealed so it validates."""
-    from detrl import bundle as bundle_mod
-    from detrl.roundlog import rewrite
+    from detrl.formats import bundle as bundle_mod
+    from detrl.formats.roundlog import rewrite
 
     shutil.copytree(src, dst)
     rewrite(src / bundle_mod.ROUNDLOG, dst / bundle_mod.ROUNDLOG, lambda step, ops: {})
@@ -493,7 +493,7 @@ def strip_log(src: Path, dst: Path) -> None:
 
 @benchmark("nolog", "replay a verifiable run on each emulated profile with its log and with it emptied")
 def bench_nolog(rest: list[str]) -> int:
-    from detrl.audit import audit
+    from detrl.apps.audit import audit
 
     p = argparse.ArgumentParser(prog="detrl bench nolog")
     p.add_argument("--model", default="digits_cnn", help="one of " + ",".join(MODEL_CONFIGS))
@@ -507,7 +507,7 @@ def bench_nolog(rest: list[str]) -> int:
     print(machine_line(args.threads))
     batch = MODEL_CONFIGS[args.model]["train"]["batch_size"]
     print(
-        f"{args.model}, batch {batch}, {args.steps} steps, recorded on native; replayed with `detrl.audit.audit`"
+        f"{args.model}, batch {batch}, {args.steps} steps, recorded on native; replayed with `detrl.apps.audit.audit`"
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="detrl-bench-") as tmp:
@@ -552,11 +552,11 @@ def _mean_sd(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
     "replication", "the paper's replication experiment: fp32, rounded without log, verifiable per profile"
 )
 def bench_replication(rest: list[str]) -> int:
-    """Srivastava, Arora & Boneh's experiment as one table (see :mod:`detrl.replication`): each model is
+    """Srivastava, Arora & Boneh's experiment as one table (see :mod:`detrl.apps.replication`): each model is
     recorded on ``native`` and trained or replayed on every other profile in plain FP32, in verifiable
     precision without the trainer's log, and with it. Then learning quality: test loss and accuracy of
     plain FP32 against verifiable training. Long runs: progress on stderr, ``--progress`` for step bars."""
-    from detrl import replication as rep
+    from detrl.apps import replication as rep
 
     p = argparse.ArgumentParser(prog="detrl bench replication", description=bench_replication.__doc__)
     p.add_argument("--models", default="resnet50_tiny,gpt2_tiny",
@@ -578,7 +578,7 @@ def bench_replication(rest: list[str]) -> int:
     torch.set_num_threads(args.threads)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     auditors = rep.auditor_profiles([q.strip() for q in args.profiles.split(",") if q.strip()])
-    from detrl.hardware import get_profile
+    from detrl.core.hardware import get_profile
 
     for name in models:  # a bad name, override or profile fails here, in one line, before any work
         rep.load_model_config(name, args.steps, args.set)
@@ -644,14 +644,14 @@ class _CaseTimeout(BaseException):
 
 @benchmark("fuzz", "mutation-fuzz the bundle readers: outcomes, crashes, the slowest case, peak memory")
 def bench_fuzz(rest: list[str]) -> int:
-    """Run --cases cases of :func:`detrl.fuzzing.fuzz_case` over a freshly recorded bundle, in-process, each
+    """Run --cases cases of :func:`detrl.testing.fuzzing.fuzz_case` over a freshly recorded bundle, in-process, each
     under a time limit. A crash (an exception other than the reader's own error) or a timeout exits 1."""
     import collections
     import random
     import signal
     import traceback
 
-    from detrl import fuzzing
+    from detrl.testing import fuzzing
 
     p = argparse.ArgumentParser(prog="detrl bench fuzz", description=bench_fuzz.__doc__)
     p.add_argument("--cases", type=int, default=100_000, help="fuzz cases to run (default 100000)")
@@ -745,8 +745,8 @@ def bench_fuzz(rest: list[str]) -> int:
 
 def _record_small_digits(run_dir: Path) -> None:
     """The base bundle of the fuzz and hostile benchmarks: digits_cnn, 8 steps, checkpoints at 4 and 8."""
-    from detrl import config as config_mod
-    from detrl import tasks
+    from detrl.run import config as config_mod
+    from detrl.run import tasks
 
     cfg = config_mod.load(
         "configs/supervised/digits_cnn.yaml", ["train.steps=8", "verify.checkpoint_every=4"]
@@ -763,8 +763,8 @@ VERDICTS = {0: "replicated", 1: "diverged", 2: "bad input", 3: "incomplete", 4: 
 # ------------------------------------------------------------------------------------------------ fsync
 def _fsync_run(cfg: Any, run_dir: Path, fsync: bool) -> dict[str, float]:
     """Record ``cfg`` in-process, timing the durable points (checkpoint write, fsyncs, manifest replacement)."""
-    from detrl import bundle as bundle_mod
-    from detrl import tasks
+    from detrl.formats import bundle as bundle_mod
+    from detrl.run import tasks
 
     writer = bundle_mod.BundleWriter
     real_fsync, real_ckpt, real_durable = os.fsync, writer.checkpoint, writer.make_durable
@@ -815,7 +815,7 @@ def _fsync_run(cfg: Any, run_dir: Path, fsync: bool) -> dict[str, float]:
 def bench_fsync(rest: list[str]) -> int:
     """Record configs/dqn/cartpole.yaml (fp32) in-process with the bundle writer's durable points timed,
     interleaved with the same run with ``os.fsync`` a no-op; reports their share of the run time."""
-    from detrl import config as config_mod
+    from detrl.run import config as config_mod
 
     p = argparse.ArgumentParser(prog="detrl bench fsync", description=bench_fsync.__doc__)
     p.add_argument("--config", default="configs/dqn/cartpole.yaml")
@@ -879,8 +879,8 @@ def bench_sweep(rest: list[str]) -> int:
     """Run the same ablation sweep with 1 worker and with ``--workers`` workers (local process pool, one
     torch thread each), interleaved (1, N, N, 1, ...), each into a fresh directory: wall time per sweep,
     runs per second and the speed-up. Also checks that both give byte-identical ``summary.json``."""
-    from detrl import ablation
-    from detrl import config as config_mod
+    from detrl.apps import ablation
+    from detrl.run import config as config_mod
 
     p = argparse.ArgumentParser(prog="detrl bench sweep", description=bench_sweep.__doc__)
     p.add_argument(
@@ -948,13 +948,13 @@ def bench_sweep(rest: list[str]) -> int:
 @benchmark("hostile", "audit hostile bundles (bombs, caps, FIFOs, links, deep JSON, pickles): time, peak RSS")
 def bench_hostile(rest: list[str]) -> int:
     """Record a digits CNN bundle (8 steps, checkpoints at 4 and 8), plant each case of
-    :func:`detrl.fuzzing.hostile_cases` (the constructions of tests/test_hostile.py) in a copy of it and
+    :func:`detrl.testing.fuzzing.hostile_cases` (the constructions of tests/test_hostile.py) in a copy of it and
     audit the copy in a fresh ``python -m detrl.cli audit COPY --quiet`` under a timeout: exit code, first
     line of output, wall time and the child's own peak RSS (``os.wait4``). Exits 1 if any case exits
     outside 0-4, prints a traceback or an internal error, times out, trips a tripwire (a planted pickle
     ran) or peaks over 1 GB."""
 
-    from detrl import fuzzing
+    from detrl.testing import fuzzing
 
     p = argparse.ArgumentParser(prog="detrl bench hostile", description=bench_hostile.__doc__)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per audit (more: a hang)")
