@@ -29,7 +29,8 @@ import torch
 from detrl.cli import main
 from detrl.formats import bundle as bundle_mod
 from detrl.formats import safeio
-from detrl.formats.roundlog import RoundLogReader, rewrite
+from detrl.formats.roundlog import RoundLogReader
+from detrl.testing.logrewrite import rewrite
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/supervised/digits_cnn.yaml"

@@ -25,7 +25,7 @@ import pytest
 from detrl.cli import main
 from detrl.formats import bundle as bundle_mod
 from detrl.formats.roundlog import RoundLogReader
-from detrl.testing.fuzzing import (
+from detrl.testing.hostile import (
     audit_subprocess,
     plant_bomb,
     read_manifest,
@@ -129,7 +129,7 @@ def deadline(seconds: float) -> Iterator[None]:
 
 def audit_process(run: Path, *args: str, timeout: float = 120) -> tuple[int, str, str, int]:
     """``python -m detrl.cli audit RUN --quiet ARGS`` in a fresh process: (exit code, stdout, stderr, peak
-    RSS in bytes, the child's own ``ru_maxrss``), by :func:`detrl.testing.fuzzing.audit_subprocess`; a child still
+    RSS in bytes, the child's own ``ru_maxrss``), by :func:`detrl.testing.hostile.audit_subprocess`; a child still
     running after ``timeout`` s is killed and the test fails (it hung)."""
     rc, out, err, rss, _ = audit_subprocess(run, *args, timeout=timeout, cwd=REPO)
     if rc is None:

@@ -36,9 +36,9 @@ from detrl.formats.roundlog import (
     from_key32,
     key32,
     nearest_with_low16,
-    rewrite,
     segment_compressor,
 )
+from detrl.testing.logrewrite import rewrite
 
 HEADER = struct.Struct("<8sHHI")
 SEG = struct.Struct("<4sQIQQI")

@@ -25,10 +25,11 @@ from detrl import Divergence, Session, Sources
 from detrl.cli import main
 from detrl.core.hardware import Profile
 from detrl.formats import bundle as bundle_mod
-from detrl.formats.roundlog import OpEntries, RoundLogReader, rewrite
+from detrl.formats.roundlog import OpEntries, RoundLogReader
 from detrl.run import config as config_mod
 from detrl.supervised import data
 from detrl.supervised.models import DigitsCNN
+from detrl.testing.logrewrite import rewrite
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "supervised" / "digits_cnn.yaml"

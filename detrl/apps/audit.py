@@ -39,6 +39,8 @@ from detrl.run import config as config_mod
 from detrl.run import tasks
 
 EXIT_CODES = {"replicated": 0, "diverged": 1, "bad input": 2, "incomplete": 3, "log incomplete": 4}
+#: The verdict an audit's exit code stands for (the inverse of :data:`EXIT_CODES`).
+VERDICT_OF_EXIT = {code: verdict for verdict, code in EXIT_CODES.items()}
 #: Unlogged near-midpoint elements (seen within tau/2 here) and refused entries an honest log may show.
 #: An honest recorder logs every element within tau of a midpoint; the auditor counts those within tau/2
 #: of its own values, which differ from the recorder's by far less than tau/2 (tau is 16x the largest

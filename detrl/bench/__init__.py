@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from detrl.run.fmt import format_bytes, machine_line
+from detrl.apps.audit import VERDICT_OF_EXIT
+from detrl.run.fmt import format_bytes, machine_line, table
 
 #: The paper's code writes this much rounding log per ResNet-50 step at batch 8 (measured with its published code).
 PAPER_LOG_BYTES_PER_STEP = 26.2e6
@@ -146,16 +147,6 @@ def _model_list(text: str) -> list[str]:
         if m not in MODEL_CONFIGS:
             raise ValueError(f"unknown model {m!r}; known: {', '.join(MODEL_CONFIGS)}")
     return models
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(
-        c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    )  # noqa: E731
-    out = [line(headers), line(["-" * w for w in widths])]
-    out += [line(r) for r in rows]
-    return "\n".join(out)
 
 
 def _status_kb(key: str) -> int:
@@ -484,7 +475,7 @@ def bench_roundlog(rest: list[str]) -> int:
 def strip_log(src: Path, dst: Path) -> None:
     """Copy bundle ``src`` to ``dst`` with every step of its rounding log emptied, resealed so it validates."""
     from detrl.formats import bundle as bundle_mod
-    from detrl.formats.roundlog import rewrite
+    from detrl.testing.logrewrite import rewrite
 
     shutil.copytree(src, dst)
     rewrite(src / bundle_mod.ROUNDLOG, dst / bundle_mod.ROUNDLOG, lambda step, ops: {})
@@ -757,9 +748,6 @@ def _record_small_digits(run_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ verdicts
-VERDICTS = {0: "replicated", 1: "diverged", 2: "bad input", 3: "incomplete", 4: "log incomplete"}
-
-
 # ------------------------------------------------------------------------------------------------ fsync
 def _fsync_run(cfg: Any, run_dir: Path, fsync: bool) -> dict[str, float]:
     """Record ``cfg`` in-process, timing the durable points (checkpoint write, fsyncs, manifest replacement)."""
@@ -948,13 +936,13 @@ def bench_sweep(rest: list[str]) -> int:
 @benchmark("hostile", "audit hostile bundles (bombs, caps, FIFOs, links, deep JSON, pickles): time, peak RSS")
 def bench_hostile(rest: list[str]) -> int:
     """Record a digits CNN bundle (8 steps, checkpoints at 4 and 8), plant each case of
-    :func:`detrl.testing.fuzzing.hostile_cases` (the constructions of tests/test_hostile.py) in a copy of it and
+    :func:`detrl.testing.hostile.hostile_cases` (the constructions of tests/test_hostile.py) in a copy of it and
     audit the copy in a fresh ``python -m detrl.cli audit COPY --quiet`` under a timeout: exit code, first
     line of output, wall time and the child's own peak RSS (``os.wait4``). Exits 1 if any case exits
     outside 0-4, prints a traceback or an internal error, times out, trips a tripwire (a planted pickle
     ran) or peaks over 1 GB."""
 
-    from detrl.testing import fuzzing
+    from detrl.testing import hostile
 
     p = argparse.ArgumentParser(prog="detrl bench hostile", description=bench_hostile.__doc__)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per audit (more: a hang)")
@@ -969,13 +957,13 @@ def bench_hostile(rest: list[str]) -> int:
         recorded = Path(tmp) / "recorded"
         _log("recording the base bundle (digits_cnn, 8 steps, checkpoints at 4 and 8) ...")
         _record_small_digits(recorded)
-        for i, (name, plant) in enumerate(fuzzing.hostile_cases()):
+        for i, (name, plant) in enumerate(hostile.hostile_cases()):
             scratch = Path(tmp) / f"case-{i:02d}"
             run = scratch / "run"
             shutil.copytree(recorded, run)
             _log(f"{name}: planting and auditing ...")
             tripwires = plant(run, scratch)
-            rc, out, err, rss, wall = fuzzing.audit_subprocess(run, timeout=args.timeout)
+            rc, out, err, rss, wall = hostile.audit_subprocess(run, timeout=args.timeout)
             first = next((ln.strip() for ln in (err + "\n" + out).splitlines() if ln.strip()), "")
             problems = []
             if rc is None:
@@ -992,7 +980,13 @@ def bench_hostile(rest: list[str]) -> int:
             if problems:
                 failures.append(f"{name}: {'; '.join(problems)}")
             results.append((name, rss or 0, wall))
-            code = "timeout" if rc is None else f"{rc} ({VERDICTS[rc]})" if rc in VERDICTS else str(rc)
+            code = (
+                "timeout"
+                if rc is None
+                else f"{rc} ({VERDICT_OF_EXIT[rc]})"
+                if rc in VERDICT_OF_EXIT
+                else str(rc)
+            )
             rows.append([name, code, first[:70], f"{wall:.2f}", "?" if rss is None else f"{rss / 1e6:.0f}"])
     width = max(len(r[2]) for r in rows)
     rows = [[*r[:2], r[2].ljust(width), *r[3:]] for r in rows]  # _table right-aligns all but the first
@@ -1003,7 +997,7 @@ def bench_hostile(rest: list[str]) -> int:
         f"({by_time[2]:.2f} s); {len(results)} cases, {time.perf_counter() - t_start:.0f} s in all "
         "(recording and planting included)"
     )
-    if rows[0][1] != f"0 ({VERDICTS[0]})":
+    if rows[0][1] != f"0 ({VERDICT_OF_EXIT[0]})":
         print(f"note: the honest bundle (the control) did not replicate: exit {rows[0][1]}")
     print(f"failures: {len(failures)}" + "".join(f"\n  {f}" for f in failures))
     return 1 if failures else 0

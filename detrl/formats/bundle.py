@@ -81,9 +81,9 @@ _HEX64 = r"^[0-9a-f]{64}$"
 
 # commitments: header magic[8] | version u16 | reserved u16 | reserved u32, then fixed-size records
 _COMMIT_MAGIC = b"DTRLCMIT"
-_COMMIT_HEADER = struct.Struct("<8sHHI")
+COMMIT_HEADER = struct.Struct("<8sHHI")
 #: step u64 | state hash 32 | batch hash 32 | crc32 u32 (over the 72 bytes before it)
-_COMMIT_RECORD = struct.Struct("<Q32s32sI")
+COMMIT_RECORD = struct.Struct("<Q32s32sI")
 
 
 class BundleError(ValueError):
@@ -181,28 +181,26 @@ def parse_manifest(data: bytes) -> Manifest:
 
 # ---------------------------------------------------------------------------------------------- commitments
 def _commit_record(step: int, state: bytes, batch: bytes) -> bytes:
-    body = _COMMIT_RECORD.pack(step, state, batch, 0)[:-4]
+    body = COMMIT_RECORD.pack(step, state, batch, 0)[:-4]
     return body + struct.pack("<I", zlib.crc32(body))
 
 
 def parse_commitments(data: bytes) -> tuple[list[tuple[bytes, bytes]], int]:
     """``(leaves, torn_bytes)``: the complete records of a commitments file, steps 0, 1, 2, ... in order,
     and the bytes of a torn last record (a writer killed mid-append), which are not part of the bundle."""
-    if len(data) < _COMMIT_HEADER.size:
+    if len(data) < COMMIT_HEADER.size:
         raise BundleError(f"{COMMITMENTS}: truncated header ({len(data)} bytes)")
-    magic, version, r1, r2 = _COMMIT_HEADER.unpack_from(data)
+    magic, version, r1, r2 = COMMIT_HEADER.unpack_from(data)
     if magic != _COMMIT_MAGIC:
         raise BundleError(f"{COMMITMENTS}: bad magic (not a detrl commitments file)")
     if version != 1 or r1 or r2:
         raise BundleError(f"{COMMITMENTS}: unsupported version {version}")
-    body = memoryview(data)[_COMMIT_HEADER.size :]
-    n, torn = divmod(len(body), _COMMIT_RECORD.size)
+    body = memoryview(data)[COMMIT_HEADER.size :]
+    n, torn = divmod(len(body), COMMIT_RECORD.size)
     leaves = []
-    for i, (step, state, batch, crc) in enumerate(
-        _COMMIT_RECORD.iter_unpack(body[: n * _COMMIT_RECORD.size])
-    ):
-        start = i * _COMMIT_RECORD.size
-        if zlib.crc32(body[start : start + _COMMIT_RECORD.size - 4]) != crc:
+    for i, (step, state, batch, crc) in enumerate(COMMIT_RECORD.iter_unpack(body[: n * COMMIT_RECORD.size])):
+        start = i * COMMIT_RECORD.size
+        if zlib.crc32(body[start : start + COMMIT_RECORD.size - 4]) != crc:
             raise BundleError(f"{COMMITMENTS}: record {i}: checksum mismatch")
         if step != i:
             raise BundleError(f"{COMMITMENTS}: record {i} is for step {step}")
@@ -464,7 +462,7 @@ class BundleWriter:
         # The manifest first: from here on the directory is a bundle (incomplete at step 0) whatever happens.
         self._write_manifest()
         self._commits = open(self.dir / COMMITMENTS, "wb")  # noqa: SIM115 - closed in close()
-        self._commits.write(_COMMIT_HEADER.pack(_COMMIT_MAGIC, 1, 0, 0))
+        self._commits.write(COMMIT_HEADER.pack(_COMMIT_MAGIC, 1, 0, 0))
         self._commits.flush()
         if self.verifiable:
             self._log = RoundLogWriter(self.dir / ROUNDLOG, level=LOG_ZSTD_LEVEL)
@@ -498,11 +496,11 @@ class BundleWriter:
             self.status, self.stopped_at = "recording", None
             self._write_manifest()
         if not (self.dir / COMMITMENTS).exists():  # killed before the files were created
-            (self.dir / COMMITMENTS).write_bytes(_COMMIT_HEADER.pack(_COMMIT_MAGIC, 1, 0, 0))
+            (self.dir / COMMITMENTS).write_bytes(COMMIT_HEADER.pack(_COMMIT_MAGIC, 1, 0, 0))
         if self.verifiable and not (self.dir / ROUNDLOG).exists():
             RoundLogWriter(self.dir / ROUNDLOG, level=LOG_ZSTD_LEVEL).close()
         self._commits = open(self.dir / COMMITMENTS, "r+b")  # noqa: SIM115 - closed in close()
-        self._commits.truncate(_COMMIT_HEADER.size + n * _COMMIT_RECORD.size)
+        self._commits.truncate(COMMIT_HEADER.size + n * COMMIT_RECORD.size)
         self._commits.seek(0, os.SEEK_END)
         if self.verifiable:
             last = n - 1 if n else None  # killed before step 0 was written: no segment is kept

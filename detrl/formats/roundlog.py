@@ -18,7 +18,7 @@ every length, offset and checksum, bounds every allocation (decompression is str
 specified in ``docs/roundlog.md``; the constants below mirror it.
 
 Note that the CRC32 checksums only detect accidental corruption. A dishonest trainer can always
-write a well-formed log with wrong content (see :func:`rewrite`); catching that is the job of
+write a well-formed log with wrong content (see :func:`detrl.testing.logrewrite.rewrite`); catching that is the job of
 the replaying auditor, not of this module.
 """
 
@@ -28,7 +28,7 @@ import bisect
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -51,7 +51,6 @@ __all__ = [
     "from_key32",
     "key32",
     "nearest_with_low16",
-    "rewrite",
     "segment_compressor",
 ]
 
@@ -65,9 +64,9 @@ _FILE_HEADER = struct.Struct("<8sHHI")
 #: Size in bytes of the file header; the first segment (if any) starts here.
 HEADER_BYTES: int = _FILE_HEADER.size
 # tag[4] | step u64 | n_ops u32 | raw_len u64 | comp_len u64 | crc32 u32
-_SEG_HEADER = struct.Struct("<4sQIQQI")
+SEGMENT_HEADER = struct.Struct("<4sQIQQI")
 # op u32 | count u32 | width u8   (then count*width delta bytes, then ceil(count/8) bit bytes)
-_RECORD_HEADER = struct.Struct("<IIB")
+RECORD_HEADER = struct.Struct("<IIB")
 
 #: Set in a record's width byte: the record holds pinned FP32 values instead of direction bits.
 PINNED_FLAG = 0x80
@@ -80,7 +79,7 @@ _U32_LIMIT = 1 << 32
 _U64_LIMIT = 1 << 64
 _I64_LIMIT = 1 << 63
 # Smallest possible record: header plus one 4-byte delta plus one direction byte.
-_MIN_RECORD_BYTES = _RECORD_HEADER.size + 4 + 1
+_MIN_RECORD_BYTES = RECORD_HEADER.size + 4 + 1
 
 #: Highest zstd level the writer accepts. Levels 1..19 use windows of at most 8 MiB; the "ultra"
 #: levels 20..22 use up to 128 MiB, which a reader would have to allocate per open cursor.
@@ -301,7 +300,7 @@ def _encode_record(op: int, idx: np.ndarray, payload: np.ndarray, kind: int) -> 
     else:
         tail = np.packbits(payload).tobytes()  # MSB-first, zero padding bits
         flag = 0
-    return _RECORD_HEADER.pack(op, idx.size, width | flag) + _planes(deltas, width) + tail
+    return RECORD_HEADER.pack(op, idx.size, width | flag) + _planes(deltas, width) + tail
 
 
 def segment_compressor(level: int = 3) -> zstandard.ZstdCompressor:
@@ -344,7 +343,7 @@ def encode_segment(step: int, ops: Iterable[OpEntries], cctx: zstandard.ZstdComp
             records.append(_encode_record(op, sidx, low, _SHORT))
     raw = b"".join(records)
     comp = cctx.compress(raw)
-    head = _SEG_HEADER.pack(SEGMENT_TAG, step, len(records), len(raw), len(comp), 0)[:-4]
+    head = SEGMENT_HEADER.pack(SEGMENT_TAG, step, len(records), len(raw), len(comp), 0)[:-4]
     crc = zlib.crc32(comp, zlib.crc32(head))  # covers header fields and compressed payload
     return head + struct.pack("<I", crc) + comp
 
@@ -482,7 +481,7 @@ class _Segment:
 
     @property
     def end(self) -> int:
-        return self.offset + _SEG_HEADER.size + self.comp_len
+        return self.offset + SEGMENT_HEADER.size + self.comp_len
 
 
 class RoundLogReader:
@@ -577,10 +576,10 @@ class RoundLogReader:
         segments: dict[int, _Segment] = {}
         offset, prev_step = HEADER_BYTES, -1
         # Fewer bytes left than a segment header: the writer died while writing it (torn tail).
-        while self._size - offset >= _SEG_HEADER.size:
+        while self._size - offset >= SEGMENT_HEADER.size:
             i = len(segments)
-            raw_head = self._read_at(offset, _SEG_HEADER.size, f"segment {i} header")
-            tag, step, n_ops, raw_len, comp_len, crc = _SEG_HEADER.unpack(raw_head)
+            raw_head = self._read_at(offset, SEGMENT_HEADER.size, f"segment {i} header")
+            tag, step, n_ops, raw_len, comp_len, crc = SEGMENT_HEADER.unpack(raw_head)
             if tag != SEGMENT_TAG:
                 raise self._err(f"segment {i}: bad segment tag {tag!r} at byte {offset}")
             if step <= prev_step:
@@ -593,7 +592,7 @@ class RoundLogReader:
                 raise self._err(
                     f"segment {i} (step {step}): {n_ops} op records cannot fit in {raw_len} bytes"
                 )
-            if comp_len > self._size - offset - _SEG_HEADER.size:
+            if comp_len > self._size - offset - SEGMENT_HEADER.size:
                 break  # the payload runs past the end of the file: torn tail
             seg = _Segment(i, offset, raw_head[:-4], step, n_ops, raw_len, comp_len, crc)
             segments[step] = seg
@@ -605,7 +604,7 @@ class RoundLogReader:
     def segment_bytes(self, step: int) -> int:
         """Size in bytes of ``step``'s segment, header included (0 if the step has no segment)."""
         seg = self._segments.get(step)
-        return 0 if seg is None else _SEG_HEADER.size + seg.comp_len
+        return 0 if seg is None else SEGMENT_HEADER.size + seg.comp_len
 
     def segment_end(self, step: int) -> int:
         """Byte offset just past the last complete segment whose step is <= ``step``.
@@ -801,7 +800,7 @@ class StepCursor:
         """Check the payload's CRC and frame structure, then start the decompressor."""
         seg = self._seg
         assert seg is not None
-        start, what = seg.offset + _SEG_HEADER.size, f"{self._where} payload"
+        start, what = seg.offset + SEGMENT_HEADER.size, f"{self._where} payload"
         crc, walk, pos = zlib.crc32(seg.header), _FrameWalk(), 0
         while pos < seg.comp_len:  # comp_len fits in the file (checked by the scan)
             chunk = self._reader._read_at(start + pos, min(_IO_CHUNK, seg.comp_len - pos), what)
@@ -862,11 +861,11 @@ class StepCursor:
         if self._pending is not None or self._records == self._n_ops:
             return self._pending
         r = self._records
-        if self._raw_pos + _RECORD_HEADER.size > self._raw_len:
+        if self._raw_pos + RECORD_HEADER.size > self._raw_len:
             raise self._err(f"record {r} header overruns the payload at byte {self._raw_pos}")
-        buf = bytearray(_RECORD_HEADER.size)
+        buf = bytearray(RECORD_HEADER.size)
         self._readinto(memoryview(buf))
-        op, count, width_byte = _RECORD_HEADER.unpack(buf)
+        op, count, width_byte = RECORD_HEADER.unpack(buf)
         width = width_byte & ~(PINNED_FLAG | SHORT_FLAG)
         rec = f"record {r} (op {op})"
         if width_byte & PINNED_FLAG and width_byte & SHORT_FLAG:
@@ -1080,23 +1079,3 @@ class StepCursor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def rewrite(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    transform: Callable[[int, dict[int, OpEntries]], dict[int, OpEntries] | None],
-    level: int = 3,
-) -> None:
-    """Re-encode ``src`` into a new, well-formed log ``dst`` after ``transform(step, ops)``.
-
-    ``transform`` gets op -> entries for each step with a segment and returns the (possibly
-    modified) mapping, or None to drop that step's segment. This is how a dishonest trainer would
-    forge a log: the result has valid checksums, so only a replay can detect the change. A torn
-    tail of ``src`` is not copied.
-    """
-    with RoundLogReader(src) as reader, RoundLogWriter(dst, level=level) as writer:
-        for step in reader.steps:
-            ops = transform(step, reader.read_step(step))
-            if ops is not None:
-                writer.write_step(step, sorted(ops.values(), key=lambda e: e.op))

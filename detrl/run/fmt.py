@@ -1,4 +1,5 @@
-"""Small formatting helpers shared by the CLI and the benchmarks (a leaf: imports no other detrl module)."""
+"""Text for people: byte sizes, the machine line and plain-text tables, shared by the CLI, the benchmarks and
+the harnesses (a leaf: imports no other detrl module)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def machine_line(threads: int) -> str:
         f"machine: {cpu} | {os.cpu_count()} cores | torch {torch.__version__} | "
         f"{threads} thread{'s' if threads != 1 else ''} | python {platform.python_version()}"
     )
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table: the first column left-aligned, the others right-aligned, a dashed rule under the
+    header."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(
+        c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )  # noqa: E731
+    out = [line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    return "\n".join(out)

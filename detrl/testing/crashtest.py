@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from detrl import bench
+from detrl.apps.audit import VERDICT_OF_EXIT
 from detrl.run import fmt
 
 #: The recordings the matrix kills: name -> the ``detrl train`` arguments (config and ``--set``s).
@@ -621,6 +621,18 @@ def install(specs: list[str], trace: str | None) -> None:
     writer.append_step = wrap("step", writer.append_step, skip_self=True)  # type: ignore[method-assign]
 
 
+def _detrl_program() -> Callable[[list[str]], int]:
+    """The installed ``detrl`` program's entry point (its console script in pyproject.toml).
+
+    The harness drives detrl as a user does, by its command line, so it names the program, not the module:
+    the CLI stays on top of every layer, and nothing in the package imports it.
+    """
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="detrl")
+    return script.load()
+
+
 def _serve() -> int:
     """``--serve``: import what ``detrl`` needs once, then fork a child per request read from stdin.
 
@@ -630,7 +642,8 @@ def _serve() -> int:
     children start with no thread pools to inherit.
     """
     import detrl.apps.audit  # noqa: F401 - imported to be inherited by the children
-    import detrl.cli
+
+    detrl_main = _detrl_program()
     from detrl.run import tasks
 
     for name in tasks.names():
@@ -650,7 +663,7 @@ def _serve() -> int:
                     os.dup2(out, fd)
                     os.close(out)
                 install([req["kill"]] if req.get("kill") else [], req.get("trace"))
-                rc = detrl.cli.main(list(req["argv"]))
+                rc = detrl_main(list(req["argv"]))
             except SystemExit as e:
                 rc = e.code if isinstance(e.code, int) else 2
             except BaseException:  # noqa: BLE001 - reported like an uncaught exception, then gone
@@ -698,9 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve()
     cli = args.cli[1:] if args.cli[:1] == ["--"] else args.cli
     install(args.kill, args.trace)
-    from detrl import cli as cli_mod
-
-    return cli_mod.main(cli)
+    return _detrl_program()(cli)
 
 
 if __name__ == "__main__":
@@ -753,11 +764,11 @@ def bench_crash(rest: list[str]) -> int:
     rows = []
     for o in outcomes:
         durable = " -> ".join("-" if d is None else str(d) for d in o.durable)
-        verdicts = " -> ".join(bench.VERDICTS.get(v, str(v)) for v in o.verdicts)
+        verdicts = " -> ".join(VERDICT_OF_EXIT.get(v, str(v)) for v in o.verdicts)
         rows.append([o.point.name, o.point.kind, durable, verdicts, "yes" if o.identical else "NO",
                      "ok" if o.ok else "; ".join(o.problems)[:120], o.point.note])  # fmt: skip
     headers = ["kill point", "kind", "durable step", "verdict", "resumed identical", "checks", "where"]
-    print(bench.table(headers, rows))
+    print(fmt.table(headers, rows))
     bad = [o for o in outcomes if not o.ok]
     no_bundle = sum(1 for o in outcomes if o.notes)
     print(
