@@ -51,13 +51,11 @@ executor or the number of workers.
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import math
 import os
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -65,11 +63,11 @@ import numpy as np
 from pydantic import Field, ValidationError, field_validator
 
 from detrl.apps import metrics
-from detrl.core.engine import Session
 from detrl.core.sources import STREAMS
 from detrl.formats import safeio
 from detrl.run import config as config_mod
 from detrl.run.config import ConfigError, Strict
+from detrl.run.traced import TracedSession
 
 RL_SOURCES = ["init", "explore", "replay", "env", "bitflip", "hardware"]
 SUPERVISED_SOURCES = ["init", "data_order", "augment", "dropout", "hardware", "bitflip"]
@@ -262,55 +260,6 @@ def _nan_to_none(xs: list[float]) -> list[float | None]:
 
 def _none_to_nan(xs: list[float | None]) -> np.ndarray:
     return np.array([math.nan if x is None else x for x in xs], dtype=np.float64)
-
-
-def _param_digest(tensors: dict[str, Any]) -> int:
-    """A 64-bit digest of parameter and buffer bytes: equal digests mean (up to 2^-64) bitwise equal."""
-    import torch
-
-    h = hashlib.blake2b(digest_size=8)
-    for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-class TracedSession(Session):
-    """A Session that also keeps, for the ablation, a digest of the model after every step (to find the
-    first step where a run stops being bitwise equal to the control), the model at every trace point (the
-    parameter distance over time), and at trace and snapshot points the test-set predictions (supervised).
-
-    It observes only: nothing it does enters the bundle, the commitments or any random stream.
-    """
-
-    trace_steps: frozenset[int] = frozenset()
-    snapshot_steps: frozenset[int] = frozenset()
-    evaluate: Any = None  # supervised: (model, step) -> (test logits, tta logits or None)
-
-    def start_trace(self, trace_steps: list[int], snapshot_steps: list[int], evaluate: Any) -> None:
-        self.trace_steps, self.snapshot_steps, self.evaluate = (
-            frozenset(trace_steps),
-            frozenset(snapshot_steps),
-            evaluate,
-        )
-        self.digests: list[int] = []
-        self.points: list[int] = []
-        self.params: list[dict[str, np.ndarray]] = []
-        self.test_logits: dict[int, Any] = {}
-
-    def _commit(self, step: int, batch_hash: bytes, rounding: Any = None, frozen: bool = False) -> None:
-        super()._commit(step, batch_hash, rounding, frozen)
-        from detrl.formats import commit
-
-        assert self.model is not None
-        model_state = commit.state_tensors(self.model)
-        # A step that writes no parameter (a DQN step that only acts) keeps the last digest.
-        self.digests.append(self.digests[-1] if frozen and self.digests else _param_digest(model_state))
-        if step == 0 or step in self.trace_steps:
-            self.points.append(step)
-            self.params.append({n: t.detach().cpu().numpy().copy() for n, t in sorted(model_state.items())})
-        if self.evaluate is not None and (step in self.trace_steps or step in self.snapshot_steps):
-            self.test_logits[step] = self.evaluate(self.model, step)
 
 
 def _save_npz(where: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
@@ -536,17 +485,6 @@ def _auc(curve: np.ndarray, steps: np.ndarray) -> float:
     return float(metrics.area_under_curve(curve[keep], steps[keep])[0])
 
 
-def first_divergence(control: Sequence[int] | np.ndarray, run: Sequence[int] | np.ndarray) -> int | None:
-    """The first step whose parameter digest differs from the control's (None: bitwise equal throughout).
-    A run that stopped early counts as diverging at its first missing step."""
-    control, run = np.asarray(control), np.asarray(run)
-    n = min(len(control), len(run))
-    differs = np.flatnonzero(control[:n] != run[:n])
-    if differs.size:
-        return int(differs[0])
-    return None if len(control) == len(run) else n
-
-
 def _band(curves: list[list[float | None]], steps: list[int], label: str) -> dict[str, Any]:
     """Mean and min-max band over runs of curves sampled at ``steps`` (NaN-aware: None before data)."""
     c = np.array([_none_to_nan(x) for x in curves], dtype=np.float64)
@@ -632,7 +570,7 @@ def summarise(out: str | Path, command: str | None = None, config: str | None = 
             "n": len(done),
             "identical": all(r["params_sha256"] == ref["params_sha256"] for _, r in done),
             "identical_within": all(r["params_sha256"] == done[0][1]["params_sha256"] for _, r in done),
-            "first_divergence": [first_divergence(ref_digests, digests) for _, digests, _ in traces],
+            "first_divergence": [metrics.first_divergence(ref_digests, digests) for _, digests, _ in traces],
             "l2_to_control": float(
                 np.mean([metrics.l2_distance(ref_final, _npz(out, cond, k, PARAMS)) for k, _ in done])
             ),

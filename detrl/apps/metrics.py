@@ -30,7 +30,7 @@ import contextlib
 import functools
 import itertools
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -43,6 +43,7 @@ __all__ = [
     "cross_entropy",
     "diversity_summary",
     "ensemble_gain",
+    "first_divergence",
     "first_divergence_step",
     "iqm_with_interval",
     "l2_distance",
@@ -647,3 +648,14 @@ def first_divergence_step(control: ArrayLike, run: ArrayLike, steps: ArrayLike) 
     if step != int(step):
         raise ValueError(f"steps must be integer-valued; got {step}")
     return int(step)
+
+
+def first_divergence(control: Sequence[int] | np.ndarray, run: Sequence[int] | np.ndarray) -> int | None:
+    """The first step whose parameter digest differs from the control's (None: bitwise equal throughout).
+    A run that stopped early counts as diverging at its first missing step."""
+    control, run = np.asarray(control), np.asarray(run)
+    n = min(len(control), len(run))
+    differs = np.flatnonzero(control[:n] != run[:n])
+    if differs.size:
+        return int(differs[0])
+    return None if len(control) == len(run) else n

@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 
 from detrl.apps import metrics
-from detrl.apps.ablation import TracedSession, first_divergence
+from detrl.apps.metrics import first_divergence
 from detrl.formats.roundlog import dense_reference_bytes
 from detrl.run import config as config_mod
 from detrl.run import tasks
+from detrl.run.traced import TracedSession
 
 MODES = ("fp32", "rounded", "verifiable")
 RECORDER = "native"

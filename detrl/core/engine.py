@@ -551,9 +551,18 @@ class Session:
         batch_hash, self._batch_hash = self._batch_hash or bytes(32), None
         self._commit(step, batch_hash, rounding, frozen)
 
+    def on_commit(self, step: int, frozen: bool) -> None:
+        """Called once step ``step``'s state is committed (recorded, or checked against the bundle); step 0
+        is the initial model. ``frozen``: the step wrote no parameter. A subclass may observe the model
+        here (see :class:`detrl.run.traced.TracedSession`); it must change nothing that is committed."""
+
     def _commit(
         self, step: int, batch_hash: bytes, rounding: StepRounding | None = None, frozen: bool = False
     ) -> None:
+        self._commit_state(step, batch_hash, rounding)
+        self.on_commit(step, frozen)
+
+    def _commit_state(self, step: int, batch_hash: bytes, rounding: StepRounding | None) -> None:
         assert self.model is not None
         if self.mode == "off":  # no bundle: nobody reads a commitment, so don't pay for hashing
             return
