@@ -1,22 +1,21 @@
-"""Benchmarks behind BENCHMARKS.md: ``detrl bench overhead | roundlog | nolog | dqn [options]``.
+"""Benchmarks behind BENCHMARKS.md: ``detrl bench NAME [options]``; ``detrl bench --help`` lists them all.
 
 Every benchmark prints a header line naming the machine and a small table to stdout; progress goes to
 stderr. Ratios are always measured side by side in one run (variants interleaved, repeated, medians),
-because a shared CPU is noisy.
+because a shared CPU is noisy. detrl's own:
 
-``overhead``
-    Step time and peak memory of verifiable precision (recording, and ``mode="off"`` to separate the
-    log/commit I/O) against plain FP64 and plain FP32, for the digits CNN and ResNet-50 (CIFAR form).
-    Each (model, variant, repeat) runs in a fresh subprocess so that its peak RSS is its own.
-``roundlog``
-    Rounding-log size per step against the dense reference encoding, and against the 26.2 MB per
-    ResNet-50 step written by the paper's code.
-``dqn``
-    detrl's DQN against Stable-Baselines3 (speed, learning, cost of the switches and of verifiable mode,
-    Breakout speed and memory); contributed by :mod:`agents.bench` through the entry point below.
-``nolog``
-    Replays a recorded verifiable run on every emulated profile with its log and with the log emptied,
-    to show how soon FP64 + rounding *without* the log diverges; plain FP32 as a control.
+``overhead``     step time and peak memory of verifiable precision against plain FP64 and FP32; each
+                 (model, variant, repeat) in a fresh subprocess, so that its peak RSS is its own
+``roundlog``     rounding-log bytes per step against the dense encoding and the paper's 26.2 MB a step
+``nolog``        a verifiable run replayed on every emulated profile with its log and with it emptied
+``replication``  the paper's experiment: FP32, FP64 rounded without the log, verifiable, per profile
+``fuzz``         mutation-fuzz the bundle readers (:mod:`detrl.testing.fuzzing`)
+``fsync``        the cost of the durable points as a share of run time
+``sweep``        ablation sweep throughput, 1 worker against N
+``hostile``      audit hostile bundles (:mod:`detrl.testing.hostile`): exit code, time, peak RSS
+
+Contributed through the entry points below: ``crash`` (:mod:`detrl.testing.crashtest`, kill and resume)
+and ``dqn`` (:mod:`agents.bench`, detrl's DQN against Stable-Baselines3).
 
 The registry :data:`BENCHMARKS` maps a name to ``(one-line description, callable(rest) -> exit code)``.
 detrl's own benchmarks register with ``@benchmark(name, description)``; other packages contribute theirs
@@ -268,6 +267,9 @@ def _spawn_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 @benchmark("overhead", "step time and peak memory of verifiable precision against plain FP64 and FP32")
 def bench_overhead(rest: list[str]) -> int:
+    """Step time and peak memory of verifiable precision (recording, and ``mode="off"`` to separate the
+    log and commitment I/O) against plain FP64 and plain FP32, per model; each (model, variant, repeat)
+    runs in a fresh subprocess so that its peak RSS is its own."""
     p = argparse.ArgumentParser(prog="detrl bench overhead", description=bench_overhead.__doc__)
     p.add_argument(
         "--models",
