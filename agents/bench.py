@@ -42,7 +42,7 @@ import torch
 
 from detrl.core.sources import STREAMS, Sources
 from detrl.run import config as config_mod
-from detrl.run import tasks
+from detrl.run import sessions
 from detrl.run.fmt import machine_line
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def run_detrl(
 
     torch.set_num_threads(1)
     src = sources if sources is not None else Sources.from_config(cfg.sources)
-    session = tasks.session_for(cfg, run_dir, mode, sources=src, checkpoint_every=0, force=True)
+    session = sessions.session_for(cfg, run_dir, mode, sources=src, checkpoint_every=0, force=True)
     with session:
         t0 = time.perf_counter()
         result = dqn.run(cfg, session)

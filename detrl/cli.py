@@ -85,7 +85,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from detrl.run import config as config_mod
-    from detrl.run import tasks
+    from detrl.run import sessions, tasks
 
     if args.resume:
         for given, what in ((args.out, "--out"), (args.config, "a CONFIG file"), (args.force, "--force")):
@@ -102,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise config_mod.ConfigError("train needs a CONFIG file or --resume RUN_DIR")
     task = tasks.get(cfg.task)
     torch.set_num_threads(cfg.threads)
-    session = tasks.session_for(cfg, out, "record", resume=bool(args.resume), force=args.force)
+    session = sessions.session_for(cfg, out, "record", resume=bool(args.resume), force=args.force)
 
     def request_stop(signum: int, frame: object) -> None:  # Ctrl-C: finish the step, then a resumable bundle
         if session.stop_requested:

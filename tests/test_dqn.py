@@ -24,7 +24,7 @@ from detrl import BundleError, Session, Sources
 from detrl.cli import main
 from detrl.formats import commit
 from detrl.run import config as config_mod
-from detrl.run import tasks
+from detrl.run import sessions
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "dqn" / "tiny.yaml"
@@ -90,7 +90,7 @@ def run(cfg: dqn.Config, mode: str = "off", run_dir: Path | None = None, sources
         wrap_env: Any = None, **session_kw: Any) -> tuple[Session, dict[str, Any]]:  # fmt: skip
     torch.set_num_threads(cfg.threads)
     src = sources if sources is not None else Sources.from_config(cfg.sources)
-    s = tasks.session_for(cfg, run_dir, mode, session_type=Probe, sources=src, **session_kw)
+    s = sessions.session_for(cfg, run_dir, mode, session_type=Probe, sources=src, **session_kw)
     with s:
         result = dqn.run(cfg, s, wrap_env=wrap_env)
     return s, result
@@ -253,7 +253,7 @@ def _record_stopped(cfg: dqn.Config, run_dir: Path, k: int) -> None:
             return super().__enter__()
 
     torch.set_num_threads(cfg.threads)
-    s = tasks.session_for(cfg, run_dir, "record", session_type=Stoppable)
+    s = sessions.session_for(cfg, run_dir, "record", session_type=Stoppable)
     with s:
         dqn.run(cfg, s, wrap_env=lambda env: StopAt(env, ref, k))
     assert s.step_index == k
@@ -426,7 +426,7 @@ def test_a_false_frozen_claim_changes_no_commitment(tmp_path, capsys):
     torch.set_num_threads(cfg.threads)
     runs = {}
     for name, kind in (("liar", Liar), ("honest", Probe)):
-        s = tasks.session_for(cfg, tmp_path / name, "record", session_type=kind)
+        s = sessions.session_for(cfg, tmp_path / name, "record", session_type=kind)
         with s:
             dqn.run(cfg, s)
         runs[name] = s.leaves

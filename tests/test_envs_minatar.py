@@ -22,7 +22,7 @@ from agents.networks import MinAtarCNN, build_q_network
 from detrl import Session, Sources
 from detrl.cli import main
 from detrl.run import config as config_mod
-from detrl.run import tasks
+from detrl.run import sessions
 from envs.ids import MINATAR
 
 BREAKOUT = "MinAtar/Breakout-v1"
@@ -421,7 +421,7 @@ def test_dqn_trains_on_breakout_and_its_config_validates():
     torch.set_num_threads(1)
     results = []
     for _ in range(2):
-        s = tasks.session_for(cfg, None, "off", sources=Sources.from_config(cfg.sources))
+        s = sessions.session_for(cfg, None, "off", sources=Sources.from_config(cfg.sources))
         with s:
             results.append(dqn.run(cfg, s))
     a, b = results
@@ -448,7 +448,7 @@ def test_dqn_resume_on_breakout_is_bitwise_equal(tmp_path, capsys):
     cfg = minatar_config(**{"train.steps": 500, "agent.learning_starts": 100, "agent.buffer_size": 1000,
                             "agent.train_frequency": 4, "eval.episodes": 0, "verify.checkpoint_every": 0})  # fmt: skip
     torch.set_num_threads(1)
-    full = tasks.session_for(cfg, tmp_path / "full", "record")
+    full = sessions.session_for(cfg, tmp_path / "full", "record")
     with full:
         dqn.run(cfg, full)
     ref: dict = {}
@@ -458,7 +458,7 @@ def test_dqn_resume_on_breakout_is_bitwise_equal(tmp_path, capsys):
             ref["session"] = self
             return super().__enter__()
 
-    stopped = tasks.session_for(cfg, tmp_path / "resumed", "record", session_type=Stoppable)
+    stopped = sessions.session_for(cfg, tmp_path / "resumed", "record", session_type=Stoppable)
     with stopped:
         dqn.run(cfg, stopped, wrap_env=lambda env: StopAt(env, ref, 333))  # mid-episode
     assert stopped.step_index == 333

@@ -232,13 +232,13 @@ def test_a_recording_is_the_same_bundle_with_and_without_the_kernel(tmp_path) ->
     """The whole record path: every log entry, threshold and commitment the same, byte for byte."""
     from detrl.formats import bundle as bundle_mod
     from detrl.run import config as config_mod
-    from detrl.run import tasks
+    from detrl.run import sessions, tasks
 
     def record(where):  # noqa: ANN001, ANN202
         cfg = config_mod.load(
             "configs/supervised/digits_cnn.yaml", ["train.steps=6", "verify.checkpoint_every=3"]
         )
-        session = tasks.session_for(cfg, where, "record", force=True)
+        session = sessions.session_for(cfg, where, "record", force=True)
         with session:
             tasks.get(cfg.task).run(cfg, session)
         return session

@@ -22,7 +22,7 @@ from detrl.bench import strip_log
 from detrl.cli import main
 from detrl.core.hardware import profile_names
 from detrl.formats.bundle import BundleError
-from detrl.run import tasks
+from detrl.run import sessions, tasks
 from detrl.run.config import ConfigError, load
 from detrl.supervised import data as datasets
 from detrl.supervised import train
@@ -42,7 +42,7 @@ def cfg_of(name: str, *overrides: str):
 
 
 def record(cfg, out: Path):
-    session = tasks.session_for(cfg, out, "record")
+    session = sessions.session_for(cfg, out, "record")
     with session:
         train.run(cfg, session)
     return session
@@ -529,7 +529,7 @@ def test_finetuning_from_an_exported_checkpoint_replays(tmp_path: Path, capsys) 
 
     cfg = cfg_of("gpt2_tiny", f"model.init_from={weights}", "train.steps=3", "sources.seed=1")
     tuned = record(cfg, tmp_path / "tuned")
-    first = tasks.session_for(cfg, None, "off")  # step 0 is the exported model
+    first = sessions.session_for(cfg, None, "off")  # step 0 is the exported model
     with first:
         model = first.init(train.model_builder(cfg, train.load_data(cfg)[0]))
     assert all(torch.equal(p.detach(), final[n]) for n, p in model.named_parameters())

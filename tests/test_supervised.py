@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from detrl.apps.audit import audit
-from detrl.run import tasks
+from detrl.run import sessions
 from detrl.run.config import ConfigError, apply_overrides, read_raw, validate
 from detrl.supervised import data as datasets
 from detrl.supervised import train
@@ -97,7 +97,7 @@ def test_cnn_dropout_is_off_by_default_and_on_its_stream() -> None:
 
 
 def _record(cfg, out: Path):
-    session = tasks.session_for(cfg, out, "record")
+    session = sessions.session_for(cfg, out, "record")
     with session:
         train.run(cfg, session)
     return session
@@ -119,7 +119,7 @@ def test_a_run_with_every_part_replicates_and_resumes(tmp_path: Path) -> None:
     assert audit(tmp_path / "whole", hardware="emulated:reversed").verdict == "replicated"
     # Stop after step 5 (mid-cycle, mid-epoch, between checkpoints), then resume to the end.
     short = cfg.model_copy(deep=True)
-    session = tasks.session_for(cfg, tmp_path / "resumed", "record")
+    session = sessions.session_for(cfg, tmp_path / "resumed", "record")
     with session:
         orig = session.step
 
@@ -130,7 +130,7 @@ def test_a_run_with_every_part_replicates_and_resumes(tmp_path: Path) -> None:
 
         session.step = step  # type: ignore[method-assign]
         train.run(short, session)
-    session = tasks.session_for(cfg, tmp_path / "resumed", "record", resume=True)
+    session = sessions.session_for(cfg, tmp_path / "resumed", "record", resume=True)
     with session:
         train.run(cfg, session)
     whole = (tmp_path / "whole" / "commitments").read_bytes()

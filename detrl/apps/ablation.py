@@ -286,7 +286,7 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
 
     from detrl.formats import bundle as bundle_mod
     from detrl.formats import commit
-    from detrl.run import tasks
+    from detrl.run import sessions, tasks
 
     torch.set_num_threads(1)
     spec = AblationConfig.model_validate_json(spec_json)
@@ -298,7 +298,7 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
     where.mkdir(parents=True, exist_ok=True)
     for stale in (RESULT, PARAMS, TRAJECTORY, LOGITS):  # a run killed before its result is redone whole
         (where / stale).unlink(missing_ok=True)
-    session = tasks.session_for(cfg, where, "record", force=True, session_type=TracedSession)
+    session = sessions.session_for(cfg, where, "record", force=True, session_type=TracedSession)
     assert isinstance(session, TracedSession)
     planned = task.planned_steps(cfg)
     grid = curve_grid(planned, spec.curve_every)

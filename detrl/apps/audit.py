@@ -36,7 +36,7 @@ from detrl.formats import bundle as bundle_mod
 from detrl.formats.bundle import BundleError
 from detrl.formats.roundlog import RoundLogError, dense_reference_bytes
 from detrl.run import config as config_mod
-from detrl.run import tasks
+from detrl.run import sessions, tasks
 
 EXIT_CODES = {"replicated": 0, "diverged": 1, "bad input": 2, "incomplete": 3, "log incomplete": 4}
 #: The verdict an audit's exit code stands for (the inverse of :data:`EXIT_CODES`).
@@ -205,7 +205,7 @@ def audit(
             f"incomplete at step 0 of {m.planned_steps}: nothing after the initial state is durable"
         )
         return report
-    session = tasks.session_for(cfg, run_dir, "replay", hardware=hardware, fingerprint=ours)
+    session = sessions.session_for(cfg, run_dir, "replay", hardware=hardware, fingerprint=ours)
     try:
         with session:
             task.run(cfg, session, progress=progress, data=data, **extra)

@@ -38,7 +38,7 @@ from detrl.apps import metrics
 from detrl.apps.metrics import first_divergence
 from detrl.formats.roundlog import dense_reference_bytes
 from detrl.run import config as config_mod
-from detrl.run import tasks
+from detrl.run import sessions, tasks
 from detrl.run.traced import TracedSession
 
 MODES = ("fp32", "rounded", "verifiable")
@@ -95,7 +95,7 @@ def trace_run(
     cfg: Any, run_dir: Path, progress: bool = False, data: Path | None = None
 ) -> tuple[Trace, TracedSession]:
     """Record ``cfg`` into ``run_dir`` (its own precision and hardware) and trace its weights."""
-    session = tasks.session_for(cfg, run_dir, "record", data=data, force=True, session_type=TracedSession)
+    session = sessions.session_for(cfg, run_dir, "record", data=data, force=True, session_type=TracedSession)
     assert isinstance(session, TracedSession)
     task = tasks.get(cfg.task)
     planned = task.planned_steps(cfg)
@@ -251,7 +251,7 @@ def learning_quality(
                 )
             )
             t0 = time.perf_counter()
-            session = tasks.session_for(c, None, "off")
+            session = sessions.session_for(c, None, "off")
             with session:
                 result = tasks.get(c.task).run(c, session, progress=progress)
             assert session.model is not None

@@ -188,7 +188,7 @@ LOG_GOALS = {"resnet50": 26_200, "gpt2": 42_200, "lstm_lm": 5_000}
 def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``warmup + steps`` training steps of one variant in this (fresh) process; time and measure it."""
     from detrl.core.rounding import Thresholds
-    from detrl.run import tasks
+    from detrl.run import sessions
     from detrl.supervised import train
 
     torch.set_num_threads(spec["threads"])
@@ -203,7 +203,7 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     thresholds: Any = "calibrate" if spec["tau"] is None else Thresholds(default=spec["tau"])
     tmp = tempfile.mkdtemp(prefix="detrl-bench-") if mode == "record" else None
     baseline_kb = _status_kb("VmRSS")  # torch imported, data loaded, no model yet
-    session = tasks.session_for(cfg, tmp, mode, checkpoint_every=0, thresholds=thresholds, force=True)
+    session = sessions.session_for(cfg, tmp, mode, checkpoint_every=0, thresholds=thresholds, force=True)
     times: list[float] = []
     reset_ok, first_peak_kb = False, 0
     try:
@@ -405,9 +405,9 @@ def _log_column(model: str, per_step: list[int]) -> str:
 
 # --------------------------------------------------------------------------------------------- roundlog
 def _record(cfg: Any, run_dir: Path) -> Any:
-    from detrl.run import tasks
+    from detrl.run import sessions, tasks
 
-    session = tasks.session_for(cfg, run_dir, "record", force=True)
+    session = sessions.session_for(cfg, run_dir, "record", force=True)
     with session:
         tasks.get(cfg.task).run(cfg, session)
     return session
@@ -739,13 +739,13 @@ def bench_fuzz(rest: list[str]) -> int:
 def _record_small_digits(run_dir: Path) -> None:
     """The base bundle of the fuzz and hostile benchmarks: digits_cnn, 8 steps, checkpoints at 4 and 8."""
     from detrl.run import config as config_mod
-    from detrl.run import tasks
+    from detrl.run import sessions, tasks
 
     cfg = config_mod.load(
         "configs/supervised/digits_cnn.yaml", ["train.steps=8", "verify.checkpoint_every=4"]
     )
     torch.set_num_threads(cfg.threads)
-    with tasks.session_for(cfg, run_dir, "record", force=True) as session:
+    with sessions.session_for(cfg, run_dir, "record", force=True) as session:
         tasks.get(cfg.task).run(cfg, session)
 
 
@@ -754,7 +754,7 @@ def _record_small_digits(run_dir: Path) -> None:
 def _fsync_run(cfg: Any, run_dir: Path, fsync: bool) -> dict[str, float]:
     """Record ``cfg`` in-process, timing the durable points (checkpoint write, fsyncs, manifest replacement)."""
     from detrl.formats import bundle as bundle_mod
-    from detrl.run import tasks
+    from detrl.run import sessions, tasks
 
     writer = bundle_mod.BundleWriter
     real_fsync, real_ckpt, real_durable = os.fsync, writer.checkpoint, writer.make_durable
@@ -784,7 +784,7 @@ def _fsync_run(cfg: Any, run_dir: Path, fsync: bool) -> dict[str, float]:
         acc["fsyncs"] += 1
 
     shutil.rmtree(run_dir, ignore_errors=True)
-    session = tasks.session_for(cfg, run_dir, "record")
+    session = sessions.session_for(cfg, run_dir, "record")
     task = tasks.get(cfg.task)
     os.fsync = timed_fsync
     writer.checkpoint = timed(real_ckpt, True)  # type: ignore[method-assign]

@@ -1,10 +1,10 @@
-"""Tasks: what ``detrl train`` records and ``detrl audit`` replays, and the one path from a config to a Session.
+"""Tasks: what ``detrl train`` records and ``detrl audit`` replays, found by registration.
 
 A task is a :class:`Task` value: its config schema, its train loop and how it sets up a Session. detrl
 ships the ``supervised`` task; other packages contribute tasks through the entry-point group
 ``detrl.tasks`` (``agents`` contributes ``dqn``), so detrl never imports them by name and layers point
-one way. Every caller that turns a config into a :class:`~detrl.core.engine.Session` (the CLI, the auditor,
-the benchmarks, the tests) goes through :func:`session_for`.
+one way. The registry imports no engine, so :mod:`detrl.run.config` can find a task's schema here without
+pulling in the engine; :mod:`detrl.run.sessions` turns a config into a Session.
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-
-from detrl.core.engine import Session
-from detrl.core.hardware import get_profile
-from detrl.core.sources import Sources
 
 ENTRY_POINT_GROUP = "detrl.tasks"
 #: Tasks that ship with detrl itself: name -> "module:attribute" (imported on first use).
@@ -111,43 +107,3 @@ def get(name: str) -> Task:
     if not isinstance(task, Task) or task.name != name:
         raise UnknownTask(f"config error: task: {target} is not a detrl Task named {name!r}")
     return register(task)
-
-
-def session_for(
-    cfg: Any,
-    run_dir: str | Path | None,
-    mode: str = "record",
-    *,
-    hardware: Any = None,
-    data: Path | None = None,
-    fingerprint: str | None = None,
-    session_type: type[Session] = Session,
-    **overrides: Any,
-) -> Session:
-    """The Session that records, replays or runs ``cfg`` without a bundle (``mode="off"``).
-
-    ``hardware``: the profile to run on (default: the config's). ``data``: the training data's path where
-    the task reads one. ``fingerprint``: the data fingerprint when the caller computed it already.
-    ``session_type``: a :class:`Session` subclass to build (tests use one that keeps the initial weights).
-    ``overrides``: further :class:`Session` arguments (``resume``, ``force``, ``caps``, ``sources``, ...).
-    """
-    task = get(cfg.task)
-    if hardware is None:
-        seed = getattr(cfg, "hardware_seed", None)
-        hardware = cfg.hardware if seed is None else get_profile(cfg.hardware, seed=seed)
-    if fingerprint is None and mode != "off":
-        fingerprint = task.fingerprint(cfg, data)
-    options: dict[str, Any] = {
-        "precision": cfg.precision,
-        "sources": Sources.from_config(cfg.sources),
-        "hardware": hardware,
-        "checkpoint_every": cfg.verify.checkpoint_every,
-        "margin": cfg.verify.margin,
-        "task": cfg.task,
-        "config": cfg.model_dump(mode="json"),
-        "planned_steps": task.planned_steps(cfg),
-        "data_fingerprint": fingerprint,
-        **task.session_options(cfg),
-        **overrides,
-    }
-    return session_type(run_dir, mode=mode, **options)

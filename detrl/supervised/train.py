@@ -9,17 +9,19 @@ import hashlib
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import functional as F
 
-from detrl.core.engine import Session
 from detrl.run.config import ConfigError, RunConfig
 from detrl.run.tasks import Task
 from detrl.supervised import data as datasets
 from detrl.supervised.models import MODELS
 from detrl.supervised.weights import file_sha256, load_init
+
+if TYPE_CHECKING:  # the loop is handed a Session; it never builds one
+    from detrl.core.engine import Session
 
 
 def load_data(cfg: RunConfig, path: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
