@@ -145,6 +145,7 @@ def test_interrupted_sweep_redoes_only_what_is_missing(sweep: tuple, tmp_path: P
         ablation.run_sweep(rl_spec(["init"]), copy, workers=1, progress=False)
 
 
+@pytest.mark.slow  # a second 8-run sweep (19 s); the fast suite keeps the interrupted-sweep case
 def test_workers_do_not_change_the_summary(sweep: tuple, tmp_path: Path) -> None:
     s, out, _ = sweep
     assert ablation.run_sweep(s, tmp_path, workers=1, progress=False) == {"done": 8, "skipped": 0}
@@ -165,6 +166,7 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> tuple[ablation.Ablat
     return s, out, summary
 
 
+@pytest.mark.slow  # a 14-run sweep (26 s); the fast suite keeps the tiny supervised sweep
 def test_supervised_protocol(supervised: tuple) -> None:
     s, out, summary = supervised
     assert summary["protocol"] == "supervised" and summary["control_identical"] is True

@@ -618,7 +618,11 @@ def replays_only_with_its_log(run: Path, hardware: str) -> int | None:
 #: step 24. (The schedules depend on train.steps, which is part of each case.)
 TINY_NEEDS_LOG = [
     pytest.param(
-        "resnet50_tiny", ("model.width=32", "train.batch_size=16", "train.steps=2"), "emulated:splitk", 1
+        "resnet50_tiny",
+        ("model.width=32", "train.batch_size=16", "train.steps=2"),
+        "emulated:splitk",
+        1,
+        marks=pytest.mark.slow,  # 23 s
     ),
     pytest.param(
         "gpt2_tiny",
