@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from detrl.cli import main
@@ -75,7 +75,7 @@ def encode(obj: Any) -> bytes:
     try:
         return safeio.dumps_json(obj)
     except RecursionError:  # hypothesis values are shallow; this guards the test, not the reader
-        pytest.skip("value too deep to encode")
+        assume(False)  # inside @given: pytest.skip would skip the whole test, assume drops this example
 
 
 def only_bundle_error(fn: Any, *args: Any) -> None:
