@@ -14,7 +14,8 @@ import pytest
 
 from detrl.apps import report
 from detrl.cli import main
-from detrl.run.config import ConfigError
+from detrl.formats import summary as summary_format
+from detrl.formats.summary import SummaryError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 STEPS = [100, 200, 300, 400]
@@ -369,32 +370,34 @@ def _malformed(case: str) -> bytes:
     elif case == "curve length":
         s["conditions"]["init"]["curve"]["mean"].append(1.0)
     else:
-        s["conditions"].update({f"c{i}": s["conditions"]["init"] for i in range(report.MAX_CONDITIONS)})
+        s["conditions"].update(
+            {f"c{i}": s["conditions"]["init"] for i in range(summary_format.MAX_CONDITIONS)}
+        )
     return json.dumps(s).encode()
 
 
 @pytest.mark.parametrize("case", list(MALFORMED))
-def test_a_malformed_summary_is_one_config_error_line(tmp_path, case):
+def test_a_malformed_summary_is_one_error_line(tmp_path, case):
     (tmp_path / "summary.json").write_bytes(_malformed(case))
-    with pytest.raises(ConfigError) as exc:
+    with pytest.raises(SummaryError) as exc:
         report.write_report(tmp_path)
     assert "\n" not in str(exc.value) and "summary.json" in str(exc.value)
     assert not (tmp_path / "report").exists()  # nothing written for bad input
 
 
 def test_missing_linked_or_oversized_summary(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match="not a directory"):
+    with pytest.raises(SummaryError, match="not a directory"):
         report.write_report(tmp_path / "nope")
-    with pytest.raises(ConfigError, match="no summary.json"):
+    with pytest.raises(SummaryError, match="no summary.json"):
         report.write_report(tmp_path)
     real = _write(tmp_path / "real", rl_summary())
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "summary.json").symlink_to(real / "summary.json")
-    with pytest.raises(ConfigError, match="symbolic link"):
+    with pytest.raises(SummaryError, match="symbolic link"):
         report.write_report(linked)
-    monkeypatch.setattr(report, "MAX_SUMMARY_BYTES", 1000)
-    with pytest.raises(ConfigError, match="larger than the cap"):
+    monkeypatch.setattr(summary_format, "MAX_SUMMARY_BYTES", 1000)
+    with pytest.raises(SummaryError, match="larger than the cap"):
         report.write_report(real)
 
 

@@ -65,6 +65,7 @@ from pydantic import Field, ValidationError, field_validator
 from detrl.apps import metrics
 from detrl.core.sources import STREAMS
 from detrl.formats import safeio
+from detrl.formats import summary as summary_format
 from detrl.run import config as config_mod
 from detrl.run.config import ConfigError, Strict
 from detrl.run.traced import TracedSession
@@ -379,7 +380,9 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
             curve=[float(metrics.accuracy(session.test_logits[s][0][None], y)[0]) for s in grid],
             final_train_loss=float(result.get("loss", math.nan)),
         )
-    safeio.write_atomic(where, RESULT, safeio.dumps_json(_finite(record)))  # last: marks the run done
+    safeio.write_atomic(
+        where, RESULT, safeio.dumps_json(summary_format.finite(record))
+    )  # last: marks the run done
     return record
 
 
@@ -653,17 +656,6 @@ def summarise(out: str | Path, command: str | None = None, config: str | None = 
     }
 
 
-def _finite(x: Any) -> Any:
-    """JSON-safe: NaN and infinities become None (recursively)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
 RL_COLUMNS = [
     "condition", "n", "eval_mean", "eval_sd", "eval_best", "iqm", "iqm_lo", "iqm_hi", "auc", "identical",
     "identical_within", "first_divergence_median", "l2_to_control",
@@ -697,7 +689,7 @@ def _csv_row(cond: str, row: dict[str, Any], columns: list[str]) -> list[Any]:
 def write_summary(out: str | Path, summary: dict[str, Any]) -> None:
     """``OUT/summary.json`` (canonical JSON, NaN as null) and ``OUT/summary.csv`` (one row per condition)."""
     out = Path(out)
-    safeio.write_atomic(out, "summary.json", safeio.dumps_json(_finite(summary)))
+    summary_format.write(out, summary)
     columns = RL_COLUMNS if summary["protocol"] == "rl" else SUPERVISED_COLUMNS
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
