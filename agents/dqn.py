@@ -25,6 +25,7 @@ hardware, and each step's commitment binds the transition and the replay buffer'
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -189,6 +190,42 @@ class EnvPart:
         self.lengths = [int(n) for n in meta["lengths"]]
 
 
+def td_update(
+    q: torch.nn.Module,
+    target: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Any,
+    a: Any,
+    as_input: Callable[[np.ndarray], torch.Tensor],
+    cast: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[float, float]:
+    """One gradient step of the TD loss on a replay batch; returns (loss, mean Q of the taken actions).
+
+    ``batch``: obs and next_obs (batch, *obs_shape), actions (batch,) int64, rewards and terminated
+    (batch,). ``a``: the agent config (gamma, double_dqn, loss, max_grad_norm). ``as_input`` turns
+    observations into network input and ``cast`` a float tensor into the run's precision.
+    """
+    obs_b, next_b = as_input(batch.obs), as_input(batch.next_obs)
+    rewards = cast(torch.from_numpy(batch.rewards))  # (batch,)
+    not_done = cast(1.0 - torch.from_numpy(batch.terminated))  # (batch,)
+    with torch.no_grad():
+        next_q = target(next_b)  # (batch, n_actions)
+        if a.double_dqn:  # the online network picks the action, the target network values it
+            best = q(next_b).argmax(dim=1, keepdim=True)
+            next_value = next_q.gather(1, best).squeeze(1)
+        else:
+            next_value = next_q.max(dim=1).values
+        td_target = rewards + a.gamma * next_value * not_done  # (batch,)
+    q_taken = q(obs_b).gather(1, torch.from_numpy(batch.actions)[:, None]).squeeze(1)  # (batch,)
+    loss = F.smooth_l1_loss(q_taken, td_target) if a.loss == "huber" else F.mse_loss(q_taken, td_target)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if a.max_grad_norm is not None:
+        clip_grad_norm(q.parameters(), a.max_grad_norm)
+    optimizer.step()
+    return float(loss.detach()), float(q_taken.detach().mean())
+
+
 # ---------------------------------------------------------------------------------------------- the loop
 def run(
     cfg: Config,
@@ -285,29 +322,7 @@ def run(
                     optimizer.param_groups[0]["lr"] = lr
                 for _ in range(a.gradient_steps):
                     batch = buffer.sample(sources.numpy("replay"), a.batch_size)
-                    obs_b, next_b = as_input(batch.obs), as_input(batch.next_obs)
-                    rewards = precision.cast(torch.from_numpy(batch.rewards))
-                    not_done = precision.cast(1.0 - torch.from_numpy(batch.terminated))
-                    with torch.no_grad():
-                        next_q = target(next_b)
-                        if a.double_dqn:
-                            best = q(next_b).argmax(dim=1, keepdim=True)
-                            next_value = next_q.gather(1, best).squeeze(1)
-                        else:
-                            next_value = next_q.max(dim=1).values
-                        td_target = rewards + a.gamma * next_value * not_done
-                    q_taken = q(obs_b).gather(1, torch.from_numpy(batch.actions)[:, None]).squeeze(1)
-                    loss = (
-                        F.smooth_l1_loss(q_taken, td_target)
-                        if a.loss == "huber"
-                        else F.mse_loss(q_taken, td_target)
-                    )
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if a.max_grad_norm is not None:
-                        clip_grad_norm(q.parameters(), a.max_grad_norm)
-                    optimizer.step()
-                loss_value, q_mean = float(loss.detach()), float(q_taken.detach().mean())
+                    loss_value, q_mean = td_update(q, target, optimizer, batch, a, as_input, precision.cast)
             if sync_target:
                 qnets.update_target(a.tau)
 
