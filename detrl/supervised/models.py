@@ -68,15 +68,16 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        n, t, d = x.shape  # batch, sequence length, d_model
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)  # each (N, T, d)
+        # (N, T, d) -> (N, h, T, hs): h heads of hs = d / h channels each
         q, k, v = (z.view(n, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // self.heads))  # (N, h, T, T)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()  # (T, T): a token sees its past
         att = self.dropout(att.masked_fill(~mask, float("-inf")).softmax(dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(n, t, d)
+        y = (att @ v).transpose(1, 2).reshape(n, t, d)  # (N, h, T, hs) -> (N, T, d): heads side by side
         x = x + self.dropout(self.proj(y))
-        return x + self.dropout(self.mlp(self.ln2(x)))
+        return x + self.dropout(self.mlp(self.ln2(x)))  # (N, T, d)
 
 
 class TinyTransformer(nn.Module):
@@ -99,11 +100,11 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(d_model, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok(tokens) + self.pos(pos)
+        pos = torch.arange(tokens.shape[1], device=tokens.device)  # (T,)
+        x = self.tok(tokens) + self.pos(pos)  # (N, T, d_model)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        return self.head(self.ln(x))  # (N, T, vocab)
 
 
 class LSTMLM(nn.Module):
