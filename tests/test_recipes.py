@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from detrl.apps.audit import audit, check_caps
-from detrl.bench import strip_log
 from detrl.cli import main
 from detrl.core.hardware import profile_names
 from detrl.formats.bundle import BundleError
@@ -27,6 +26,7 @@ from detrl.run.config import ConfigError, load
 from detrl.supervised import data as datasets
 from detrl.supervised import train
 from detrl.supervised.weights import export_safetensors, load_init
+from detrl.testing.logrewrite import strip_log
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

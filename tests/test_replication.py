@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from detrl import Divergence, Session, Sources
-from detrl.bench import strip_log
 from detrl.run.config import apply_overrides, validate
 from detrl.supervised.data import synthetic_text
 from detrl.supervised.models import LSTMLM
 from detrl.supervised.train import fingerprint, run
+from detrl.testing.logrewrite import strip_log
 
 PROFILES = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
 MODELS = {

@@ -8,8 +8,11 @@ harnesses, not in :mod:`detrl.formats.roundlog`, so the format module ships no f
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
+from detrl.formats import bundle as bundle_mod
 from detrl.formats.roundlog import OpEntries, RoundLogReader, RoundLogWriter
 
 
@@ -29,3 +32,10 @@ def rewrite(
             ops = transform(step, reader.read_step(step))
             if ops is not None:
                 writer.write_step(step, sorted(ops.values(), key=lambda e: e.op))
+
+
+def strip_log(src: Path, dst: Path) -> None:
+    """Copy bundle ``src`` to ``dst`` with every step of its rounding log emptied, resealed so it validates."""
+    shutil.copytree(src, dst)
+    rewrite(src / bundle_mod.ROUNDLOG, dst / bundle_mod.ROUNDLOG, lambda step, ops: {})
+    bundle_mod.reseal(dst)

@@ -1,0 +1,337 @@
+"""Trust benchmarks: ``nolog`` (replays with the log emptied), ``replication`` (the paper's experiment),
+``fuzz`` (mutation-fuzz the bundle readers) and ``hostile`` (audit hostile bundles)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detrl.apps import replication as rep
+from detrl.apps.audit import VERDICT_OF_EXIT, audit
+from detrl.bench.common import (
+    EMULATED,
+    MODEL_CONFIGS,
+    make_config,
+    mean_sd,
+    model_list,
+    progress,
+    record,
+    record_small_digits,
+    reset_peak_rss,
+    status_kb,
+)
+from detrl.bench.registry import benchmark
+from detrl.core.hardware import get_profile
+from detrl.run.fmt import format_bytes, machine_line, table
+from detrl.testing import fuzzing, hostile
+from detrl.testing.logrewrite import strip_log
+
+
+@benchmark("nolog", "replay a verifiable run on each emulated profile with its log and with it emptied")
+def bench_nolog(rest: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="detrl bench nolog")
+    p.add_argument("--model", default="digits_cnn", help="one of " + ",".join(MODEL_CONFIGS))
+    p.add_argument("--steps", type=int, default=100, help="steps of the recorded run")
+    p.add_argument("--profiles", default=",".join(EMULATED))
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(rest)
+    model_list(args.model)
+    torch.set_num_threads(args.threads)
+    profiles = [q.strip() for q in args.profiles.split(",") if q.strip()]
+    print(machine_line(args.threads))
+    batch = MODEL_CONFIGS[args.model]["train"]["batch_size"]
+    print(
+        f"{args.model}, batch {batch}, {args.steps} steps, recorded on native; replayed with `detrl.apps.audit.audit`"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="detrl-bench-") as tmp:
+        runs: dict[str, Path] = {}
+        for precision in ("verifiable", "fp32"):
+            t0 = time.perf_counter()
+            runs[precision] = Path(tmp) / precision
+            s = record(make_config(args.model, precision, args.steps, args.threads), runs[precision])
+            progress(f"recorded {precision}: {args.steps} steps in {time.perf_counter() - t0:.0f} s")
+            if precision == "verifiable":
+                total_logged = s.totals.logged
+        runs["nolog"] = Path(tmp) / "nolog"
+        strip_log(runs["verifiable"], runs["nolog"])
+        variants: list[tuple[str, Path]] = [
+            ("verifiable, with log", runs["verifiable"]),
+            ("verifiable, log emptied", runs["nolog"]),
+            ("fp32 (control)", runs["fp32"]),
+        ]
+        for prof in profiles:
+            for label, run_dir in variants:
+                t0 = time.perf_counter()
+                r = audit(run_dir, prof, require_log=False)  # measures replication, not compliance
+                progress(f"{prof} {label}: {r.verdict} ({time.perf_counter() - t0:.0f} s)")
+                first = str(r.diverged_step) if r.diverged_step is not None else f"none in {args.steps} steps"
+                rows.append([prof, label, r.verdict, first, str(r.corrected), str(r.unlogged_near)])
+    print(f"recorded log: {total_logged:,} logged elements over {args.steps} steps")
+    print(table(["profile", "bundle", "verdict", "first diverging step", "corrected", "unlogged near"], rows))
+    print(
+        "corrected: logged elements whose replayer-nearest rounding differed from the log (where the log "
+        "mattered); unlogged near: near-midpoint elements the replayer saw that the log did not list"
+    )
+    return 0
+
+
+@benchmark(
+    "replication", "the paper's replication experiment: fp32, rounded without log, verifiable per profile"
+)
+def bench_replication(rest: list[str]) -> int:
+    """Srivastava, Arora & Boneh's experiment as one table (see :mod:`detrl.apps.replication`): each model is
+    recorded on ``native`` and trained or replayed on every other profile in plain FP32, in verifiable
+    precision without the trainer's log, and with it. Then learning quality: test loss and accuracy of
+    plain FP32 against verifiable training. Long runs: progress on stderr, ``--progress`` for step bars."""
+    p = argparse.ArgumentParser(prog="detrl bench replication", description=bench_replication.__doc__)
+    p.add_argument("--models", default="resnet50_tiny,gpt2_tiny",
+                   help="configs/supervised/NAME.yaml, comma-separated (resnet50 and gpt2 are the full models)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=10, help="steps of every run in the replication table")
+    p.add_argument("--profiles", default="", help="auditor profiles (default: every profile but native)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every config")
+    p.add_argument(
+        "--quality-models",
+        default="resnet50_tiny,gpt2_tiny",
+        help="models of the quality table ('' for none)",
+    )
+    p.add_argument("--quality-steps", type=int, default=500, help="training steps of the quality table")
+    p.add_argument("--quality-seeds", type=int, default=3, help="seeds per precision in the quality table")
+    p.add_argument("--holdout", type=int, default=256, help="held-out examples (token windows) to test on")
+    p.add_argument("--progress", action="store_true", help="a progress bar over each run's steps")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(rest)
+    torch.set_num_threads(args.threads)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    auditors = rep.auditor_profiles([q.strip() for q in args.profiles.split(",") if q.strip()])
+    for name in models:  # a bad name, override or profile fails here, in one line, before any work
+        rep.load_model_config(name, args.steps, args.set)
+    for auditor in auditors:
+        get_profile(auditor)
+    print(machine_line(args.threads))
+    print(
+        f"recorded on {rep.RECORDER}, {args.steps} steps; audited on {', '.join(auditors)}. fp32: trained in "
+        "plain FP32 on the auditor; rounded: verifiable precision on the auditor without the trainer's log; "
+        "verifiable: the trainer's bundle replayed with its log"
+    )
+    t0 = time.perf_counter()
+    costs, rows = rep.run_experiment(models, args.steps, auditors, args.set, progress, args.progress)
+    print(table(
+        ["model", "batch", "params", "logged el./step", "log B/step", "dense B/step", "dense/log",
+         "step-1 log B", "verif./FP64", "verif./FP32"],
+        [[c.model, c.batch, f"{c.parameters:,}", f"{c.logged_per_step:,.0f}", format_bytes(c.log_bytes_per_step),
+          format_bytes(c.dense_bytes_per_step), f"{c.dense_bytes_per_step / max(c.log_bytes_per_step, 1):,.0f}x",
+          format_bytes(c.log_bytes_step1), f"{c.vs_fp64:.2f}x", f"{c.vs_fp32:.2f}x"] for c in costs],
+    ))  # fmt: skip
+    print()
+    print(table(
+        ["model", "trainer -> auditor", "mode", "first divergence", "L2 at end", "corrected", "verdict"],
+        [[r.model, f"{rep.RECORDER} -> {r.auditor}", r.mode,
+          str(r.first_divergence) if r.first_divergence is not None else f"none in {r.steps} steps",
+          "n/a" if r.l2 is None else f"{r.l2:.3g}", "" if r.corrected is None else str(r.corrected), r.verdict]
+         for r in rows],
+    ))  # fmt: skip
+    print(
+        "log/dense bytes: means over steps 2..N (step 1 calibrates, and its log is given alone); step times: "
+        "medians over steps 2..N of the trainer's own recordings; corrected: logged elements whose auditor-"
+        "nearest rounding differed from the log (where the log mattered)"
+    )
+    quality = [m.strip() for m in args.quality_models.split(",") if m.strip()]
+    if quality and args.quality_steps > 0 and args.quality_seeds > 0:
+        qrows = []
+        for name in quality:
+            cfg = rep.load_model_config(name, args.quality_steps, args.set)
+            runs = rep.learning_quality(cfg, args.holdout, range(args.quality_seeds), progress, args.progress)
+            for precision in ("fp32", "verifiable"):
+                qs = [q for q in runs if q.precision == precision]
+                qrows.append([
+                    name, precision, str(len(qs)), mean_sd([q.train_loss for q in qs]),
+                    mean_sd([q.test_loss for q in qs]), mean_sd([q.test_accuracy for q in qs], 100, 2) + " %",
+                    " ".join(f"{100 * q.test_accuracy:.1f}" for q in qs),
+                ])  # fmt: skip
+        print()
+        print(
+            f"learning quality: {args.quality_steps} steps on {rep.RECORDER}, seeds 0..{args.quality_seeds - 1}, "
+            f"{args.holdout} held-out examples (token windows); mean ± SD over seeds"
+        )
+        print(table(["model", "precision", "seeds", "final train loss", "test loss", "test accuracy",
+                     "accuracy per seed %"], qrows))  # fmt: skip
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    bad = [r for r in rows if r.mode == "verifiable" and r.verdict != "replicated"]
+    return 1 if bad else 0
+
+
+class _CaseTimeout(BaseException):
+    """A fuzz case ran past --case-timeout (a BaseException: no reader's error handling swallows it)."""
+
+
+@benchmark("fuzz", "mutation-fuzz the bundle readers: outcomes, crashes, the slowest case, peak memory")
+def bench_fuzz(rest: list[str]) -> int:
+    """Run --cases cases of :func:`detrl.testing.fuzzing.fuzz_case` over a freshly recorded bundle, in-process, each
+    under a time limit. A crash (an exception other than the reader's own error) or a timeout exits 1."""
+    p = argparse.ArgumentParser(prog="detrl bench fuzz", description=bench_fuzz.__doc__)
+    p.add_argument("--cases", type=int, default=100_000, help="fuzz cases to run (default 100000)")
+    p.add_argument("--seed", type=int, default=0, help="case i draws from random.Random(f'{seed}:{i}')")
+    p.add_argument("--targets", default=",".join(fuzzing.TARGETS), help="comma list, taken in turn")
+    p.add_argument("--case-timeout", type=float, default=10.0, help="seconds per case (more: a hang)")
+    p.add_argument("--show", type=int, default=3, help="tracebacks shown of the first N distinct crashes")
+    args = p.parse_args(rest)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    for t in targets:
+        if t not in fuzzing.TARGETS:
+            raise ValueError(f"unknown fuzz target {t!r}; known: {', '.join(fuzzing.TARGETS)}")
+    if args.cases < 1 or args.case_timeout <= 0:
+        raise ValueError("--cases and --case-timeout must be positive")
+    print(machine_line(1))
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        raise _CaseTimeout
+
+    outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+    outcomes_of = lambda *kinds: sum(n for (_, k), n in outcomes.items() if k in kinds)  # noqa: E731
+    crashes: dict[tuple[str, str, str], list[tuple[str, str]]] = {}
+    slowest: dict[str, float] = collections.defaultdict(float)
+    worst = (0.0, "", "")
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    with tempfile.TemporaryDirectory(prefix="detrl-fuzz-") as tmp:
+        run, work = Path(tmp) / "run", Path(tmp) / "work" / "run"
+        progress("recording the base bundle (digits_cnn, 8 steps, checkpoints at 4 and 8) ...")
+        record_small_digits(run)
+        base = fuzzing.BaseBundle.load(run, work)
+        reset_ok = reset_peak_rss()
+        t_start = time.perf_counter()
+        try:
+            for i in range(args.cases):
+                seed, target = f"{args.seed}:{i}", targets[i % len(targets)]
+                t0 = time.perf_counter()
+                signal.setitimer(signal.ITIMER_REAL, args.case_timeout)
+                try:
+                    kind = fuzzing.fuzz_case(random.Random(seed), base, target).partition(":")[2]
+                except _CaseTimeout:
+                    kind = "timeout"
+                    key, tb = (target, "timeout", f"> {args.case_timeout:g} s"), ""
+                    crashes.setdefault(key, []).append((seed, tb))
+                except Exception as e:  # noqa: BLE001 - a crash is what this benchmark looks for
+                    kind = "crash"
+                    frame = traceback.extract_tb(e.__traceback__)[-1]
+                    key = (target, type(e).__name__, f"{Path(frame.filename).name}:{frame.lineno}")
+                    crashes.setdefault(key, []).append((seed, traceback.format_exc()))
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                dt = time.perf_counter() - t0
+                if kind == "timeout":  # the scratch copy may be half restored
+                    base = fuzzing.BaseBundle.load(run, work)
+                outcomes[(target, kind)] += 1
+                slowest[target] = max(slowest[target], dt)
+                if dt > worst[0]:
+                    worst = (dt, seed, target)
+                if (i + 1) % max(1, args.cases // 10) == 0:
+                    rate = (i + 1) / (time.perf_counter() - t_start)
+                    bad = outcomes_of("crash", "timeout")
+                    progress(f"{i + 1}/{args.cases} cases, {rate:.0f}/s, {bad} crashes or timeouts")
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+        elapsed = time.perf_counter() - t_start
+    peak_kb = status_kb("VmHWM")
+    kinds = ["accepted", "BundleError", "RoundLogError", "timeout", "crash"]
+    rows = [
+        [t, str(sum(n for (tt, _), n in outcomes.items() if tt == t)), *(str(outcomes[(t, k)]) for k in kinds),
+         f"{slowest[t] * 1e3:.1f}"]
+        for t in targets
+    ]  # fmt: skip
+    print(table(["target", "cases", *kinds, "slowest ms"], rows))
+    ran, found = sum(outcomes.values()), outcomes_of("crash", "timeout")
+    print(f"cases run: {ran} in {elapsed:.1f} s ({ran / elapsed:.0f}/s)")
+    print("outcomes: " + ", ".join(f"{k} {outcomes_of(k)}" for k in kinds))
+    crashed, timed_out = outcomes_of("crash"), outcomes_of("timeout")
+    print(f"crashes found: {crashed}, timeouts: {timed_out} ({len(crashes)} distinct)")
+    for n, ((target, exc, where), hits) in enumerate(sorted(crashes.items(), key=lambda kv: -len(kv[1]))):
+        replay = f"fuzz_case(Random({hits[0][0]!r}), base, {target!r})"
+        print(f"  {target}: {exc} at {where}, {len(hits)} cases; replay: {replay}")
+        if n < args.show and hits[0][1]:
+            for line in hits[0][1].rstrip().splitlines()[-6:]:
+                print(f"    {line}")
+    print(f"worst case: {worst[0] * 1e3:.1f} ms (seed {worst[1]!r}, target {worst[2]})")
+    scope = "while fuzzing (reset after recording)" if reset_ok else "of the process, recording included"
+    print(f"peak RSS {scope}: {format_bytes(peak_kb * 1024)}")
+    if args.cases != 100_000:
+        print(f"at this rate, 100,000 cases take about {100_000 * elapsed / args.cases / 60:.1f} min")
+    return 1 if found else 0
+
+
+@benchmark("hostile", "audit hostile bundles (bombs, caps, FIFOs, links, deep JSON, pickles): time, peak RSS")
+def bench_hostile(rest: list[str]) -> int:
+    """Record a digits CNN bundle (8 steps, checkpoints at 4 and 8), plant each case of
+    :func:`detrl.testing.hostile.hostile_cases` (the constructions of tests/test_hostile.py) in a copy of it and
+    audit the copy in a fresh ``python -m detrl.cli audit COPY --quiet`` under a timeout: exit code, first
+    line of output, wall time and the child's own peak RSS (``os.wait4``). Exits 1 if any case exits
+    outside 0-4, prints a traceback or an internal error, times out, trips a tripwire (a planted pickle
+    ran) or peaks over 1 GB."""
+
+    p = argparse.ArgumentParser(prog="detrl bench hostile", description=bench_hostile.__doc__)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per audit (more: a hang)")
+    args = p.parse_args(rest)
+    if args.timeout <= 0:
+        raise ValueError("--timeout must be positive")
+    rss_limit = 10**9  # 1 GB
+    print(machine_line(1))
+    t_start = time.perf_counter()
+    rows, results, failures = [], [], []
+    with tempfile.TemporaryDirectory(prefix="detrl-hostile-") as tmp:
+        recorded = Path(tmp) / "recorded"
+        progress("recording the base bundle (digits_cnn, 8 steps, checkpoints at 4 and 8) ...")
+        record_small_digits(recorded)
+        for i, (name, plant) in enumerate(hostile.hostile_cases()):
+            scratch = Path(tmp) / f"case-{i:02d}"
+            run = scratch / "run"
+            shutil.copytree(recorded, run)
+            progress(f"{name}: planting and auditing ...")
+            tripwires = plant(run, scratch)
+            rc, out, err, rss, wall = hostile.audit_subprocess(run, timeout=args.timeout)
+            first = next((ln.strip() for ln in (err + "\n" + out).splitlines() if ln.strip()), "")
+            problems = []
+            if rc is None:
+                problems.append(f"timed out after {args.timeout:g} s")
+            elif rc not in (0, 1, 2, 3, 4):
+                problems.append(f"exit {rc}")
+            problems += [f"printed {bad!r}" for bad in ("Traceback", "internal error") if bad in out + err]
+            if rss is None and rc is not None:
+                problems.append("peak RSS unknown (the launcher failed)")
+            elif rss is not None and rss > rss_limit:
+                problems.append(f"peak RSS {rss / 1e6:.0f} MB > 1 GB")
+            problems += [f"tripwire {t.name} exists (a planted pickle ran)" for t in tripwires if t.exists()]
+            shutil.rmtree(scratch)
+            if problems:
+                failures.append(f"{name}: {'; '.join(problems)}")
+            results.append((name, rss or 0, wall))
+            code = (
+                "timeout"
+                if rc is None
+                else f"{rc} ({VERDICT_OF_EXIT[rc]})"
+                if rc in VERDICT_OF_EXIT
+                else str(rc)
+            )
+            rows.append([name, code, first[:70], f"{wall:.2f}", "?" if rss is None else f"{rss / 1e6:.0f}"])
+    width = max(len(r[2]) for r in rows)
+    rows = [[*r[:2], r[2].ljust(width), *r[3:]] for r in rows]  # _table right-aligns all but the first
+    print(table(["case", "exit", "first line of stderr/stdout", "wall s", "peak RSS MB"], rows))
+    by_rss, by_time = max(results, key=lambda r: r[1]), max(results, key=lambda r: r[2])
+    print(
+        f"worst by peak RSS: {by_rss[0]} ({by_rss[1] / 1e6:.0f} MB); worst by time: {by_time[0]} "
+        f"({by_time[2]:.2f} s); {len(results)} cases, {time.perf_counter() - t_start:.0f} s in all "
+        "(recording and planting included)"
+    )
+    if rows[0][1] != f"0 ({VERDICT_OF_EXIT[0]})":
+        print(f"note: the honest bundle (the control) did not replicate: exit {rows[0][1]}")
+    print(f"failures: {len(failures)}" + "".join(f"\n  {f}" for f in failures))
+    return 1 if failures else 0
