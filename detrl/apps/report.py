@@ -753,12 +753,33 @@ def _control_text(s: Summary) -> list[str]:
     ]
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """What several findings read: the varied conditions, the varied sources, the main metric's name and
+    each varied condition's spread of it (None where undefined)."""
+
+    varied: list[str]
+    srcs: list[str]
+    what: str
+    spread: dict[str, float | None]
+
+
 def _findings(s: Summary) -> list[str]:
-    """Bullets computed from the numbers: identity, spread ranking, hardware, divergence, instability."""
-    out: list[str] = []
+    """Bullets computed from the numbers: each finding function in :data:`_FINDINGS` adds zero or more."""
     varied = [c for c in s.rows if c != "control"]
-    srcs = [c for c in s.sources if c in s.rows]
-    what = "the final return" if s.protocol == "rl" else "test accuracy"
+    facts = _Facts(
+        varied=varied,
+        srcs=[c for c in s.sources if c in s.rows],
+        what="the final return" if s.protocol == "rl" else "test accuracy",
+        spread={c: _spread(s, s.rows[c]) for c in varied},
+    )
+    return [line for finding in _FINDINGS for line in finding(s, facts)]
+
+
+def _finding_identical(s: Summary, f: _Facts) -> list[str]:
+    """Which conditions stayed bitwise identical to the control."""
+    out: list[str] = []
+    varied = f.varied
     same = [c for c in varied if s.rows[c].identical]
     if same:
         out.append(f"Bitwise identical to the control (every run, at the end of training): {_names(same)}.")
@@ -767,12 +788,24 @@ def _findings(s: Summary) -> list[str]:
             "No varied condition is bitwise identical to the control: every one changes the trained "
             "parameters."
         )
+    return out
 
-    spread = {c: _spread(s, s.rows[c]) for c in varied}
+
+def _finding_largest_spread(s: Summary, f: _Facts) -> list[str]:
+    """The three conditions with the largest spread of the main metric."""
+    out: list[str] = []
+    what, spread = f.what, f.spread
     ranked = sorted(((c, v) for c, v in spread.items() if v is not None and v > 0), key=lambda cv: -cv[1])
     if ranked:
         top = ", then ".join(f"`{c}` ({_spread_text(s, v)})" for c, v in ranked[:3])
         out.append(f"Largest spread of {what}: {top}.")
+    return out
+
+
+def _finding_zero_spread(s: Summary, f: _Facts) -> list[str]:
+    """Sources with zero spread (harmless alone?), and conditions with no spread defined."""
+    out: list[str] = []
+    varied, srcs, what, spread = f.varied, f.srcs, f.what, f.spread
     unknown = [c for c in varied if spread[c] is None]
     zero = [c for c in srcs if spread[c] == 0]
     measured_srcs = [c for c in srcs if spread[c] is not None]
@@ -801,8 +834,20 @@ def _findings(s: Summary) -> list[str]:
             f"No spread is defined for {_names(unknown)} (fewer than 2 runs, or not recorded): shown as "
             f"{_MISSING}."
         )
+    return out
+
+
+def _finding_hardware(s: Summary, f: _Facts) -> list[str]:
+    """What the fp32 hardware source did."""
+    out: list[str] = []
     if "hardware" in s.rows:
         out.append(_hardware_finding(s, s.rows["hardware"]))
+    return out
+
+
+def _finding_verifiable(s: Summary, f: _Facts) -> list[str]:
+    """Whether verifiable precision removed the hardware source."""
+    out: list[str] = []
     hv = s.rows.get("hardware@verifiable")
     if hv is not None and hv.identical_within is not None:
         if hv.identical_within:
@@ -817,6 +862,13 @@ def _findings(s: Summary) -> list[str]:
                 "should make the accumulation order irrelevant; audit one of them with `detrl audit "
                 "DIR/runs/hardware@verifiable/0 --hardware emulated:splitk`."
             )
+    return out
+
+
+def _finding_identical_within(s: Summary, f: _Facts) -> list[str]:
+    """Conditions whose runs agree with each other but not with the control."""
+    out: list[str] = []
+    varied = f.varied
     within = [
         c
         for c in varied
@@ -824,7 +876,13 @@ def _findings(s: Summary) -> list[str]:
     ]
     if within:
         out.append(f"Bitwise identical to each other but not to the control (zero spread): {_names(within)}.")
+    return out
 
+
+def _finding_against_all(s: Summary, f: _Facts) -> list[str]:
+    """Each source's spread against that of varying every source at once."""
+    out: list[str] = []
+    srcs, spread = f.srcs, f.spread
     v_all = spread.get("all")
     ratios = (
         [(c, v / v_all) for c in srcs if (v := spread[c]) is not None and not s.rows[c].identical]
@@ -839,10 +897,21 @@ def _findings(s: Summary) -> list[str]:
             f"model reach {lo[1]:.2f}x (`{lo[0]}`) to {hi[1]:.2f}x (`{hi[0]}`) of that spread"
             + (": each one alone already gives most of the variability." if lo[1] >= 0.5 else ".")
         )
+    return out
 
+
+def _finding_summers_dinneen(s: Summary, f: _Facts) -> list[str]:
+    """Summers & Dinneen's expected finding, for the supervised protocol."""
+    srcs = f.srcs
     if s.protocol == "supervised":
-        out += _summers_dinneen_finding(s, srcs)
+        return _summers_dinneen_finding(s, srcs)
+    return []
 
+
+def _finding_divergence(s: Summary, f: _Facts) -> list[str]:
+    """The earliest and latest median first divergence from control run 0."""
+    out: list[str] = []
+    varied = f.varied
     med = {c: m for c in varied if (m := _median_divergence(s.rows[c])) is not None}
     if med:
         first, last = min(med.values()), max(med.values())
@@ -853,7 +922,12 @@ def _findings(s: Summary) -> list[str]:
             text += f", latest at {s.unit} {_fmt_step(last)} ({at(last)})"
         never = [c for c in varied if s.rows[c].first_divergence and not _diverged(s.rows[c])[0]]
         out.append(text + (f"; never for {_names(never)}." if never else "."))
+    return out
 
+
+def _finding_instability(s: Summary, f: _Facts) -> list[str]:
+    """How far the one-bit twin grows away from the control."""
+    out: list[str] = []
     inst = _instability_numbers(s)
     if inst is not None:
         cond, s0, l0, s1, l1 = inst
@@ -875,7 +949,13 @@ def _findings(s: Summary) -> list[str]:
             f"Instability: the one-bit twin (`{s.instability.condition}` run 0) stays at L2 0 from control "
             "run 0."
         )
+    return out
 
+
+def _finding_control_outside(s: Summary, f: _Facts) -> list[str]:
+    """Whether the control's return is a typical draw of the varied sources (RL)."""
+    out: list[str] = []
+    varied = f.varied
     if s.protocol == "rl" and (ref := s.rows["control"].scalars.get("eval_mean")) is not None:
         outside = []
         for c in varied:
@@ -888,6 +968,12 @@ def _findings(s: Summary) -> list[str]:
                 f"{_names(outside)}: "
                 "the control run is not a typical draw of those sources."
             )
+    return out
+
+
+def _finding_remedies(s: Summary, f: _Facts) -> list[str]:
+    """How much each remedy reduces the spread (supervised)."""
+    out: list[str] = []
     if s.remedies is not None:
         for k, red in s.remedies.reduction.items():
             parts = [
@@ -901,6 +987,12 @@ def _findings(s: Summary) -> list[str]:
                     "models "
                     f"of `{s.remedies.baseline}`."
                 )
+    return out
+
+
+def _finding_few_runs(s: Summary, f: _Facts) -> list[str]:
+    """How rough the spreads are at few runs per condition."""
+    out: list[str] = []
     n = min(r.n for r in s.rows.values())
     if 2 <= n < 10:
         out.append(
@@ -910,6 +1002,24 @@ def _findings(s: Summary) -> list[str]:
             "resolved."
         )
     return out
+
+
+#: The findings of the report, in the order they are listed.
+_FINDINGS: tuple[Callable[[Summary, _Facts], list[str]], ...] = (
+    _finding_identical,
+    _finding_largest_spread,
+    _finding_zero_spread,
+    _finding_hardware,
+    _finding_verifiable,
+    _finding_identical_within,
+    _finding_against_all,
+    _finding_summers_dinneen,
+    _finding_divergence,
+    _finding_instability,
+    _finding_control_outside,
+    _finding_remedies,
+    _finding_few_runs,
+)
 
 
 def _summers_dinneen_finding(s: Summary, srcs: list[str]) -> list[str]:
