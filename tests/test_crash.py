@@ -118,7 +118,10 @@ def kill_at(kind: str, run_dir: Path, spec: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- Ctrl-C
-@pytest.mark.parametrize("kind, after", [("dqn", 400), ("digits", 15)])
+@pytest.mark.parametrize(
+    "kind, after",
+    [pytest.param("dqn", 400, marks=pytest.mark.slow), ("digits", 15)],  # dqn: 10 s more
+)
 def test_ctrl_c_mid_run_stops_a_bundle_that_replicates_and_resumes_to_the_reference(
     tmp_path, refs, capsys, kind, after
 ):

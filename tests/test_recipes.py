@@ -390,6 +390,7 @@ def test_gpt2_step_has_one_op_sequence_whatever_the_sdpa_backend(monkeypatch: py
     assert len({tuple(seq) for seq in theirs.values()}) == len(backends)
 
 
+@pytest.mark.slow  # 6 s: GPT-2 tiny recorded twice
 def test_gpt2_dropout_draws_from_the_dropout_stream(tmp_path: Path) -> None:
     def params(*overrides: str) -> dict[str, torch.Tensor]:
         cfg = cfg_of("gpt2_tiny", "precision=fp32", "train.steps=2", *overrides)

@@ -254,33 +254,12 @@ class Session:
         self._calibrator: Calibrator | None = None
         self._resume: bundle_mod.ResumePoint | None = None
         self.calibration_steps = 0
-        if mode == "replay" or resume:
+        if mode == "replay" or resume:  # precision, sources and thresholds come from the bundle
             if resume and mode != "record":
                 raise ValueError("resume needs mode='record'")
-            self.bundle = bundle_mod.Bundle(self.dir, caps)  # type: ignore[arg-type]
-            try:
-                self._from_bundle(self.bundle, data_fingerprint)
-                if resume:
-                    self._resume = self.bundle.resume_point()
-                    self._resume_calibration(self._resume)
-            except BaseException:
-                self.bundle.close()
-                raise
-            if resume:
-                self.bundle = None  # the writer owns it now (it compares re-recorded steps with it)
-        else:
-            self.precision = precision if isinstance(precision, Precision) else Precision(precision)
-            self.sources = sources if sources is not None else Sources()
-            if isinstance(thresholds, Thresholds):
-                self.thresholds = thresholds
-            elif thresholds == "calibrate":
-                self.thresholds = Thresholds(default=TAU_FLOOR * 64)
-                if self.precision.is_verifiable:
-                    self._calibrator = Calibrator(self.thresholds, margin)
-                    self.calibration_steps = max(1, int(calibration_steps))
-            else:
-                raise ValueError(f"thresholds must be a Thresholds or 'calibrate', not {thresholds!r}")
-            self._initial_sources = self.sources.state_dict()
+            self._open_bundle(caps, resume, data_fingerprint)
+        else:  # a fresh recording, or a run without a bundle: they come from the arguments
+            self._set_up_fresh(precision, sources, thresholds, margin, calibration_steps)
         self.stop_requested = False  # set from outside (Ctrl-C): a loop may end early after a whole step
         self.route_random_ops = route_random_ops
         self.parts: dict[str, StatePart] = {}
@@ -302,6 +281,43 @@ class Session:
         self.first_violation: tuple[int, Anomaly] | None = None
         self._batch_hash: bytes | None = None
         self._stack = contextlib.ExitStack()
+
+    def _open_bundle(self, caps: bundle_mod.Caps | None, resume: bool, data_fingerprint: str | None) -> None:
+        """Replay or resume: read the bundle and take precision, sources and thresholds from it."""
+        self.bundle = bundle_mod.Bundle(self.dir, caps)  # type: ignore[arg-type]
+        try:
+            self._from_bundle(self.bundle, data_fingerprint)
+            if resume:
+                self._resume = self.bundle.resume_point()
+                self._resume_calibration(self._resume)
+        except BaseException:
+            self.bundle.close()
+            raise
+        if resume:
+            self.bundle = None  # the writer owns it now (it compares re-recorded steps with it)
+
+    def _set_up_fresh(
+        self,
+        precision: Precision | str,
+        sources: Sources | None,
+        thresholds: Thresholds | str,
+        margin: float,
+        calibration_steps: int,
+    ) -> None:
+        """A fresh recording (or ``mode="off"``): precision, sources and thresholds from the arguments; a
+        verifiable run with ``thresholds="calibrate"`` measures its thresholds in its first steps."""
+        self.precision = precision if isinstance(precision, Precision) else Precision(precision)
+        self.sources = sources if sources is not None else Sources()
+        if isinstance(thresholds, Thresholds):
+            self.thresholds = thresholds
+        elif thresholds == "calibrate":
+            self.thresholds = Thresholds(default=TAU_FLOOR * 64)
+            if self.precision.is_verifiable:
+                self._calibrator = Calibrator(self.thresholds, margin)
+                self.calibration_steps = max(1, int(calibration_steps))
+        else:
+            raise ValueError(f"thresholds must be a Thresholds or 'calibrate', not {thresholds!r}")
+        self._initial_sources = self.sources.state_dict()
 
     def _from_bundle(self, b: bundle_mod.Bundle, data_fingerprint: str | None) -> None:
         """Take precision, switchboard, thresholds and run shape from a bundle (every field checked)."""
