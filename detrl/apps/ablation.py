@@ -51,6 +51,7 @@ executor or the number of workers.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -552,96 +553,19 @@ def summarise(out: str | Path, command: str | None = None, config: str | None = 
 
     out = Path(out)
     spec = AblationConfig.model_validate_json((out / SPEC).read_text())
-    ref = _read_result(out, "control", 0)
-    if ref is None:
+    control = _read_runs(out, "control", 1, supervised=False)
+    if control is None:
         raise ConfigError(f"{out}: control run 0 has not finished; run the sweep first")
     protocol = protocol_of(run_config(spec, "control", 0))
-    ref_steps, ref_digests, ref_params = _trajectory(out, "control", 0)
-    ref_final = _npz(out, "control", 0, PARAMS)
     rows: dict[str, Any] = {}
-    predictions: dict[str, dict[str, np.ndarray]] = {}
-    labels = None
     for cond in conditions(spec):
-        done = [(k, r) for k in range(spec.runs) if (r := _read_result(out, cond, k)) is not None]
-        if not done:
+        runs = _read_runs(out, cond, spec.runs, supervised=protocol == "supervised")
+        if runs is None:
             continue
-        traces = [_trajectory(out, cond, k) for k, _ in done]
-        distance_runs = [
-            [metrics.l2_distance(a, b) for a, b in zip(ref_params, params)] for _, _, params in traces
-        ]
-        row: dict[str, Any] = {
-            "n": len(done),
-            "identical": all(r["params_sha256"] == ref["params_sha256"] for _, r in done),
-            "identical_within": all(r["params_sha256"] == done[0][1]["params_sha256"] for _, r in done),
-            "first_divergence": [metrics.first_divergence(ref_digests, digests) for _, digests, _ in traces],
-            "l2_to_control": float(
-                np.mean([metrics.l2_distance(ref_final, _npz(out, cond, k, PARAMS)) for k, _ in done])
-            ),
-            "distance": {
-                "steps": [int(t) for t in ref_steps],
-                "mean": np.mean(np.array(distance_runs), axis=0).tolist(),
-                "runs": distance_runs,
-            },
-            "overrides": [r["overrides"] for _, r in done],
-        }
-        diverged = [d for d in row["first_divergence"] if d is not None]
-        row["first_divergence_median"] = float(np.median(diverged)) if diverged else None
-        steps = ref["curve_steps"]
-        if protocol == "rl":
-            finals = [r["eval_mean"] if r["eval_mean"] is not None else math.nan for _, r in done]
-            mean, sd = metrics.mean_sd(finals)
-            iqm, lo, hi = metrics.iqm_with_interval(finals, resamples=spec.resamples)
-            row.update(
-                eval_mean=mean,
-                eval_sd=sd,
-                eval_best=float(np.max(finals)),
-                iqm=iqm,
-                iqm_lo=lo,
-                iqm_hi=hi,
-                auc=float(np.mean([_auc(_none_to_nan(r["curve"]), np.asarray(steps)) for _, r in done])),
-                curve=_band(
-                    [r["curve"] for _, r in done],
-                    steps,
-                    f"training return (mean of last {CURVE_WINDOW} episodes)",
-                ),
-            )
-        else:
-            files = [_npz(out, cond, k, LOGITS) for k, _ in done]
-            labels = files[0]["labels"]
-            key = "ensemble" if "ensemble" in files[0] else "test"
-            logits = np.stack([f[key] for f in files])
-            predictions[cond] = {"single": logits}
-            row.update(
-                accuracy_mean=float(np.mean([r["accuracy"] for _, r in done])),
-                cross_entropy_mean=float(np.mean([r["cross_entropy"] for _, r in done])),
-                metrics=_metrics_or_null(logits, labels, spec.resamples),
-                curve=_band([r["curve"] for _, r in done], steps, "test accuracy"),
-            )
-            if "tta" in files[0]:
-                tta = np.stack([f["tta"] for f in files])
-                predictions[cond]["tta"] = tta
-                row["tta"] = _metrics_or_null(tta, labels, spec.resamples)
-                row["tta_accuracy_mean"] = float(metrics.accuracy(tta, labels).mean())
+        row = _identity_and_distance(control, runs)
+        steps = control.results[0]["curve_steps"]
+        row.update(_rl_row(runs, steps, spec) if protocol == "rl" else _supervised_row(runs, steps, spec))
         rows[cond] = row
-    instability = None
-    if "bitflip" in rows:
-        d = rows["bitflip"]["distance"]
-        instability = {"condition": "bitflip", "steps": d["steps"], "l2": d["runs"][0]}
-    remedies = None
-    base = spec.remedy_condition
-    if spec.remedies and base in rows:
-        table = {"single": rows[base]["metrics"]}
-        if "tta" in spec.remedies and "tta" in rows[base]:
-            table["tta"] = rows[base]["tta"]
-        if "snapshot" in spec.remedies and base + SNAPSHOT in rows:
-            table["snapshot"] = rows[base + SNAPSHOT]["metrics"]
-        remedies = {
-            "baseline": base,
-            "rows": table,
-            "reduction": {
-                name: _reduction(table["single"], m) for name, m in table.items() if name != "single"
-            },
-        }
     return {
         "protocol": protocol,
         "command": command,
@@ -651,8 +575,122 @@ def summarise(out: str | Path, command: str | None = None, config: str | None = 
         "spec": spec.model_dump(mode="json"),
         "control_identical": bool(rows["control"]["identical"]),
         "conditions": rows,
-        "instability": instability,
-        "remedies": remedies,
+        "instability": _instability(rows),
+        "remedies": _remedies(spec, rows),
+    }
+
+
+@dataclasses.dataclass
+class _Runs:
+    """A condition's finished runs as read from the sweep directory (the I/O half of :func:`summarise`)."""
+
+    results: list[dict[str, Any]]  # each run's result.json
+    traces: list[tuple[np.ndarray, np.ndarray, list[dict[str, np.ndarray]]]]  # (steps, digests, params)
+    finals: list[dict[str, np.ndarray]]  # each run's final parameters
+    logits: list[dict[str, np.ndarray]]  # supervised: each run's test logits (and labels, tta); else []
+
+
+def _read_runs(out: Path, cond: str, runs: int, supervised: bool) -> _Runs | None:
+    """The finished runs among ``cond``'s first ``runs`` (None: none has finished)."""
+    done = [(k, r) for k in range(runs) if (r := _read_result(out, cond, k)) is not None]
+    if not done:
+        return None
+    return _Runs(
+        results=[r for _, r in done],
+        traces=[_trajectory(out, cond, k) for k, _ in done],
+        finals=[_npz(out, cond, k, PARAMS) for k, _ in done],
+        logits=[_npz(out, cond, k, LOGITS) for k, _ in done] if supervised else [],
+    )
+
+
+def _identity_and_distance(control: _Runs, runs: _Runs) -> dict[str, Any]:
+    """What every protocol reports: bitwise identity with control run 0 and within the condition, the first
+    divergence of each run, and the L2 distance to control run 0 at the end and over training."""
+    ref, (ref_steps, ref_digests, ref_params) = control.results[0], control.traces[0]
+    distance_runs = [
+        [metrics.l2_distance(a, b) for a, b in zip(ref_params, params)] for *_, params in runs.traces
+    ]
+    first = [metrics.first_divergence(ref_digests, digests) for _, digests, _ in runs.traces]
+    diverged = [d for d in first if d is not None]
+    return {
+        "n": len(runs.results),
+        "identical": all(r["params_sha256"] == ref["params_sha256"] for r in runs.results),
+        "identical_within": all(r["params_sha256"] == runs.results[0]["params_sha256"] for r in runs.results),
+        "first_divergence": first,
+        "l2_to_control": float(np.mean([metrics.l2_distance(control.finals[0], f) for f in runs.finals])),
+        "distance": {
+            "steps": [int(t) for t in ref_steps],
+            "mean": np.mean(np.array(distance_runs), axis=0).tolist(),
+            "runs": distance_runs,
+        },
+        "overrides": [r["overrides"] for r in runs.results],
+        "first_divergence_median": float(np.median(diverged)) if diverged else None,
+    }
+
+
+def _rl_row(runs: _Runs, steps: list[int], spec: AblationConfig) -> dict[str, Any]:
+    """The RL protocol's statistics (Nagarajan et al.): final return, its IQM interval, AUC, curve."""
+    finals = [r["eval_mean"] if r["eval_mean"] is not None else math.nan for r in runs.results]
+    mean, sd = metrics.mean_sd(finals)
+    iqm, lo, hi = metrics.iqm_with_interval(finals, resamples=spec.resamples)
+    return {
+        "eval_mean": mean,
+        "eval_sd": sd,
+        "eval_best": float(np.max(finals)),
+        "iqm": iqm,
+        "iqm_lo": lo,
+        "iqm_hi": hi,
+        "auc": float(np.mean([_auc(_none_to_nan(r["curve"]), np.asarray(steps)) for r in runs.results])),
+        "curve": _band(
+            [r["curve"] for r in runs.results],
+            steps,
+            f"training return (mean of last {CURVE_WINDOW} episodes)",
+        ),
+    }
+
+
+def _supervised_row(runs: _Runs, steps: list[int], spec: AblationConfig) -> dict[str, Any]:
+    """The supervised protocol's statistics (Summers & Dinneen): accuracy, cross-entropy, the diversity
+    metrics of the test logits, and of the test-time-augmented logits where the runs have them."""
+    files = runs.logits
+    labels = files[0]["labels"]
+    key = "ensemble" if "ensemble" in files[0] else "test"
+    logits = np.stack([f[key] for f in files])  # (runs, examples, classes)
+    row: dict[str, Any] = {
+        "accuracy_mean": float(np.mean([r["accuracy"] for r in runs.results])),
+        "cross_entropy_mean": float(np.mean([r["cross_entropy"] for r in runs.results])),
+        "metrics": _metrics_or_null(logits, labels, spec.resamples),
+        "curve": _band([r["curve"] for r in runs.results], steps, "test accuracy"),
+    }
+    if "tta" in files[0]:
+        tta = np.stack([f["tta"] for f in files])
+        row["tta"] = _metrics_or_null(tta, labels, spec.resamples)
+        row["tta_accuracy_mean"] = float(metrics.accuracy(tta, labels).mean())
+    return row
+
+
+def _instability(rows: dict[str, Any]) -> dict[str, Any] | None:
+    """The one-bit twin's L2 distance from control run 0 over training (None without a bitflip condition)."""
+    if "bitflip" not in rows:
+        return None
+    d = rows["bitflip"]["distance"]
+    return {"condition": "bitflip", "steps": d["steps"], "l2": d["runs"][0]}
+
+
+def _remedies(spec: AblationConfig, rows: dict[str, Any]) -> dict[str, Any] | None:
+    """Each remedy's diversity metrics beside single models of the remedy condition, and the reduction."""
+    base = spec.remedy_condition
+    if not spec.remedies or base not in rows:
+        return None
+    table = {"single": rows[base]["metrics"]}
+    if "tta" in spec.remedies and "tta" in rows[base]:
+        table["tta"] = rows[base]["tta"]
+    if "snapshot" in spec.remedies and base + SNAPSHOT in rows:
+        table["snapshot"] = rows[base + SNAPSHOT]["metrics"]
+    return {
+        "baseline": base,
+        "rows": table,
+        "reduction": {name: _reduction(table["single"], m) for name, m in table.items() if name != "single"},
     }
 
 
