@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from detrl.core.engine import Divergence
+from detrl.core.engine import Divergence, Session
 from detrl.core.sources import Sources
 from detrl.formats import bundle as bundle_mod
 from detrl.formats.bundle import BundleError
@@ -149,6 +149,34 @@ def audit(
     probe = bundle_mod.Bundle(run_dir)  # validate everything before doing any work
     m = probe.manifest
     probe.close()
+    task, cfg = _validated_config(m, run_dir, caps, data, init_from)
+    extra = {"init_from": init_from} if init_from is not None else {}
+    torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
+    durable = {"steps": probe.steps, "planned_steps": m.planned_steps, "status": m.status}
+    report = AuditReport(str(run_dir), hardware, "replicated", message="", precision=m.precision, **durable)
+    ours = task.fingerprint(cfg, data, **extra)
+    if m.data_fingerprint is not None and m.data_fingerprint != ours:
+        report.verdict, report.diverged_step, report.steps = "diverged", 0, 0
+        report.message = "the bundle's data fingerprint differs from the auditor's copy of the data" + (
+            " or of the init weights (--init-from)" if init_from is not None else ""
+        )
+        return report
+    if probe.steps == 0:
+        report.verdict = "incomplete" if m.status == "recording" else "replicated"
+        report.message = (
+            f"incomplete at step 0 of {m.planned_steps}: nothing after the initial state is durable"
+        )
+        return report
+    session = _replay(cfg, task, run_dir, hardware, ours, report, progress, data, extra)
+    return _verdict(report, session, m, require_log)
+
+
+def _validated_config(
+    m: Any, run_dir: Path, caps: Mapping[str, float] | None, data: Path | None, init_from: Path | None
+) -> tuple[tasks.Task, Any]:
+    """The bundle's task and validated config, after every check that needs no replay: a task config (not
+    a script), within the caps (raw, validated and in the totals they multiply into), the seeds its config
+    gives, and the auditor's copies of the files the run reads. Raises :class:`BundleError`."""
     if m.task is None or m.config is None:
         raise BundleError(
             f"{bundle_mod.MANIFEST}: recorded by a script, not a task config: replay it by running the "
@@ -186,26 +214,23 @@ def audit(
         raise config_mod.ConfigError(
             f"--init-from: the run in {run_dir} does not start from a weights file (no model.init_from)"
         )
-    extra = {"init_from": init_from} if init_from is not None else {}
-    torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
-    report = AuditReport(
-        str(run_dir), hardware, "replicated", probe.steps, "", planned_steps=m.planned_steps, status=m.status,
-        precision=m.precision,
-    )  # fmt: skip
-    ours = task.fingerprint(cfg, data, **extra)
-    if m.data_fingerprint is not None and m.data_fingerprint != ours:
-        report.verdict, report.diverged_step, report.steps = "diverged", 0, 0
-        report.message = "the bundle's data fingerprint differs from the auditor's copy of the data" + (
-            " or of the init weights (--init-from)" if init_from is not None else ""
-        )
-        return report
-    if probe.steps == 0:
-        report.verdict = "incomplete" if m.status == "recording" else "replicated"
-        report.message = (
-            f"incomplete at step 0 of {m.planned_steps}: nothing after the initial state is durable"
-        )
-        return report
-    session = sessions.session_for(cfg, run_dir, "replay", hardware=hardware, fingerprint=ours)
+    return task, cfg
+
+
+def _replay(
+    cfg: Any,
+    task: tasks.Task,
+    run_dir: Path,
+    hardware: str,
+    fingerprint: str | None,
+    report: AuditReport,
+    progress: bool,
+    data: Path | None,
+    extra: dict[str, Any],
+) -> Session:
+    """Replay the run on ``hardware``; a divergence fills ``report`` (step, message, anomalies, decisive
+    first). A config no recorder could have run is bad input. Returns the finished session."""
+    session = sessions.session_for(cfg, run_dir, "replay", hardware=hardware, fingerprint=fingerprint)
     try:
         with session:
             task.run(cfg, session, progress=progress, data=data, **extra)
@@ -231,6 +256,12 @@ def audit(
         decisive = d.decisive
         ordered = ([decisive] if decisive else []) + [a for a in d.anomalies if a is not decisive]
         report.anomalies = [{**dataclasses.asdict(a), "violation": a.violation} for a in ordered]
+    return session
+
+
+def _verdict(report: AuditReport, session: Session, m: Any, require_log: bool) -> AuditReport:
+    """The per-step sizes and totals, then the verdict of a replay that did not diverge: log incomplete,
+    incomplete (the recording did not finish), or replicated (stopped or complete)."""
     reader = session.bundle.roundlog if session.bundle is not None else None
     for i, st in enumerate(session.step_stats, start=1):
         log_bytes = reader.segment_bytes(i) if reader is not None else 0
