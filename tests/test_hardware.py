@@ -75,7 +75,7 @@ def test_cuda_profile_needs_a_device():
 
 
 def test_registry_refuses_duplicates():
-    from detrl.core.hardware import _register
+    from detrl.core.hardware.profiles import _register
 
     with pytest.raises(RuntimeError, match="registered twice"):
         _register(aten.mm.default)(lambda p, func, args, kwargs: None)

@@ -1,0 +1,157 @@
+"""Another libm: transcendental results an FP64 ulp or two away (``emulated:pairwise``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._ops import OpOverload
+
+from detrl.core.hardware.machinery import _bind
+from detrl.core.hardware.profiles import EmulatedProfile, Handler, _register, aten
+
+#: How far the emulated libm moves a result, in ulps away from zero (negative: towards zero), picked by three
+#: bits of a hash of the result: half the results move, as much as two faithfully rounded libms disagree.
+_LIBM_STEPS = (1, 1, -1, 2, 0, 0, 0, 0)
+_HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 (Fibonacci hashing) as a signed int64
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32}
+
+
+def _libm_dtype(t: Any) -> bool:
+    """Whether the emulated libm applies to ``t``: a dense float32/float64 tensor (half types are computed
+    in float32 and rounded, which hides an ulp of float32 almost always)."""
+    return isinstance(t, Tensor) and t.layout == torch.strided and t.dtype in _INT_VIEW
+
+
+def _perturb_(t: Tensor, exact: Tensor | None = None) -> Tensor:
+    """Move each element of ``t`` (in place) by the :data:`_LIBM_STEPS` ulps its own bits hash to.
+
+    A pure function of the value, so the same input gives the same bits every time. ``exact`` (broadcasting
+    against ``t``) marks elements a libm returns exactly (``exp(0) = 1``, pass-throughs); they stay, as do
+    zeros, subnormals, infinities, NaNs and results of exactly +-1 (saturation: ``tanh``, ``erf`` and
+    ``sigmoid`` of large arguments, ``exp`` and ``cos`` of tiny ones, which every libm returns exactly).
+    The integer view steps ulps within the binade and across its edges alike: sign-magnitude bits, so
+    adding k moves ``|x|`` up by k ulps for either sign.
+    """
+    bits = t.view(_INT_VIEW[t.dtype])
+    select = ((bits.to(torch.int64) * _HASH) >> 61) & 7
+    steps = torch.tensor(_LIBM_STEPS, dtype=bits.dtype, device=t.device)[select]
+    magnitude = t.abs()
+    # ulps away from the FP range's edges: normal numbers, more than 2 ulps below the largest finite one
+    ok = (magnitude >= torch.finfo(t.dtype).tiny) & (magnitude < torch.finfo(t.dtype).max / 2)
+    ok &= magnitude != 1
+    if exact is not None:
+        ok &= ~exact
+    bits.add_(steps * ok)
+    return t
+
+
+def _exp(p: EmulatedProfile, x: Tensor) -> Tensor:
+    """``exp(x)`` with the profile's libm (inside emulated composite kernels: softmax, log-softmax)."""
+    out = torch.exp(x)
+    return _perturb_(out, x == 0) if p.libm and _libm_dtype(out) else out
+
+
+def _log(p: EmulatedProfile, x: Tensor) -> Tensor:
+    out = torch.log(x)
+    return _perturb_(out) if p.libm and _libm_dtype(out) else out  # log(1) = 0: zeros stay anyway
+
+
+def _rsqrt(p: EmulatedProfile, x: Tensor) -> Tensor:
+    """``1 / sqrt(x)``: two correctly rounded ops natively; a GPU's rsqrt instruction with the libm."""
+    return _perturb_(torch.rsqrt(x)) if p.libm and _libm_dtype(x) else 1.0 / torch.sqrt(x)
+
+
+def _pow(p: EmulatedProfile, x: Tensor, exponent: float) -> Tensor:
+    out = torch.pow(x, exponent)
+    if p.libm and _libm_dtype(out) and exponent not in _EXACT_POWERS:
+        _perturb_(out, x == 1)
+    return out
+
+
+#: Exponents that CPU and CUDA kernels compute with correctly rounded IEEE operations instead of ``pow``
+#: (``sqrt``, ``x * x``, ``x * x * x``, ``1 / x``, ``1 / (x * x)``) or that give exact results.
+_EXACT_POWERS = (0.0, 0.5, 1.0, 2.0, 3.0, -1.0, -2.0)
+
+
+def _libm_handler(
+    x_arg: int, through_arg: int, exact: Callable[[list[Any], Tensor], Tensor] | None = None
+) -> Handler:
+    """A handler that runs the op natively and, with the profile's libm, perturbs its (first) result.
+
+    ``x_arg`` is the argument the function is evaluated at; a result equal to argument ``through_arg`` (the
+    input itself, or the incoming gradient of a backward op) is a pass-through that every libm gets exactly
+    (``gelu(x) = x`` for large ``x``, ``sin(x) = x`` for tiny ``x``), and so is a result at ``x = 0``.
+    ``exact(bound_args, x)`` marks further elements computed without the libm (``elu`` for ``x > 0``).
+    """
+
+    def handler(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+        bound = _bind(func, args, kwargs)
+        x = bound[x_arg]
+        if not p.libm or not _libm_dtype(x):
+            return func(*args, **kwargs)
+        in_place = func._schema.arguments[0].alias_info is not None
+        x0 = x.clone() if in_place else x  # an in-place op overwrites the input we compare against
+        through = x0 if through_arg == x_arg else bound[through_arg]
+        out = func(*args, **kwargs)
+        result = out[0] if isinstance(out, tuple) else out
+        if not _libm_dtype(result) or result.dtype != x.dtype:
+            return out
+        keep = (x0 == 0) | (result == through)
+        if exact is not None:
+            keep |= exact(bound, x0)
+        _perturb_(result, keep)
+        return out
+
+    return handler
+
+
+def _overloads(*names: str) -> list[OpOverload]:
+    """The functional and in-place ``.default`` overloads of the named ops that exist in this torch."""
+    return [
+        getattr(aten, n).default
+        for n in names
+        if hasattr(aten, n) and "default" in getattr(aten, n).overloads()
+    ]
+
+
+_UNARY = ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "erf", "erfc", "erfinv",
+          "sin", "cos", "tan", "rsqrt", "silu", "gelu", "mish", "log_sigmoid_forward")  # fmt: skip
+_register(*_overloads(*_UNARY, *(n + "_" for n in _UNARY)))(_libm_handler(0, 0))
+_register(*_overloads("gelu_backward", "silu_backward"))(_libm_handler(1, 0))
+# elu(x, alpha, scale, input_scale): scale * x for x > 0 (a product); softplus(x, beta, threshold) and its
+# backward: x (resp. the gradient) once beta * x > threshold. No libm call there.
+_register(*_overloads("elu", "elu_"))(_libm_handler(0, 0, lambda b, x: x > 0))
+_register(*_overloads("softplus"))(_libm_handler(0, 0, lambda b, x: x * b[1] > b[2]))
+_register(*_overloads("softplus_backward"))(_libm_handler(1, 0, lambda b, x: x * b[2] > b[3]))
+
+
+@_register(
+    aten.pow.Tensor_Scalar, aten.pow_.Scalar, aten.pow.Tensor_Tensor, aten.pow_.Tensor, aten.pow.Scalar
+)
+def _pow_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``pow`` with the profile's libm, except where kernels use exact IEEE operations (:data:`_EXACT_POWERS`)
+    or the result is exact (``1 ** y``, ``x ** 0``, and integer powers of a scalar base such as ``2 ** k``)."""
+    base, exponent = _bind(func, args, kwargs)
+    if not p.libm:
+        return func(*args, **kwargs)
+    if isinstance(exponent, Tensor):
+        x = exponent if not isinstance(base, Tensor) else base
+        if not _libm_dtype(x):
+            return func(*args, **kwargs)
+        x0 = base.clone() if isinstance(base, Tensor) and func is aten.pow_.Tensor else base
+        powers = torch.tensor(_EXACT_POWERS, dtype=exponent.dtype, device=exponent.device)
+        exact = torch.isin(exponent, powers)
+        if isinstance(x0, Tensor):
+            exact = exact | (x0 == 1)
+        else:  # a scalar base: exact for integer exponents (2 ** k) and for base 1
+            exact = exact | (exponent == exponent.round()) | (x0 == 1)
+        out = func(*args, **kwargs)
+        return _perturb_(out, exact) if _libm_dtype(out) else out
+    if not _libm_dtype(base) or float(exponent) in _EXACT_POWERS:
+        return func(*args, **kwargs)
+    x0 = base.clone() if func is aten.pow_.Scalar else base
+    out = func(*args, **kwargs)
+    return _perturb_(out, x0 == 1) if _libm_dtype(out) else out

@@ -1,0 +1,125 @@
+"""Matrix products and convolutions, forward and backward: split-K accumulation in a profile's order."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._ops import OpOverload
+
+from detrl.core.hardware.machinery import _acc_dtype, _bind, _combine, _emulable, _pieces
+from detrl.core.hardware.profiles import EmulatedProfile, _register, aten
+
+
+def _matmul(p: EmulatedProfile, a: Tensor, b: Tensor) -> Tensor | None:
+    """``a @ b`` for ``a: (M, K), b: (K, N)`` or ``a: (B, M, K), b: (B, K, N)``, split along K.
+
+    Returns the product in the accumulation dtype, or None if the op should run natively.
+    """
+    if not _emulable(a, b):
+        return None
+    plan = p.plan(a.shape[-1], "k", a.device)
+    if plan is None:
+        return None
+    acc = _acc_dtype(a.dtype)
+    a, b = a.to(acc), b.to(acc)
+    mul = torch.mm if a.dim() == 2 else torch.bmm
+    pairs = zip(_pieces(a, -1, 1, plan), _pieces(b, -2, 1, plan), strict=True)
+    return _combine(plan, (mul(ai, bi) for ai, bi in pairs))
+
+
+@_register(aten.mm.default, aten.bmm.default)
+def _mm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``mm: (M, K) @ (K, N) -> (M, N)``; ``bmm: (B, M, K) @ (B, K, N) -> (B, M, N)``."""
+    a, b = _bind(func, args, kwargs)
+    out = _matmul(p, a, b)
+    return func(*args, **kwargs) if out is None else out.to(a.dtype)
+
+
+@_register(aten.addmm.default, aten.baddbmm.default)
+def _addmm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``beta * self + alpha * (m1 @ m2)``; ``self`` broadcasts to ``(M, N)`` / ``(B, M, N)``."""
+    self_, m1, m2, beta, alpha = _bind(func, args, kwargs)
+    if not _emulable(self_, m1, m2):
+        return func(*args, **kwargs)
+    out = _matmul(p, m1, m2)
+    if out is None:
+        return func(*args, **kwargs)
+    if alpha != 1:
+        out.mul_(alpha)
+    if beta != 0:  # beta == 0 ignores self entirely (NaNs in it included), like the native kernel
+        out.add_(self_.to(out.dtype), alpha=beta)
+    return out.to(m1.dtype)
+
+
+@_register(aten.convolution.default)
+def _convolution(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """Convolution ``x: (N, C_in, *S) -> (N, C_out, *S')``, split over the input channels of each group.
+
+    weight is ``(C_out, C_in / G, *k)``, or ``(C_in, C_out / G, *k)`` when transposed; bias ``(C_out,)``.
+    """
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(func, args, kwargs)
+    plan = p.plan(x.shape[1] // groups, "channel", x.device) if _emulable(x, w) else None
+    if plan is None:
+        return func(*args, **kwargs)
+    acc = _acc_dtype(x.dtype)
+    xs = _pieces(x.to(acc), 1, groups, plan)
+    # The weight's input-channel axis is per group already (dim 1), except for transposed convs (dim 0).
+    ws = _pieces(w.to(acc), 0, groups, plan) if transposed else _pieces(w.to(acc), 1, 1, plan)
+    out = _combine(
+        plan,
+        (
+            func(xi, wi, None, stride, padding, dilation, transposed, output_padding, groups)
+            for xi, wi in zip(xs, ws, strict=True)
+        ),
+    )
+    if bias is not None:  # added once, after the reduction, as the native kernels' epilogue does
+        out.add_(bias.to(acc).reshape(1, -1, *[1] * (out.dim() - 2)))
+    return out.to(x.dtype)
+
+
+@_register(aten.convolution_backward.default)
+def _convolution_backward(
+    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of :func:`_convolution`: ``(grad_input, grad_weight, grad_bias)`` as masked by output_mask.
+
+    grad_input ``(N, C_in, *S)`` reduces over output channels, so it is split over the output channels of
+    each group; grad_weight ``(C_out, C_in / G, *k)`` and grad_bias ``(C_out,)`` reduce over the batch (and
+    space), so they are split over the batch.
+    """
+    (go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask) = _bind(
+        func, args, kwargs
+    )
+    if not _emulable(go, x, w):
+        return func(*args, **kwargs)
+    dtype, acc = x.dtype, _acc_dtype(x.dtype)
+    go, x, w = go.to(acc), x.to(acc), w.to(acc)
+
+    def call(go_: Tensor, x_: Tensor, w_: Tensor, mask_: list[bool]) -> tuple:
+        sizes = bias_sizes if mask_[2] else None
+        return func(go_, x_, w_, sizes, stride, padding, dilation, transposed, output_padding, groups, mask_)
+
+    grad_input = grad_weight = grad_bias = None
+    if mask[0]:
+        plan = p.plan(go.shape[1] // groups, "channel", go.device)
+        if plan is None:
+            grad_input = call(go, x, w, [True, False, False])[0]
+        else:
+            gos = _pieces(go, 1, groups, plan)
+            # The weight's output-channel axis is dim 0 (in G blocks), or the per-group dim 1 when transposed.
+            ws = _pieces(w, 1, 1, plan) if transposed else _pieces(w, 0, groups, plan)
+            grad_input = _combine(
+                plan, (call(gi, x, wi, [True, False, False])[0] for gi, wi in zip(gos, ws, strict=True))
+            )
+    if mask[1] or mask[2]:
+        sub_mask = [False, bool(mask[1]), bool(mask[2])]
+        plan = p.plan(x.shape[0], "batch", x.device)
+        if plan is None:
+            _, grad_weight, grad_bias = call(go, x, w, sub_mask)
+        else:
+            parts = (
+                call(gi, xi, w, sub_mask)[1:]
+                for gi, xi in zip(_pieces(go, 0, 1, plan), _pieces(x, 0, 1, plan), strict=True)
+            )
+            grad_weight, grad_bias = _combine(plan, parts)
+    return tuple(None if g is None else g.to(dtype) for g in (grad_input, grad_weight, grad_bias))

@@ -1,0 +1,207 @@
+"""Hardware profiles: ``native``, the emulated GPUs (``emulated:splitk``, ``reversed``, ``pairwise``, ``atomic``)
+and ``cuda``; the dispatch mode that runs every aten op under one; and the registry of the ops an emulated
+profile reorders (the handler families register into it)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch._ops import OpOverload
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+#: Upper bound on the number of chunks one reduction is cut into (bounds the per-call Python loop).
+MAX_PIECES = 32
+
+Unit = Literal["k", "channel", "batch", "row"]
+"""What a chunk size counts: elements of a plain reduced axis (matmul K, sum), input/output channels of a
+convolution (each worth ``kernel_size`` products), samples of a batch (each worth ``H*W`` products), or
+elements of a row reduced inside a normalisation, softmax, loss or norm kernel (GPU kernels give each thread
+a few elements of the row and combine the threads' partials by warp shuffles: short chunks)."""
+
+
+class Profile:
+    """A hardware profile; the base class is the native one (every op runs unchanged)."""
+
+    deterministic: bool = True
+
+    def __init__(self, name: str, description: str) -> None:
+        self.name = name
+        self.description = description
+
+    def __call__(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+        """Compute aten op ``func(*args, **kwargs)`` under this profile; returns what ``func`` returns."""
+        return func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to evaluate one reduction over an axis of length ``n``.
+
+    ``perm`` (shape ``(n,)``, or None for the identity) reorders the axis first; ``pieces`` are the
+    ``(start, length)`` chunks of the reordered axis, each reduced by the native kernel; the partial results
+    are accumulated left to right in ``pieces`` order, or by a balanced tree if ``tree``.
+    """
+
+    perm: Tensor | None
+    pieces: tuple[tuple[int, int], ...]
+    tree: bool
+
+
+class EmulatedProfile(Profile):
+    """A profile that reorders the reductions of the ops in the handler registry.
+
+    ``chunks`` maps each :data:`Unit` to a base chunk size; ``reorder`` says how the reduced axis is permuted
+    before chunking (``"none"``, ``"reverse"``, or ``"random"`` -- fresh each call); ``tree`` selects pairwise
+    instead of sequential accumulation of the partials; ``libm`` swaps in another math library, whose
+    transcendental results differ from the native ones by an FP64 ulp or two (:func:`_perturb_`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        chunks: dict[Unit, int],
+        reorder: Literal["none", "reverse", "random"] = "none",
+        tree: bool = False,
+        seed: int | None = None,
+        libm: bool = False,
+    ) -> None:
+        super().__init__(name, description)
+        self.chunks = chunks
+        self.reorder = reorder
+        self.tree = tree
+        self.libm = libm
+        self.deterministic = reorder != "random"
+        self._generator: torch.Generator | None = None
+        if reorder == "random":
+            # Seeded from the OS, not from torch's global RNG: fixing every seed of a run must not fix it.
+            self._generator = torch.Generator()
+            self._generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+
+    def reseed(self, seed: int) -> None:
+        """Restart the random orders of ``emulated:atomic`` from ``seed`` (calibration's orders are part of
+        the bundle: they must repeat in every recording of one config, and after a resume)."""
+        if self._generator is not None:
+            self._generator.manual_seed(seed)
+
+    def __call__(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+        handler = _HANDLERS.get(func)
+        if handler is None:
+            return func(*args, **kwargs)
+        return handler(self, func, args, kwargs)
+
+    def plan(self, n: int, unit: Unit, device: torch.device) -> Plan | None:
+        """Plan a reduction over ``n`` terms counted in ``unit``; None if it is too short to split."""
+        base = self.chunks[unit]
+        # Grow the chunk (in multiples of the base size) until at most MAX_PIECES chunks remain.
+        chunk = base * max(1, math.ceil(math.ceil(n / MAX_PIECES) / base))
+        if n < 2 or chunk >= n:
+            return None
+        pieces = tuple((start, min(chunk, n - start)) for start in range(0, n, chunk))
+        return Plan(self.order(n, device), pieces, self.tree)
+
+    def order(self, n: int, device: torch.device) -> Tensor | None:
+        """The permutation (shape ``(n,)``) this profile applies to ``n`` terms before chunking them; None for
+        the identity. ``random`` draws a fresh one on every call."""
+        if self.reorder == "reverse":
+            return torch.arange(n - 1, -1, -1, device=device)
+        if self.reorder == "random":
+            return torch.randperm(n, generator=self._generator).to(device)
+        return None
+
+
+def _make_profiles(seed: int | None) -> dict[str, Callable[[], Profile]]:
+    return {
+        "native": lambda: Profile("native", "plain torch kernels"),
+        "emulated:splitk": lambda: EmulatedProfile(
+            "emulated:splitk",
+            "split-K: chunks of 45 (24 channels, 3 samples, 3 row elements) accumulated in order",
+            {"k": 45, "channel": 24, "batch": 3, "row": 3},
+        ),
+        "emulated:reversed": lambda: EmulatedProfile(
+            "emulated:reversed",
+            "reduced axis flipped, chunks of 64 (16 channels, 2 samples, 4 row elements) accumulated last to "
+            "first",
+            {"k": 64, "channel": 16, "batch": 2, "row": 4},
+            reorder="reverse",
+        ),
+        "emulated:pairwise": lambda: EmulatedProfile(
+            "emulated:pairwise",
+            "GPU-like: chunks of 32 (8 channels, 1 sample, 2 row elements) summed by a pairwise tree; another "
+            "libm (transcendental results moved by 1-2 FP64 ulps)",
+            {"k": 32, "channel": 8, "batch": 1, "row": 2},
+            tree=True,
+            libm=True,
+        ),
+        "emulated:atomic": lambda: EmulatedProfile(
+            "emulated:atomic",
+            "atomics: fresh random permutation of the reduced axis every call, chunks of 64 (16 channels, "
+            "1 sample, 4 row elements) accumulated in order",
+            {"k": 64, "channel": 16, "batch": 1, "row": 4},
+            reorder="random",
+            seed=seed,
+        ),
+    }
+
+
+_EMULATED_NAMES = ("native", "emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic")
+
+
+def profile_names() -> list[str]:
+    """Names accepted by :func:`get_profile` on this machine (``cuda`` only when a CUDA device exists)."""
+    return list(_EMULATED_NAMES) + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def get_profile(name: str, seed: int | None = None) -> Profile:
+    """Create the profile called ``name``; ``seed`` fixes the random orders of ``emulated:atomic``.
+
+    Raises ValueError for unknown names, and for ``cuda`` when no CUDA device is available.
+    """
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("hardware profile 'cuda' needs a CUDA device, but no CUDA device is available")
+        return Profile("cuda", "plain torch kernels on a CUDA device")
+    factories = _make_profiles(seed)
+    if name not in factories:
+        raise ValueError(f"unknown hardware profile {name!r}; known: {', '.join(_EMULATED_NAMES)}, cuda")
+    return factories[name]()
+
+
+class HardwareMode(TorchDispatchMode):
+    """Run every aten op under ``profile`` (forward and, via autograd, backward ops alike)."""
+
+    def __init__(self, profile: Profile) -> None:
+        super().__init__()
+        self.profile = profile
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # The mode is popped while we are in here, so the profile's own torch calls reach the kernels.
+        return self.profile(func, args, kwargs or {})
+
+
+Handler = Callable[[EmulatedProfile, OpOverload, tuple, dict], Any]
+_HANDLERS: dict[OpOverload, Handler] = {}
+
+
+def _register(*ops: OpOverload) -> Callable[[Handler], Handler]:
+    """Register the decorated function as the emulation of ``ops`` (each op at most once)."""
+
+    def decorate(handler: Handler) -> Handler:
+        for op in ops:
+            if op in _HANDLERS:
+                raise RuntimeError(f"hardware handler for {op} registered twice")
+            _HANDLERS[op] = handler
+        return handler
+
+    return decorate

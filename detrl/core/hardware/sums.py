@@ -1,0 +1,84 @@
+"""Sums, means and batch norm: the reduced axis cut into a profile's chunks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._ops import OpOverload
+
+from detrl.core import decompose
+from detrl.core.hardware.machinery import _acc_dtype, _bind, _combine, _emulable, _pieces
+from detrl.core.hardware.profiles import EmulatedProfile, Unit, _register, aten
+
+
+def _sum(
+    p: EmulatedProfile,
+    x: Tensor,
+    dim: list[int] | None,
+    keepdim: bool,
+    dtype: torch.dtype | None,
+    unit: Unit = "k",
+) -> Tensor | None:
+    """Sum of ``x`` over ``dim`` (None or empty: all dims), in the accumulation dtype; None: run natively.
+
+    The reduced dims are moved last and flattened into one axis of length ``n``, which is then chunked in
+    ``unit``'s chunk size; the result has the kept dims (and size-1 reduced dims if ``keepdim``).
+    """
+    out_dtype = dtype or x.dtype
+    if x.dim() == 0 or x.layout != torch.strided or not out_dtype.is_floating_point:
+        return None
+    dims = sorted({d % x.dim() for d in dim}) if dim else list(range(x.dim()))
+    kept = [d for d in range(x.dim()) if d not in dims]
+    n = math.prod(x.shape[d] for d in dims)
+    plan = p.plan(n, unit, x.device)
+    if plan is None:
+        return None
+    flat = x.to(_acc_dtype(out_dtype)).permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], n)
+    out = _combine(plan, (piece.sum(-1) for piece in _pieces(flat, -1, 1, plan)))
+    if keepdim:
+        out = out.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
+    return out
+
+
+@_register(aten.sum.default, aten.sum.dim_IntList)
+def _sum_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``sum(x: (*S), dim, keepdim, dtype)``; ``sum.default`` reduces everything to a 0-dim tensor."""
+    if func is aten.sum.default:
+        (x, dtype), dim, keepdim = _bind(func, args, kwargs), None, False
+    else:
+        x, dim, keepdim, dtype = _bind(func, args, kwargs)
+    # A row sum of a decomposed layer norm or softmax (verifiable precision) is ordered as the row kernel it
+    # came from would order it: in "row" chunks, not as a plain sum over a long axis.
+    out = _sum(p, x, dim, keepdim, dtype, "row" if decompose.summing_rows() else "k")
+    return func(*args, **kwargs) if out is None else out.to(dtype or x.dtype)
+
+
+@_register(aten.mean.default, aten.mean.dim)
+def _mean_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``mean(x: (*S), dim, keepdim, dtype)``: the emulated sum divided by the number of reduced terms."""
+    if func is aten.mean.default:
+        (x, dtype), dim, keepdim = _bind(func, args, kwargs), None, False
+    else:
+        x, dim, keepdim, dtype = _bind(func, args, kwargs)
+    out = _sum(p, x, dim, keepdim, dtype)
+    if out is None:
+        return func(*args, **kwargs)
+    n = x.numel() // max(1, out.numel())  # reduced terms per output element (x.numel() > 0 when emulated)
+    return out.div_(n).to(dtype or x.dtype)
+
+
+@_register(aten.native_batch_norm.default, aten.native_batch_norm_backward.default)
+def _batch_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Batch norm forward and backward in training mode, with per-channel statistics from profile-ordered
+    sums (the formulas live in :mod:`detrl.core.decompose`); inference mode runs natively."""
+    if not decompose.applies(func, args) or not _emulable(args[0]):
+        return func(*args, **kwargs)
+
+    def channel_sum(t: Tensor, dims: list[int]) -> Tensor:
+        total = _sum(p, t, dims, False, None)
+        return t.sum(dims) if total is None else total.to(t.dtype)
+
+    return decompose.DECOMPOSITIONS[func](decompose.Steps(channel_sum), *args, **kwargs)
