@@ -20,7 +20,7 @@ row) inside a full-size epilogue. Written out, only the row sums are logged, and
 even those where :func:`_exact_rows` proves that every order of summation gives the exact FP64 sum: as a
 single op, layer norm's mean (exact FP32 ties, rows that cancel at their position's scale) was a fifth of
 the tiny transformer's log. The sums are *row sums*: :func:`summing_rows` tells the emulated hardware
-profiles to order them as the row kernels they stand for do (``hardware.py``'s ``"row"`` chunks), not as
+profiles to order them as the row kernels they stand for do (``detrl.core.hardware.rows``' ``"row"`` chunks), not as
 a plain ``sum`` op. Softmax forward has a formula here, for the profiles, but the rounding mode does not
 decompose it (see :func:`softmax`).
 
