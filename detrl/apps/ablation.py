@@ -57,6 +57,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -306,20 +307,7 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
     grid = curve_grid(planned, spec.curve_every)
     evaluate, snapshots, test_y = None, [], None
     if protocol == "supervised":
-        from detrl.supervised import train as sup
-
-        test_x, test_y = sup.load_test_data(cfg)
-        use_tta = "tta" in spec.remedies
-
-        def evaluate(model: torch.nn.Module, step: int) -> tuple[np.ndarray, np.ndarray | None]:
-            x = session.precision.cast(test_x)
-            # Test-time augmentation is reported for the final model only: at the other points it would
-            # cost tta_views forward passes of the test set for nothing.
-            tta = sup.predict(cfg, model, x, tta=True).numpy() if use_tta and step == planned else None
-            return sup.predict(cfg, model, x).numpy(), tta
-
-        if cfg.optimizer.schedule == "cyclic":
-            snapshots = sup.cycle_ends(cfg.train.steps, cfg.optimizer.cycles)
+        evaluate, snapshots, test_y = _supervised_evaluation(cfg, session, "tta" in spec.remedies, planned)
     session.start_trace(grid, snapshots, evaluate)
     from torch.utils.tensorboard import SummaryWriter
 
@@ -336,15 +324,7 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
     finally:
         writer.close()
     manifest = bundle_mod.parse_manifest((where / bundle_mod.MANIFEST).read_bytes())
-    tensors = commit.state_tensors(session.model)
-    _save_npz(where, PARAMS, {name: t.detach().cpu().numpy() for name, t in sorted(tensors.items())})
-    traj = {
-        "steps": np.asarray(session.points, dtype=np.int64),
-        "digests": np.asarray(session.digests, dtype=np.uint64),
-    }
-    for i, params in enumerate(session.params):
-        traj.update({f"{i}/{name}": a for name, a in params.items()})
-    _save_npz(where, TRAJECTORY, traj)
+    tensors = _save_trajectory(where, session)
     record: dict[str, Any] = {
         "condition": condition,
         "k": k,
@@ -354,37 +334,94 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
         "params_sha256": commit.hash_tensors(tensors).hex(),
     }
     if protocol == "rl":
-        returns = [float(r) for r in result.get("returns", [])]
-        ends = episode_end_steps(result.get("lengths", []))
-        evals = [float(r) for r in result.get("eval_returns", [])]
-        record.update(
-            eval_returns=evals,
-            eval_mean=float(np.mean(evals)) if evals else None,
-            episode_returns=returns,
-            episode_end_steps=ends,
-            curve=_nan_to_none(learning_curve(returns, ends, grid)),
-        )
+        record.update(_rl_record(result, grid))
     else:
         assert test_y is not None
-        y = test_y.numpy()
-        logits = {"labels": y, "test": session.test_logits[planned][0]}
-        if session.test_logits[planned][1] is not None:
-            logits["tta"] = session.test_logits[planned][1]
-        if snapshots:
-            logits["snapshots"] = np.stack([session.test_logits[s][0] for s in snapshots])
-            logits["ensemble"] = _log_mean_softmax(logits["snapshots"])
-        _save_npz(where, LOGITS, logits)
-        predicted = logits["ensemble"] if snapshots else logits["test"]
-        record.update(
-            accuracy=float(metrics.accuracy(predicted[None], y)[0]),
-            cross_entropy=float(metrics.cross_entropy(predicted[None], y)[0]),
-            curve=[float(metrics.accuracy(session.test_logits[s][0][None], y)[0]) for s in grid],
-            final_train_loss=float(result.get("loss", math.nan)),
-        )
+        record.update(_supervised_record(where, session, result, test_y.numpy(), planned, snapshots, grid))
     safeio.write_atomic(
         where, RESULT, safeio.dumps_json(summary_format.finite(record))
     )  # last: marks the run done
     return record
+
+
+def _supervised_evaluation(
+    cfg: Any, session: TracedSession, use_tta: bool, planned: int
+) -> tuple[Callable[[Any, int], tuple[np.ndarray, np.ndarray | None]], list[int], Any]:
+    """``(evaluate, snapshot steps, test labels)`` for a supervised run: ``evaluate(model, step)`` gives the
+    test-set logits (N, classes) and, at the final step with ``use_tta``, the test-time-augmented ones."""
+    from detrl.supervised import train as sup
+
+    test_x, test_y = sup.load_test_data(cfg)
+
+    def evaluate(model: Any, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        x = session.precision.cast(test_x)
+        # Test-time augmentation is reported for the final model only: at the other points it would
+        # cost tta_views forward passes of the test set for nothing.
+        tta = sup.predict(cfg, model, x, tta=True).numpy() if use_tta and step == planned else None
+        return sup.predict(cfg, model, x).numpy(), tta
+
+    snapshots = []
+    if cfg.optimizer.schedule == "cyclic":
+        snapshots = sup.cycle_ends(cfg.train.steps, cfg.optimizer.cycles)
+    return evaluate, snapshots, test_y
+
+
+def _save_trajectory(where: Path, session: TracedSession) -> dict[str, Any]:
+    """Write the final parameters (PARAMS) and the trajectory (TRAJECTORY: steps, per-step digests, the
+    parameters at each trace point); returns the final state tensors."""
+    from detrl.formats import commit
+
+    tensors = commit.state_tensors(session.model)
+    _save_npz(where, PARAMS, {name: t.detach().cpu().numpy() for name, t in sorted(tensors.items())})
+    traj = {
+        "steps": np.asarray(session.points, dtype=np.int64),
+        "digests": np.asarray(session.digests, dtype=np.uint64),
+    }
+    for i, params in enumerate(session.params):
+        traj.update({f"{i}/{name}": a for name, a in params.items()})
+    _save_npz(where, TRAJECTORY, traj)
+    return tensors
+
+
+def _rl_record(result: dict[str, Any], grid: list[int]) -> dict[str, Any]:
+    """An RL run's result fields: evaluation returns, training episodes and the learning curve on ``grid``."""
+    returns = [float(r) for r in result.get("returns", [])]
+    ends = episode_end_steps(result.get("lengths", []))
+    evals = [float(r) for r in result.get("eval_returns", [])]
+    return {
+        "eval_returns": evals,
+        "eval_mean": float(np.mean(evals)) if evals else None,
+        "episode_returns": returns,
+        "episode_end_steps": ends,
+        "curve": _nan_to_none(learning_curve(returns, ends, grid)),
+    }
+
+
+def _supervised_record(
+    where: Path,
+    session: TracedSession,
+    result: dict[str, Any],
+    y: np.ndarray,
+    planned: int,
+    snapshots: list[int],
+    grid: list[int],
+) -> dict[str, Any]:
+    """Write a supervised run's test logits (LOGITS: labels, final, tta, snapshots and their ensemble) and
+    return its result fields: accuracy, cross-entropy, the accuracy curve on ``grid``, the final loss."""
+    logits = {"labels": y, "test": session.test_logits[planned][0]}
+    if session.test_logits[planned][1] is not None:
+        logits["tta"] = session.test_logits[planned][1]
+    if snapshots:
+        logits["snapshots"] = np.stack([session.test_logits[s][0] for s in snapshots])
+        logits["ensemble"] = _log_mean_softmax(logits["snapshots"])
+    _save_npz(where, LOGITS, logits)
+    predicted = logits["ensemble"] if snapshots else logits["test"]
+    return {
+        "accuracy": float(metrics.accuracy(predicted[None], y)[0]),
+        "cross_entropy": float(metrics.cross_entropy(predicted[None], y)[0]),
+        "curve": [float(metrics.accuracy(session.test_logits[s][0][None], y)[0]) for s in grid],
+        "final_train_loss": float(result.get("loss", math.nan)),
+    }
 
 
 def _run_job(spec_json: str, base_raw_json: str, out: str, condition: str, k: int) -> tuple[str, int]:
