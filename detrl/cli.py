@@ -87,19 +87,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from detrl.run import config as config_mod
     from detrl.run import sessions, tasks
 
-    if args.resume:
-        for given, what in ((args.out, "--out"), (args.config, "a CONFIG file"), (args.force, "--force")):
-            if given:
-                raise config_mod.ConfigError(
-                    f"--resume continues RUN_DIR in place with its own config: {what} is not allowed with it"
-                )
-        out = Path(args.resume)
-        cfg = _resume_config(out, args.set)
-    elif args.config:
-        cfg = config_mod.load(args.config, args.set)
-        out = Path(args.out or f"runs/{cfg.name}")
-    else:
-        raise config_mod.ConfigError("train needs a CONFIG file or --resume RUN_DIR")
+    cfg, out = _train_config(args)
     task = tasks.get(cfg.task)
     torch.set_num_threads(cfg.threads)
     session = sessions.session_for(cfg, out, "record", resume=bool(args.resume), force=args.force)
@@ -135,7 +123,36 @@ def cmd_train(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, previous)
         if writer is not None:
             writer.close()
-    seconds = time.perf_counter() - t0
+    _print_trained(cfg, task, session, out, metrics, time.perf_counter() - t0)
+    return 0
+
+
+def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:
+    """The config and bundle directory of ``detrl train``: from CONFIG (with --set), or the bundle's own
+    config for --resume, which allows neither --out, a CONFIG nor --force."""
+    from detrl.run import config as config_mod
+
+    if args.resume:
+        for given, what in ((args.out, "--out"), (args.config, "a CONFIG file"), (args.force, "--force")):
+            if given:
+                raise config_mod.ConfigError(
+                    f"--resume continues RUN_DIR in place with its own config: {what} is not allowed with it"
+                )
+        out = Path(args.resume)
+        cfg = _resume_config(out, args.set)
+    elif args.config:
+        cfg = config_mod.load(args.config, args.set)
+        out = Path(args.out or f"runs/{cfg.name}")
+    else:
+        raise config_mod.ConfigError("train needs a CONFIG file or --resume RUN_DIR")
+    return cfg, out
+
+
+def _print_trained(
+    cfg: Any, task: Any, session: Any, out: Path, metrics: dict[str, Any], seconds: float
+) -> None:
+    """What ``detrl train`` says at the end: steps and loss, the greedy evaluation, the bundle and its log
+    size, how to resume a stopped run, and how to audit it."""
     t = session.totals
     loss = metrics.get("loss", float("nan"))
     print(f"trained {cfg.name}: {session.step_index} steps in {seconds:.1f} s, final loss {loss:.4f}")
@@ -160,7 +177,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"audit it with: detrl audit {out} --hardware emulated:splitk")
     else:  # without a rounding log only the recorder's own arithmetic reproduces it
         print(f"audit it with: detrl audit {out}  (other hardware needs precision: verifiable)")
-    return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
