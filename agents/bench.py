@@ -140,9 +140,11 @@ def _compare(title: str, label_a: str, xs: list[float], label_b: str, ys: list[f
 def part_speed(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load(CLEANRL_CARTPOLE, **{"train.steps": args.steps})
     ours, theirs = _interleaved(
-        "speed", args.repeats, lambda: run_detrl(cfg)["steps_per_second"],
+        "speed",
+        args.repeats,
+        lambda: run_detrl(cfg)["steps_per_second"],
         lambda: run_sb3(cfg, seed=0)["steps_per_second"],
-    )  # fmt: skip
+    )
     title = f"CartPole-v1, CleanRL hyperparameters, {args.steps} env steps"
     ratio = _compare(
         title, "detrl DQN (all sources seeded)", ours, "Stable-Baselines3 DQN", theirs, "goal >= 1.5x"
@@ -158,9 +160,11 @@ def part_switches(args: argparse.Namespace) -> dict[str, Any]:
     unseeded = {n: {"seed": None} for n in STREAMS}  # OS seeds: a different run each time
     seeds = iter(range(args.repeats))
     seeded, free = _interleaved(
-        "switches", args.repeats, lambda: run_detrl(cfg, Sources(seed=next(seeds)))["steps_per_second"],
+        "switches",
+        args.repeats,
+        lambda: run_detrl(cfg, Sources(seed=next(seeds)))["steps_per_second"],
         lambda: run_detrl(cfg, Sources(streams=unseeded))["steps_per_second"],
-    )  # fmt: skip
+    )
     title = f"Cost of the switches (same code, CleanRL hyperparameters, {args.steps} steps)"
     ratio = _compare(
         title, "every source seeded", seeded, "every source unseeded", free, "goal: within 5% of 1"
@@ -184,8 +188,10 @@ def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
                 out = run_detrl(cfg, mode="record", run_dir=f"{tmp}/{precision}{r}")
                 res[precision].append(out["steps_per_second"])
     a, b = statistics.median(res["fp32"]), statistics.median(res["verifiable"])
-    print(f"\nVerifiable DQN (configs/dqn/cartpole.yaml, {args.verifiable_steps} steps, learning from step "
-          f"{args.verifiable_steps // 4}, both recording a bundle, median of {args.repeats}):")  # fmt: skip
+    print(
+        f"\nVerifiable DQN (configs/dqn/cartpole.yaml, {args.verifiable_steps} steps, learning from step "
+        f"{args.verifiable_steps // 4}, both recording a bundle, median of {args.repeats}):"
+    )
     print(f"  fp32        {a:8.0f} steps/s   {_spread(res['fp32'])}")
     print(f"  verifiable  {b:8.0f} steps/s   {_spread(res['verifiable'])}")
     verdict = "MET" if a / b <= VERIFIABLE_GOAL else "MISSED"
@@ -208,8 +214,10 @@ def part_learning(args: argparse.Namespace) -> dict[str, Any]:
         theirs = run_sb3(cfg, seed=seed)
         rows.append((seed, float(np.mean(ours["eval_returns"])), float(np.mean(theirs["eval_returns"])),
                      ours["steps_per_second"], theirs["steps_per_second"]))  # fmt: skip
-    print(f"\nLearning: configs/dqn/cartpole.yaml, {cfg.train.steps} steps, greedy eval of {cfg.eval.episodes} "
-          "episodes (SB3: same hyperparameters, vanilla DQN):")  # fmt: skip
+    print(
+        f"\nLearning: configs/dqn/cartpole.yaml, {cfg.train.steps} steps, greedy eval of {cfg.eval.episodes} "
+        "episodes (SB3: same hyperparameters, vanilla DQN):"
+    )
     print(f"  {'seed':>4} {'detrl':>8} {'SB3':>8} {'detrl sps':>10} {'SB3 sps':>9}")
     for seed, a, b, sa, sb in rows:
         print(f"  {seed:>4} {a:8.1f} {b:8.1f} {sa:10.0f} {sb:9.0f}")
@@ -254,8 +262,10 @@ def part_breakout(args: argparse.Namespace) -> dict[str, Any]:
     )
     print(f"  detrl  {a['steps_per_second']:7.0f} steps/s   peak RSS {a['peak_rss'] / 1e6:7.0f} MB")
     print(f"  SB3    {b['steps_per_second']:7.0f} steps/s   peak RSS {b['peak_rss'] / 1e6:7.0f} MB")
-    print(f"  ratio detrl / SB3: {a['steps_per_second'] / b['steps_per_second']:.2f}x speed, "
-          f"{a['peak_rss'] / b['peak_rss']:.2f}x memory")  # fmt: skip
+    print(
+        f"  ratio detrl / SB3: {a['steps_per_second'] / b['steps_per_second']:.2f}x speed, "
+        f"{a['peak_rss'] / b['peak_rss']:.2f}x memory"
+    )
     return res
 
 

@@ -185,10 +185,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     try:
         report = audit(
-            args.run_dir, hardware=args.hardware, progress=not args.quiet,
-            data=Path(args.data) if args.data else None, caps=parse_caps(args.cap),
+            args.run_dir,
+            hardware=args.hardware,
+            progress=not args.quiet,
+            data=Path(args.data) if args.data else None,
+            caps=parse_caps(args.cap),
             init_from=Path(args.init_from) if args.init_from else None,
-        )  # fmt: skip
+        )
     except BundleError as e:
         if args.json:
             msg = str(e).splitlines()[0] if str(e) else "bad input"
@@ -314,9 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-tensorboard", action="store_true")
     t.set_defaults(func=cmd_train)
     a = sub.add_parser(
-        "audit", help="replay a bundle and give a verdict (exit codes below)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=AUDIT_EPILOG,
-    )  # fmt: skip
+        "audit",
+        help="replay a bundle and give a verdict (exit codes below)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=AUDIT_EPILOG,
+    )
     a.add_argument("run_dir")
     a.add_argument("--hardware", default="native", help="profile to replay on (see `detrl profiles`)")
     a.add_argument(
@@ -326,9 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--init-from", metavar="PATH", help="the auditor's copy of the weights file the run starts from"
     )
     a.add_argument(
-        "--cap", action="append", default=[], metavar="KEY=N",
+        "--cap",
+        action="append",
+        default=[],
+        metavar="KEY=N",
         help="raise a cap on a config value read from the bundle (e.g. model.channels=4096)",
-    )  # fmt: skip
+    )
     a.add_argument("--json", metavar="REPORT", help="write the report as JSON (every anomaly with its kind)")
     a.add_argument("--stats", action="store_true", help="per-step log size against the dense encoding")
     a.add_argument("--quiet", action="store_true")
@@ -348,16 +356,20 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--quiet", action="store_true", help="no progress bar")
     ab.set_defaults(func=cmd_ablate)
     rp = sub.add_parser(
-        "report", help="turn an ablation sweep into a Markdown report with plots (DIR/report/)",
+        "report",
+        help="turn an ablation sweep into a Markdown report with plots (DIR/report/)",
         description="Write DIR/report/report.md, PNG plots and numbers.csv/json from DIR/summary.json of "
         "`detrl ablate --out DIR`. Regenerating from the same summary.json gives the same bytes.",
-    )  # fmt: skip
+    )
     rp.add_argument("dir", metavar="DIR", help="the sweep directory (the --out of detrl ablate)")
     rp.set_defaults(func=cmd_report)
     b = sub.add_parser(
-        "bench", help="run a benchmark from BENCHMARKS.md (list: detrl bench --help)", add_help=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter, description="Run a benchmark from BENCHMARKS.md.",
-    )  # fmt: skip
+        "bench",
+        help="run a benchmark from BENCHMARKS.md (list: detrl bench --help)",
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a benchmark from BENCHMARKS.md.",
+    )
     b.add_argument("-h", "--help", action=_BenchHelp, help="list the benchmarks and exit")
     b.add_argument("name", metavar="NAME", help="the benchmark to run (listed below)")
     b.add_argument(

@@ -44,16 +44,27 @@ SUPERVISED_SET = [
 
 def rl_spec(sources: list[str], all_: bool = True, runs: int = 2, **kw: object) -> ablation.AblationConfig:
     return ablation.AblationConfig(
-        base="configs/dqn/tiny.yaml", set=RL_SET, runs=runs, sources=sources, all=all_, curve_every=100,
-        resamples=500, **kw,
-    )  # fmt: skip
+        base="configs/dqn/tiny.yaml",
+        set=RL_SET,
+        runs=runs,
+        sources=sources,
+        all=all_,
+        curve_every=100,
+        resamples=500,
+        **kw,
+    )
 
 
 def supervised_spec(sources: list[str], runs: int = 2, **kw: object) -> ablation.AblationConfig:
     return ablation.AblationConfig(
-        base="configs/supervised/digits_cnn.yaml", set=SUPERVISED_SET, runs=runs, sources=sources,
-        curve_every=10, resamples=500, **kw,
-    )  # fmt: skip
+        base="configs/supervised/digits_cnn.yaml",
+        set=SUPERVISED_SET,
+        runs=runs,
+        sources=sources,
+        curve_every=10,
+        resamples=500,
+        **kw,
+    )
 
 
 def spread(row: dict) -> float:

@@ -501,9 +501,14 @@ def test_roundlog_torn_tail_of_a_live_recording_is_not_an_error(
 
 @pytest.mark.parametrize(
     "pos, needle",
-    [(0, "bad magic"), (8, "unsupported format version"), (10, "unsupported header flags"),
-     (16, "bad segment tag"), (20, "not greater than previous step")],
-)  # fmt: skip
+    [
+        (0, "bad magic"),
+        (8, "unsupported format version"),
+        (10, "unsupported header flags"),
+        (16, "bad segment tag"),
+        (20, "not greater than previous step"),
+    ],
+)
 def test_roundlog_header_damaged(
     bundle: Path, capsys: pytest.CaptureFixture[str], pos: int, needle: str
 ) -> None:
@@ -693,8 +698,12 @@ def test_subprocess_one_line_no_traceback(bundle: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DETRL_DEBUG"}
     proc = subprocess.run(
         [sys.executable, "-m", "detrl.cli", "audit", str(bundle), "--quiet"],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
     assert_bad_input(proc.returncode, proc.stdout, proc.stderr, "commitments", "durable point")
 
 

@@ -63,9 +63,14 @@ def record(run_dir: Path, steps: int, calibration_steps: int = 1, **kw: Any) -> 
     """Record :func:`train` for ``steps`` steps; ``kw``: ``stop_after``, or more Session arguments."""
     stop_after = kw.pop("stop_after", None)
     with Session(
-        run_dir, mode="record", precision="verifiable", sources=Sources(seed=0),
-        calibration_steps=calibration_steps, planned_steps=steps, **kw,
-    ) as s:  # fmt: skip
+        run_dir,
+        mode="record",
+        precision="verifiable",
+        sources=Sources(seed=0),
+        calibration_steps=calibration_steps,
+        planned_steps=steps,
+        **kw,
+    ) as s:
         train(s, steps, stop_after)
     return s
 

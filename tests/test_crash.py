@@ -55,9 +55,12 @@ def popen(*args: str) -> subprocess.Popen:
     """``detrl ARGS`` in a fresh process (as a user runs it)."""
     return subprocess.Popen(
         [sys.executable, "-m", "detrl.cli", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ct.child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ct.child_env(),
         preexec_fn=_as_from_a_terminal,
-    )  # fmt: skip
+    )
 
 
 def wait_until(cond, proc: subprocess.Popen, timeout: float = 120) -> bool:

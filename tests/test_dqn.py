@@ -86,8 +86,14 @@ class ResetRecorder(gym.Wrapper):
         return obs, info
 
 
-def run(cfg: dqn.Config, mode: str = "off", run_dir: Path | None = None, sources: Sources | None = None,
-        wrap_env: Any = None, **session_kw: Any) -> tuple[Session, dict[str, Any]]:  # fmt: skip
+def run(
+    cfg: dqn.Config,
+    mode: str = "off",
+    run_dir: Path | None = None,
+    sources: Sources | None = None,
+    wrap_env: Any = None,
+    **session_kw: Any,
+) -> tuple[Session, dict[str, Any]]:
     torch.set_num_threads(cfg.threads)
     src = sources if sources is not None else Sources.from_config(cfg.sources)
     s = sessions.session_for(cfg, run_dir, mode, session_type=Probe, sources=src, **session_kw)
@@ -293,8 +299,9 @@ def test_resume_refuses_a_different_initial_model(tmp_path):
     _record_stopped(cfg, tmp_path / "r", 250)
     before = {p.name: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
     # (the switchboard comes from the bundle on resume; a config with other layer widths is another model)
-    other = tiny(**{"precision": "fp32", "train.steps": 400, "verify.checkpoint_every": 100,
-                    "agent.hidden": "[16,16]"})  # fmt: skip
+    other = tiny(
+        **{"precision": "fp32", "train.steps": 400, "verify.checkpoint_every": 100, "agent.hidden": "[16,16]"}
+    )
     with pytest.raises(BundleError, match="different initial model"):
         run(other, mode="record", run_dir=tmp_path / "r", resume=True)
     assert {p.name: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()} == before
@@ -407,8 +414,14 @@ def test_train_cli_writes_tensorboard_scalars_and_evaluates(tmp_path, capsys):
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"charts/episodic_return", "charts/episodic_length", "losses/td_loss", "losses/q_values",
-            "charts/epsilon", "charts/SPS"} <= tags  # fmt: skip
+    assert {
+        "charts/episodic_return",
+        "charts/episodic_length",
+        "losses/td_loss",
+        "losses/q_values",
+        "charts/epsilon",
+        "charts/SPS",
+    } <= tags
     losses = acc.Scalars("losses/td_loss")
     # No loss is logged before learning starts (it used to be NaN there), and every one is a number.
     assert losses and min(e.step for e in losses) > 500 and all(math.isfinite(e.value) for e in losses)
@@ -441,7 +454,11 @@ def test_sb3_bridge_maps_every_hyperparameter_and_refuses_what_sb3_lacks():
     kw = sb3_kwargs(cfg)
     a = cfg.agent
     assert (kw["train_freq"], kw["batch_size"], kw["tau"], kw["target_update_interval"]) == (
-        a.train_frequency, a.batch_size, a.tau, a.target_update_period)  # fmt: skip
+        a.train_frequency,
+        a.batch_size,
+        a.tau,
+        a.target_update_period,
+    )
     assert kw["policy_kwargs"]["net_arch"] == a.hidden
     assert kw["learning_rate"](1.0) == a.learning_rate and kw["learning_rate"](0.0) == a.final_learning_rate
     with pytest.raises(ValueError, match="Double DQN"):

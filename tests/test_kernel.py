@@ -66,12 +66,16 @@ def _adversarial() -> torch.Tensor:
     scales, in the FP32 subnormal range, at binade edges and at the overflow boundary; zeros, infinities,
     NaN, FP64 subnormals."""
     g = np.random.default_rng(0)
-    grid = np.concatenate([
-        g.standard_normal(64).astype(np.float32),
-        (g.standard_normal(16) * 1e-40).astype(np.float32),  # FP32 subnormals
-        np.float32(2.0) ** np.arange(-149, 128, 7, dtype=np.float32),  # binade edges, smallest to largest
-        np.array([np.finfo(np.float32).max, np.finfo(np.float32).tiny, -np.finfo(np.float32).max], np.float32),
-    ])  # fmt: skip
+    grid = np.concatenate(
+        [
+            g.standard_normal(64).astype(np.float32),
+            (g.standard_normal(16) * 1e-40).astype(np.float32),  # FP32 subnormals
+            np.float32(2.0) ** np.arange(-149, 128, 7, dtype=np.float32),  # binade edges, smallest to largest
+            np.array(
+                [np.finfo(np.float32).max, np.finfo(np.float32).tiny, -np.finfo(np.float32).max], np.float32
+            ),
+        ]
+    )
     with np.errstate(over="ignore"):  # FLT_MAX's neighbour above is inf, as wanted
         up = np.nextafter(grid, np.float32(np.inf))
         down = np.nextafter(grid, np.float32(-np.inf))

@@ -176,9 +176,11 @@ def write_cifar(root: Path, per_batch: int = 4, seed: int = 0) -> tuple[np.ndarr
         data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
         labels = [int(v) for v in rng.integers(0, 10, per_batch)]
         batch = {
-            b"batch_label": name.encode(), b"labels": labels, b"data": data,
+            b"batch_label": name.encode(),
+            b"labels": labels,
+            b"data": data,
             b"filenames": [f"img_{i}.png".encode() for i in range(per_batch)],
-        }  # fmt: skip
+        }
         buf = io.BytesIO()
         _Py2Pickler(buf, protocol=2).dump(batch)
         (root / name).write_bytes(buf.getvalue())
@@ -473,8 +475,9 @@ def _train_cli(capsys, name: str, out: Path, *overrides: str) -> None:
 def test_a_changed_corpus_is_refused_before_any_step(tmp_path: Path, capsys) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(datasets.corpus_bytes())
-    _train_cli(capsys, "gpt2_tiny", tmp_path / "run", "data.name=text_file", f"data.path={corpus}",
-               "train.steps=2")  # fmt: skip
+    _train_cli(
+        capsys, "gpt2_tiny", tmp_path / "run", "data.name=text_file", f"data.path={corpus}", "train.steps=2"
+    )
     rc = main(["audit", str(tmp_path / "run"), "--quiet"])  # no --data: the bundle's path is never read
     assert rc == 2 and "--data PATH" in one_line(capsys)
     rc, _, report = _audit_cli(capsys, tmp_path / "run", "--data", str(corpus))
@@ -495,8 +498,9 @@ def test_a_changed_image_set_is_refused_before_any_step(tmp_path: Path, capsys, 
         write_cifar(data)
     else:
         write_image_folder(data)
-    _train_cli(capsys, "resnet50_tiny", tmp_path / "run", f"data.name={kind}", f"data.path={data}",
-               "train.steps=1")  # fmt: skip
+    _train_cli(
+        capsys, "resnet50_tiny", tmp_path / "run", f"data.name={kind}", f"data.path={data}", "train.steps=1"
+    )
     rc = main(["audit", str(tmp_path / "run"), "--quiet"])
     assert rc == 2 and "--data PATH" in one_line(capsys)
     rc, _, report = _audit_cli(capsys, tmp_path / "run", "--data", str(data), "--hardware", "emulated:splitk")

@@ -49,9 +49,14 @@ def config(
 
 def record(cfg, run_dir, hardware="native"):
     with Session(
-        run_dir, mode="record", precision=cfg.precision, sources=Sources.from_config(cfg.sources),
-        hardware=hardware, config=cfg.model_dump(mode="json"), data_fingerprint=fingerprint(cfg),
-    ) as s:  # fmt: skip
+        run_dir,
+        mode="record",
+        precision=cfg.precision,
+        sources=Sources.from_config(cfg.sources),
+        hardware=hardware,
+        config=cfg.model_dump(mode="json"),
+        data_fingerprint=fingerprint(cfg),
+    ) as s:
         run(cfg, s)
     return s
 

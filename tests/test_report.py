@@ -69,7 +69,7 @@ def rl_summary() -> dict[str, Any]:
             "sources": ["init", "replay", "bitflip", "hardware"],
             "all": True,
             "set": ["precision=verifiable"],
-        },  # fmt: skip
+        },
         "control_identical": True,
         "conditions": {
             "control": _rl_row(3, 30.0, 0.0, 30.0, 30.0, [None] * 3, 0.0, [], identical=True, auc=20.0),
@@ -87,7 +87,7 @@ def rl_summary() -> dict[str, Any]:
                 ["hardware=emulated:atomic"],
                 identical=True,
                 auc=20.0,
-            ),  # fmt: skip
+            ),
             "all": _rl_row(3, 60.0, 20.0, 40.0, 80.0, [0, 0, 0], 3.0, ["sources.init.seed=1000"]),
         },
         "instability": {"condition": "bitflip", "steps": [0, *STEPS], "l2": [0.0, 1e-7, 1e-5, 1e-3, 1e-1]},

@@ -267,9 +267,12 @@ def test_short_pinned_values_split_by_uncertainty():
     # split_short keeps a pinned value full where T exceeds 2**12 of its spacings, or it is not finite
     values = np.array([1.0, 1.0, np.inf, -3.0], np.float32)
     entries = OpEntries(
-        op=0, indices=np.zeros(0, np.int64), up=np.zeros(0, bool),
-        pinned_indices=np.arange(4, dtype=np.int64), pinned_values=values,
-    )  # fmt: skip
+        op=0,
+        indices=np.zeros(0, np.int64),
+        up=np.zeros(0, bool),
+        pinned_indices=np.arange(4, dtype=np.int64),
+        pinned_values=values,
+    )
     unit = torch.tensor([2.0**-23 * 2**12, 2.0**-23 * 2**13, 1.0, 2.0**-22 * 2**12], dtype=torch.float64)
     scale = Scale(outer=1, channels=4, inner=1, col=unit)
     x = torch.from_numpy(values.astype(np.float64)).view(1, 4)

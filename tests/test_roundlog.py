@@ -645,9 +645,12 @@ def _pinned_entries() -> OpEntries:
 def test_pinned_values_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "log"
     only_pinned = OpEntries(
-        op=4, indices=np.zeros(0, np.int64), up=np.zeros(0, bool),
-        pinned_indices=np.array([0], np.int64), pinned_values=np.array([3.25], np.float32),
-    )  # fmt: skip
+        op=4,
+        indices=np.zeros(0, np.int64),
+        up=np.zeros(0, bool),
+        pinned_indices=np.array([0], np.int64),
+        pinned_values=np.array([3.25], np.float32),
+    )
     with RoundLogWriter(path) as w:
         w.write_step(1, [_pinned_entries(), only_pinned])
     with RoundLogReader(path) as r:
@@ -691,13 +694,19 @@ def _short_entries() -> OpEntries:
 def test_short_pinned_values_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "log"
     only_short = OpEntries(
-        op=5, indices=np.zeros(0, np.int64), up=np.zeros(0, bool),
-        short_indices=np.array([4, 9], np.int64), short_bits=np.array([0x1234, 0xABCD], np.uint16),
-    )  # fmt: skip
+        op=5,
+        indices=np.zeros(0, np.int64),
+        up=np.zeros(0, bool),
+        short_indices=np.array([4, 9], np.int64),
+        short_bits=np.array([0x1234, 0xABCD], np.uint16),
+    )
     direction_and_short = OpEntries(
-        op=6, indices=np.array([1], np.int64), up=np.array([True]),
-        short_indices=np.array([0], np.int64), short_bits=np.array([3], np.uint16),
-    )  # fmt: skip
+        op=6,
+        indices=np.array([1], np.int64),
+        up=np.array([True]),
+        short_indices=np.array([0], np.int64),
+        short_bits=np.array([3], np.uint16),
+    )
     ops = [_short_entries(), only_short, direction_and_short]
     with RoundLogWriter(path) as w:
         w.write_step(1, ops)

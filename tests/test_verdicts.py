@@ -81,7 +81,11 @@ def bundle_differences(a: Path, b: Path) -> list[str]:
     )
     if ca != cb:
         diffs.append("checkpoint list")
-    diffs += [f"checkpoints/{n}" for n in ca if n in cb and (a / "checkpoints" / n).read_bytes() != (b / "checkpoints" / n).read_bytes()]  # fmt: skip
+    diffs += [
+        f"checkpoints/{n}"
+        for n in ca
+        if n in cb and (a / "checkpoints" / n).read_bytes() != (b / "checkpoints" / n).read_bytes()
+    ]
     ma, mb = json.loads((a / "manifest.json").read_text()), json.loads((b / "manifest.json").read_text())
     ma.pop("created"), mb.pop("created")
     diffs += [f"manifest.{k}" for k in sorted(set(ma) | set(mb)) if ma.get(k) != mb.get(k)]

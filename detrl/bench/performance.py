@@ -165,10 +165,12 @@ def bench_overhead(rest: list[str]) -> int:
     )
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (step 1 calibrates)")
     p.add_argument(
-        "--resnet-tau", type=float, default=0.0,
+        "--resnet-tau",
+        type=float,
+        default=0.0,
         help="fixed threshold for resnet50's verifiable variants, to skip the ~1 min calibration step "
         "(logs more than a calibrated run); 0 or negative (default): calibrate as a real run does",
-    )  # fmt: skip
+    )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(rest)
     models = model_list(args.models)
@@ -390,9 +392,14 @@ def bench_fsync(rest: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=2, help="runs per variant, interleaved (ABBA...)")
     p.add_argument("--dir", help="where to write the bundles (default: a temp dir; the disk matters)")
     args = p.parse_args(rest)
-    cfg = config_mod.load(args.config, [
-        f"train.steps={args.steps}", f"verify.checkpoint_every={args.checkpoint_every}", "eval.episodes=0",
-    ])  # fmt: skip
+    cfg = config_mod.load(
+        args.config,
+        [
+            f"train.steps={args.steps}",
+            f"verify.checkpoint_every={args.checkpoint_every}",
+            "eval.episodes=0",
+        ],
+    )
     torch.set_num_threads(cfg.threads)
     print(machine_line(cfg.threads))
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="detrl-bench-fsync-"))

@@ -95,8 +95,11 @@ def bench_replication(rest: list[str]) -> int:
     precision without the trainer's log, and with it. Then learning quality: test loss and accuracy of
     plain FP32 against verifiable training. Long runs: progress on stderr, ``--progress`` for step bars."""
     p = argparse.ArgumentParser(prog="detrl bench replication", description=bench_replication.__doc__)
-    p.add_argument("--models", default="resnet50_tiny,gpt2_tiny",
-                   help="configs/supervised/NAME.yaml, comma-separated (resnet50 and gpt2 are the full models)")  # fmt: skip
+    p.add_argument(
+        "--models",
+        default="resnet50_tiny,gpt2_tiny",
+        help="configs/supervised/NAME.yaml, comma-separated (resnet50 and gpt2 are the full models)",
+    )
     p.add_argument("--steps", type=int, default=10, help="steps of every run in the replication table")
     p.add_argument("--profiles", default="", help="auditor profiles (default: every profile but native)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override every config")
@@ -245,10 +248,14 @@ def bench_fuzz(rest: list[str]) -> int:
     peak_kb = status_kb("VmHWM")
     kinds = ["accepted", "BundleError", "RoundLogError", "timeout", "crash"]
     rows = [
-        [t, str(sum(n for (tt, _), n in outcomes.items() if tt == t)), *(str(outcomes[(t, k)]) for k in kinds),
-         f"{slowest[t] * 1e3:.1f}"]
+        [
+            t,
+            str(sum(n for (tt, _), n in outcomes.items() if tt == t)),
+            *(str(outcomes[(t, k)]) for k in kinds),
+            f"{slowest[t] * 1e3:.1f}",
+        ]
         for t in targets
-    ]  # fmt: skip
+    ]
     print(table(["target", "cases", *kinds, "slowest ms"], rows))
     ran, found = sum(outcomes.values()), outcomes_of("crash", "timeout")
     print(f"cases run: {ran} in {elapsed:.1f} s ({ran / elapsed:.0f}/s)")

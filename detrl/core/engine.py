@@ -129,9 +129,13 @@ class Loader:
     :meth:`Session.loader`). Its position is resume state: a resumed run continues mid-epoch."""
 
     def __init__(
-        self, session: Session, data: tuple[torch.Tensor, torch.Tensor], batch_size: int, steps: int | None,
+        self,
+        session: Session,
+        data: tuple[torch.Tensor, torch.Tensor],
+        batch_size: int,
+        steps: int | None,
         epochs: int | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         x, _ = data
         if len(x) < batch_size:
             raise ValueError(f"dataset has {len(x)} examples, fewer than batch_size={batch_size}")
@@ -384,9 +388,11 @@ class Session:
                 self._finish_record()
             elif self.mode == "replay" and exc_type is None and self.step_index != self.bundle.steps:  # type: ignore[union-attr]
                 raise Divergence(
-                    self.step_index + 1, True, [],
+                    self.step_index + 1,
+                    True,
+                    [],
                     f"the replay ran {self.step_index} steps, the bundle has {self.bundle.steps}",  # type: ignore[union-attr]
-                )  # fmt: skip
+                )
         finally:
             if self._writer is not None:
                 self._writer.close()

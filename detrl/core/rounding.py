@@ -448,9 +448,12 @@ class RoundingMode(TorchDispatchMode):
                 own = _take(rounded, sidx).cpu().numpy()
                 values = nearest_with_low16(own, entries.short_bits)
                 as_pinned = OpEntries(
-                    op=entries.op, indices=entries.indices[:0], up=entries.up[:0],
-                    pinned_indices=entries.short_indices, pinned_values=values,
-                )  # fmt: skip
+                    op=entries.op,
+                    indices=entries.indices[:0],
+                    up=entries.up[:0],
+                    pinned_indices=entries.short_indices,
+                    pinned_values=values,
+                )
                 self._apply_pinned(step, seq, name, x, rounded, as_pinned, honour, scaled)
                 flat_near[sidx] = False
         n_unlogged = int(flat_near.sum())

@@ -45,9 +45,11 @@ class DataConfig(Strict):
     seq_len: int = Field(32, ge=2, description="tokens per example (text data)")
     n: int = Field(512, ge=1, description="examples to generate or read (text, synthetic images)")
     vocab: int = Field(
-        65, ge=2, le=4096,
+        65,
+        ge=2,
+        le=4096,
         description="vocabulary size of synthetic_text (at most 4096: its bigram table is vocab x vocab)",
-    )  # fmt: skip
+    )
     tokenizer: Literal["bytes", "bpe"] = Field(
         "bytes",
         description="text_file and corpus: bytes as tokens (vocab 256), or a byte-level BPE tokenizer trained "

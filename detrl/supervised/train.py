@@ -131,9 +131,13 @@ def build_model(cfg: RunConfig, x: torch.Tensor, classes: int = 10) -> torch.nn.
         return MODELS[name](features=int(x[0].numel()), hidden=m.hidden, classes=classes, dropout=dropout)
     if name == "tiny_transformer":
         return MODELS[name](
-            vocab=data_vocab(cfg), d_model=m.d_model, heads=m.heads, layers=m.layers, seq_len=x.shape[1],
+            vocab=data_vocab(cfg),
+            d_model=m.d_model,
+            heads=m.heads,
+            layers=m.layers,
+            seq_len=x.shape[1],
             dropout=dropout,
-        )  # fmt: skip
+        )
     if name == "lstm_lm":
         return MODELS[name](vocab=data_vocab(cfg), d_model=m.d_model, hidden=m.hidden, layers=m.layers)
     if name == "gpt2":
@@ -147,9 +151,13 @@ def build_model(cfg: RunConfig, x: torch.Tensor, classes: int = 10) -> torch.nn.
                 f"config error: model.n_positions={m.n_positions} is shorter than data.seq_len={x.shape[1]}"
             )
         return MODELS[name](
-            vocab_size=m.vocab_size, n_positions=m.n_positions, n_embd=m.n_embd, n_layer=m.n_layer,
-            n_head=m.n_head, dropout=dropout,
-        )  # fmt: skip
+            vocab_size=m.vocab_size,
+            n_positions=m.n_positions,
+            n_embd=m.n_embd,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            dropout=dropout,
+        )
     return MODELS[name](classes=classes, width=m.width)
 
 

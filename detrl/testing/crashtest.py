@@ -58,7 +58,7 @@ KINDS: dict[str, list[str]] = {
         "train.steps=40",
         "--set",
         "verify.checkpoint_every=10",
-    ],  # fmt: skip
+    ],
 }
 TRAIN_FLAGS = ["--quiet", "--no-tensorboard"]
 FUNCS = ("write_atomic", "replace", "fsync", "step")
@@ -215,9 +215,12 @@ class Runner:
 
             self._tmp = Path(tempfile.mkdtemp(prefix="detrl-crashtest-"))
             self._server = subprocess.Popen(
-                python_cmd("-m", "detrl.testing.crashtest", "--serve"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                text=True, env=child_env(),
-            )  # fmt: skip
+                python_cmd("-m", "detrl.testing.crashtest", "--serve"),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=child_env(),
+            )
         assert self._server.stdin is not None and self._server.stdout is not None and self._tmp is not None
         out = self._tmp / "out"
         request = {
@@ -755,9 +758,14 @@ def bench_crash(rest: list[str]) -> int:
 
     try:
         outcomes = ct.run_matrix(
-            kinds, work, points=args.points, jobs=args.jobs, core_only=args.core, warm=not args.fresh,
+            kinds,
+            work,
+            points=args.points,
+            jobs=args.jobs,
+            core_only=args.core,
+            warm=not args.fresh,
             on_done=progress,
-        )  # fmt: skip
+        )
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

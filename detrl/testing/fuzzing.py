@@ -400,10 +400,13 @@ def _roundlog_bytes(rng: random.Random, base: BaseBundle) -> bytes:
         fields[j] = _int(rng, fields[j])
         encoded[i] = _segment_bytes(fields[0], fields[1], fields[2], s.comp, fields[3])
     elif kind == "frame":
-        options = rng.choice((
-            {"write_content_size": False}, {"write_checksum": True, "write_content_size": True},
-            {"write_content_size": True, "level": 22},
-        ))  # fmt: skip
+        options = rng.choice(
+            (
+                {"write_content_size": False},
+                {"write_checksum": True, "write_content_size": True},
+                {"write_content_size": True, "level": 22},
+            )
+        )
         level = options.pop("level", 3)
         comp = zstandard.ZstdCompressor(level=level, **options).compress(s.raw)
         if rng.random() < 0.3:  # two frames, or a frame and trailing bytes

@@ -261,9 +261,14 @@ def _norm_emulable(x: Any, ord: Any) -> bool:
     """Norms we reorder: finite, non-zero orders (inf/-inf are a max/min, 0 a count: exact in any order) of
     dense float32/float64 tensors with at least one dim."""
     return (
-        isinstance(x, Tensor) and _rows(x) and x.dim() > 0 and x.numel() > 0
-        and ord is not None and math.isfinite(float(ord)) and float(ord) != 0
-    )  # fmt: skip
+        isinstance(x, Tensor)
+        and _rows(x)
+        and x.dim() > 0
+        and x.numel() > 0
+        and ord is not None
+        and math.isfinite(float(ord))
+        and float(ord) != 0
+    )
 
 
 @_register(aten.linalg_vector_norm.default)
