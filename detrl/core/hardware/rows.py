@@ -13,9 +13,8 @@ from torch._ops import OpOverload
 
 from detrl.core import decompose
 from detrl.core.hardware.libm import _exp, _log, _pow, _rsqrt
-from detrl.core.hardware.machinery import _bind, _combine
+from detrl.core.hardware.machinery import _bind, _combine, _sum
 from detrl.core.hardware.profiles import EmulatedProfile, Plan, _register, aten
-from detrl.core.hardware.sums import _sum
 
 # Each is recomputed from its textbook formula, with every reduction in the profile's "row" order and its
 # transcendental functions from the profile's libm: mathematically the native kernel, other last bits.

@@ -2,45 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
 from detrl.core import decompose
-from detrl.core.hardware.machinery import _acc_dtype, _bind, _combine, _emulable, _pieces
-from detrl.core.hardware.profiles import EmulatedProfile, Unit, _register, aten
-
-
-def _sum(
-    p: EmulatedProfile,
-    x: Tensor,
-    dim: list[int] | None,
-    keepdim: bool,
-    dtype: torch.dtype | None,
-    unit: Unit = "k",
-) -> Tensor | None:
-    """Sum of ``x`` over ``dim`` (None or empty: all dims), in the accumulation dtype; None: run natively.
-
-    The reduced dims are moved last and flattened into one axis of length ``n``, which is then chunked in
-    ``unit``'s chunk size; the result has the kept dims (and size-1 reduced dims if ``keepdim``).
-    """
-    out_dtype = dtype or x.dtype
-    if x.dim() == 0 or x.layout != torch.strided or not out_dtype.is_floating_point:
-        return None
-    dims = sorted({d % x.dim() for d in dim}) if dim else list(range(x.dim()))
-    kept = [d for d in range(x.dim()) if d not in dims]
-    n = math.prod(x.shape[d] for d in dims)
-    plan = p.plan(n, unit, x.device)
-    if plan is None:
-        return None
-    flat = x.to(_acc_dtype(out_dtype)).permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], n)
-    out = _combine(plan, (piece.sum(-1) for piece in _pieces(flat, -1, 1, plan)))
-    if keepdim:
-        out = out.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
-    return out
+from detrl.core.hardware.machinery import _bind, _emulable, _sum
+from detrl.core.hardware.profiles import EmulatedProfile, _register, aten
 
 
 @_register(aten.sum.default, aten.sum.dim_IntList)
