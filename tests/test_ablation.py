@@ -141,6 +141,7 @@ def test_hardware_bitflip_and_hardware_in_verifiable_precision(tmp_path: Path) -
     assert summary["instability"]["condition"] == "bitflip" and summary["instability"]["l2"][0] > 0
 
 
+@pytest.mark.slow  # 4-9 s; kept out of the 5-minute fast suite
 def test_interrupted_sweep_redoes_only_what_is_missing(sweep: tuple, tmp_path: Path) -> None:
     s, out, _ = sweep
     copy = tmp_path / "copy"

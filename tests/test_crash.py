@@ -139,6 +139,7 @@ def test_ctrl_c_mid_run_stops_a_bundle_that_replicates_and_resumes_to_the_refere
     assert_stopped_replicates_and_resumes(d, ref(refs, kind), capsys)
 
 
+@pytest.mark.slow  # 4-9 s; kept out of the 5-minute fast suite
 def test_ctrl_c_before_the_first_step_stops_at_step_0_and_resumes(tmp_path, refs, capsys):
     d = tmp_path / "run"
     proc = popen(*ct.train_cmd("digits", d))
@@ -178,6 +179,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
     assert not d.exists()
 
 
+@pytest.mark.slow  # 4-9 s; kept out of the 5-minute fast suite
 def test_a_second_ctrl_c_aborts_with_one_line_and_a_bundle_that_still_audits(tmp_path):
     # Ctrl-C after step 15, then again while the stop's checkpoint is being made durable (the driver sends
     # both at those exact points; write 6 is that checkpoint: after the start, step 0, calibration, step 10)
@@ -262,6 +264,7 @@ def test_sigkill_matrix_every_killed_bundle_is_incomplete_and_resumes_to_the_ref
 
 
 # ---------------------------------------------------------------------------------------------- one writer
+@pytest.mark.slow  # 4-9 s; kept out of the 5-minute fast suite
 def test_a_second_writer_is_refused_and_an_existing_bundle_is_left_alone(tmp_path, refs, capsys):
     d = tmp_path / "D"
     first = popen(*ct.train_cmd("dqn", d))
@@ -366,6 +369,7 @@ def test_an_extended_supervised_bundle_is_the_longer_run(tmp_path, refs, capsys)
     assert ct.bundle_files_equal(d, fresh) == []
 
 
+@pytest.mark.slow  # 4-9 s; kept out of the 5-minute fast suite
 def test_a_bundle_audited_while_it_records_is_incomplete_not_bad_input(tmp_path):
     """The auditor reads what is durable while the writer appends: never "changed while reading"."""
     d = tmp_path / "live"

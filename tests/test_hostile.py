@@ -327,6 +327,7 @@ def test_link_to_dev_zero_is_refused_without_a_big_read(bundle: Path, entry: str
 # --- a decompression bomb in the rounding log --------------------------------------------------------------
 
 
+@pytest.mark.slow  # 4-9 s; kept out of the 5-minute fast suite
 def test_zstd_bomb_in_a_durable_segment(bundle: Path) -> None:
     bomb = plant_bomb(bundle, 1, 512 << 20)
     assert len(bomb) < 64 << 10  # ~20 KB on disk ...

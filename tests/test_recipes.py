@@ -293,6 +293,7 @@ def test_bpe_tokenizer_is_in_the_fingerprint_and_beside_the_bundle(tmp_path: Pat
     assert session.data_fingerprint == train.fingerprint(cfg)
 
 
+@pytest.mark.slow  # 4-9 s; kept out of the 5-minute fast suite
 @pytest.mark.skipif(not SHAKESPEARE.is_file(), reason="../shared/data/tinyshakespeare.txt is not here")
 def test_tiny_shakespeare_with_bpe() -> None:
     cfg = cfg_of("gpt2", "data.name=text_file", f"data.path={SHAKESPEARE}", "data.vocab_size=2048")

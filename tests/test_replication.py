@@ -325,6 +325,7 @@ def test_the_log_corrects_the_replay_in_bits_the_state_never_reads(tmp_path, mod
     assert replay_any(model, tmp_path / "nolog", hw, steps).step_index == steps, hw
 
 
+@pytest.mark.slow  # 4-9 s; kept out of the 5-minute fast suite
 def test_layer_norm_needs_no_log(tmp_path):
     """The tiny transformer (layer norms, softmax attention, GELU, cross-entropy) replays on every profile
     without a single correction, and its log-emptied bundle replicates: its layer norms, once the bundles'
