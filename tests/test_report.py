@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from detrl.apps import report
+from detrl.apps.report import markdown, vocabulary
 from detrl.cli import main
 from detrl.formats import summary as summary_format
 from detrl.formats.summary import SummaryError
@@ -104,7 +105,7 @@ def _metrics(acc_sd: float | None, scale: float = 1.0) -> dict[str, Any]:
         }
 
     if acc_sd is None:  # one run: no spread is defined
-        return {k: m(None) for k in report.METRICS}
+        return {k: m(None) for k in vocabulary.METRICS}
     return {
         "accuracy_sd": m(acc_sd), "cross_entropy_sd": m(0.01 * scale), "disagreement": m(0.03 * scale, 1 / 3),
         "pearson": {"value": 1 - 0.05 * scale, "lo": 1 - 0.06 * scale, "hi": 1 - 0.04 * scale},
@@ -131,7 +132,7 @@ def supervised_summary() -> dict[str, Any]:
     """No bitflip (so no instability curve), a one-run ``dropout``, and snapshot ensembles as the remedy."""
     zero = {
         k: {"value": 1.0 if k in ("pearson", "spearman") else 0.0, "lo": None, "hi": None}
-        for k in report.METRICS
+        for k in vocabulary.METRICS
     }
     return {
         "protocol": "supervised",
@@ -313,7 +314,7 @@ def test_supervised_report(sup_dir):
 
 def _findings_of(tmp_path: Path, summary: dict[str, Any]) -> str:
     s = report.load_summary(_write(tmp_path / "s", summary))
-    return "\n".join(report._control_text(s) + report._findings(s))
+    return "\n".join(markdown._control_text(s) + markdown._findings(s))
 
 
 def test_findings_say_when_the_control_or_hardware_is_not_identical(tmp_path):
