@@ -28,8 +28,8 @@ import torch
 
 from detrl.cli import main
 from detrl.formats import bundle as bundle_mod
-from detrl.formats import safeio
 from detrl.formats.roundlog import RoundLogReader
+from detrl.testing.hostile import read_manifest, set_field, write_manifest
 from detrl.testing.logrewrite import rewrite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,14 +55,6 @@ def bundle(recorded: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(recorded, dst)
     return dst
-
-
-def read_manifest(run: Path) -> dict[str, Any]:
-    return json.loads((run / "manifest.json").read_text())
-
-
-def write_manifest(run: Path, manifest: Any) -> None:
-    (run / "manifest.json").write_bytes(safeio.dumps_json(manifest))
 
 
 DELETE = object()
@@ -297,12 +289,7 @@ def test_manifest_required_field_missing(bundle: Path, capsys: pytest.CaptureFix
 def test_manifest_nested_value_wrong(
     bundle: Path, capsys: pytest.CaptureFixture[str], path: tuple[str, ...], value: Any, needle: str
 ) -> None:
-    m = read_manifest(bundle)
-    node = m
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    write_manifest(bundle, m)
+    set_field(bundle, path, value, validate=False)
     audit_bad(capsys, bundle, "manifest.json", needle)
 
 

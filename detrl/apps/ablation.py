@@ -590,17 +590,19 @@ def summarise(out: str | Path, command: str | None = None, config: str | None = 
 
     out = Path(out)
     spec = AblationConfig.model_validate_json((out / SPEC).read_text())
-    control = _read_runs(out, "control", 1, supervised=False)
-    if control is None:
-        raise ConfigError(f"{out}: control run 0 has not finished; run the sweep first")
     protocol = protocol_of(run_config(spec, "control", 0))
+    supervised = protocol == "supervised"
+    # The control's runs are read once: run 0 is every condition's reference, and they are a row too.
+    control = _read_runs(out, "control", spec.runs, supervised)
+    if control is None or control.results[0]["k"] != 0:
+        raise ConfigError(f"{out}: control run 0 has not finished; run the sweep first")
+    steps = control.results[0]["curve_steps"]
     rows: dict[str, Any] = {}
     for cond in conditions(spec):
-        runs = _read_runs(out, cond, spec.runs, supervised=protocol == "supervised")
+        runs = control if cond == "control" else _read_runs(out, cond, spec.runs, supervised)
         if runs is None:
             continue
         row = _identity_and_distance(control, runs)
-        steps = control.results[0]["curve_steps"]
         row.update(_rl_row(runs, steps, spec) if protocol == "rl" else _supervised_row(runs, steps, spec))
         rows[cond] = row
     return {

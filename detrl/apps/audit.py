@@ -152,8 +152,16 @@ def audit(
     task, cfg = _validated_config(m, run_dir, caps, data, init_from)
     extra = {"init_from": init_from} if init_from is not None else {}
     torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
-    durable = {"steps": probe.steps, "planned_steps": m.planned_steps, "status": m.status}
-    report = AuditReport(str(run_dir), hardware, "replicated", message="", precision=m.precision, **durable)
+    report = AuditReport(
+        str(run_dir),
+        hardware,
+        "replicated",
+        probe.steps,
+        "",
+        planned_steps=m.planned_steps,
+        status=m.status,
+        precision=m.precision,
+    )
     ours = task.fingerprint(cfg, data, **extra)
     if m.data_fingerprint is not None and m.data_fingerprint != ours:
         report.verdict, report.diverged_step, report.steps = "diverged", 0, 0

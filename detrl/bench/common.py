@@ -102,6 +102,7 @@ def reset_peak_rss() -> bool:
 
 
 def record(cfg: Any, run_dir: Path) -> Any:
+    """Record ``cfg`` into ``run_dir`` (replacing a bundle there) in this process; returns the Session."""
     session = sessions.session_for(cfg, run_dir, "record", force=True)
     with session:
         tasks.get(cfg.task).run(cfg, session)
@@ -114,8 +115,7 @@ def record_small_digits(run_dir: Path) -> None:
         "configs/supervised/digits_cnn.yaml", ["train.steps=8", "verify.checkpoint_every=4"]
     )
     torch.set_num_threads(cfg.threads)
-    with sessions.session_for(cfg, run_dir, "record", force=True) as session:
-        tasks.get(cfg.task).run(cfg, session)
+    record(cfg, run_dir)
 
 
 def mean_sd(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
