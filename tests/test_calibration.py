@@ -146,7 +146,7 @@ def test_resuming_inside_calibration_gives_the_uninterrupted_thresholds_and_log(
 
 
 def test_calibration_state_round_trips_and_is_checked():
-    cal = Calibrator(Thresholds())
+    cal = Calibrator(Thresholds(), [])
     state = {"mm": 0.5, CLASSES_KEY: {"mm(float64[01])": 2}}
     cal.load_state(state)
     assert cal.state() == state and cal.worst == {"mm": 0.5}
@@ -167,7 +167,7 @@ def test_calibration_state_round_trips_and_is_checked():
         with pytest.raises((TypeError, ValueError)):
             cal.load_state(state)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        Calibrator(Thresholds(), max_per_class=0)
+        Calibrator(Thresholds(), [], max_per_class=0)
 
 
 def test_shape_class_keys_structure_not_values():

@@ -380,7 +380,14 @@ def test_calibration_measures_row_ops_and_the_libm_instead_of_the_floor():
     the calibration step measures their disagreement and sets reduction thresholds from it (elementwise
     ones keep the floor that stands for real libms, measured disagreement x margin being below it). A
     calibrator whose only profile computes them natively measures nothing: every one gets the floor."""
-    from detrl.core.calibrate import DEFAULT_MARGIN, TAU_CAP, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
+    from detrl.core.calibrate import (
+        CALIBRATION_SEED,
+        DEFAULT_MARGIN,
+        TAU_CAP,
+        TAU_FLOOR,
+        TAU_FLOOR_MEASURED,
+        Calibrator,
+    )
     from detrl.core.hardware import get_profile
     from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 
@@ -393,7 +400,7 @@ def test_calibration_measures_row_ops_and_the_libm_instead_of_the_floor():
 
     def calibrate(profiles: tuple[str, ...]) -> tuple[dict[str, float], dict[str, float]]:
         thresholds = Thresholds(default=TAU_FLOOR * 64)
-        calibrator = Calibrator(thresholds, profiles=profiles)
+        calibrator = Calibrator(thresholds, [get_profile(p, seed=CALIBRATION_SEED) for p in profiles])
         mode = RoundingMode(get_profile("native"), thresholds)
         with mode.step_scope(StepRounding(), calibrator):
             logits = model(tokens)

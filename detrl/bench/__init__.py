@@ -32,8 +32,6 @@ is refused.
 
 from __future__ import annotations
 
-# The families register their benchmarks with the registry when imported.
-from detrl.bench import performance, trust  # noqa: F401
 from detrl.bench.registry import BENCHMARKS, BenchFn, benchmark, benchmarks, describe, main
 
 __all__ = ["BENCHMARKS", "BenchFn", "benchmark", "benchmarks", "describe", "main"]

@@ -1,8 +1,13 @@
 """The benchmark registry: detrl's own register with ``@benchmark(name, description)``; other packages
-contribute through the ``detrl.benchmarks`` entry-point group (see :mod:`detrl.bench`)."""
+contribute through the ``detrl.benchmarks`` entry-point group (see :mod:`detrl.bench`).
+
+The registry names detrl's own families (:data:`FAMILIES`) and imports them on first use, as the task
+registry does its built-in task: so ``detrl bench`` reaches a benchmark without the registry, or the CLI
+above it, importing the engine, and each family sits directly on the layers it measures."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
@@ -13,6 +18,8 @@ ENTRY_POINT_GROUP = "detrl.benchmarks"
 #: Benchmark name -> (one-line description, callable). detrl's own are registered with :func:`benchmark`
 #: at import; the entry points' are added on first use by :func:`benchmarks` or :func:`main`.
 BENCHMARKS: dict[str, tuple[str, BenchFn]] = {}
+#: detrl's own benchmark families: each registers its benchmarks with :func:`benchmark` when imported.
+FAMILIES = ("detrl.bench.performance", "detrl.bench.trust")
 
 
 def benchmark(name: str, description: str) -> Callable[[BenchFn], BenchFn]:
@@ -25,6 +32,12 @@ def benchmark(name: str, description: str) -> Callable[[BenchFn], BenchFn]:
         return fn
 
     return register
+
+
+def _load_families() -> None:
+    """Import detrl's own families (once: a module imports once, and registers as it does)."""
+    for module in FAMILIES:
+        importlib.import_module(module)
 
 
 _entry_points_loaded = False
@@ -57,6 +70,7 @@ def _load_entry_points() -> None:
 
 def benchmarks() -> dict[str, tuple[str, BenchFn]]:
     """Every benchmark, name -> (description, callable): detrl's own, then the entry points' (sorted)."""
+    _load_families()
     _load_entry_points()
     return dict(BENCHMARKS)
 
@@ -70,6 +84,7 @@ def describe() -> str:
 
 def main(name: str, rest: list[str]) -> int:
     """Run benchmark ``name`` with command-line options ``rest``; returns the exit code."""
+    _load_families()
     if name not in BENCHMARKS:  # detrl's own run without importing any plugin
         _load_entry_points()
     if name not in BENCHMARKS:

@@ -23,14 +23,16 @@ kind opens a new class and is measured before it is rounded.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from detrl.core.hardware import get_profile
 from detrl.core.oprules import OpKind, op_name
 from detrl.core.rounding import Thresholds, snapshot, written_tensors
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
+
+if TYPE_CHECKING:  # the profiles are the engine's to build: calibration only runs them
+    from detrl.core.hardware import Profile
 
 DEFAULT_MARGIN = 16.0
 #: 128 FP64 ulps: libm and FMA differences of elementwise ops, and every op whose disagreement the emulated
@@ -42,6 +44,7 @@ TAU_FLOOR_MEASURED = 2.0**-26
 TAU_CAP = 2.0**-4
 #: Seed of the random accumulation orders calibration measures (emulated:atomic), reseeded every step.
 CALIBRATION_SEED = 0x5EED_CA1B
+#: The profiles calibration measures against, each built with ``seed=CALIBRATION_SEED``.
 PROFILES = ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic")
 #: Measurements per shape class: two, so that a class's threshold rests on two sets of input values (a
 #: repeated layer's first call may see unusually tame data, e.g. freshly initialised activations).
@@ -91,6 +94,10 @@ def _arg_class(a: Any) -> str:
 class Calibrator:
     """Measures per-op-kind disagreement between profiles and updates ``thresholds`` in place.
 
+    ``profiles``: the alternatives to measure against, as built by the caller: the engine builds
+    :data:`PROFILES` with ``seed=CALIBRATION_SEED``, so that the thresholds (and so the log's bytes) are
+    the same in every recording of a config.
+
     ``max_per_class``: measurements per :func:`shape_class` over all calibration steps (None: every call,
     the unbounded calibration). Counts, like the disagreements, are part of :meth:`state`, so a recording
     resumed inside calibration measures the calls an uninterrupted one does."""
@@ -98,8 +105,8 @@ class Calibrator:
     def __init__(
         self,
         thresholds: Thresholds,
+        profiles: Sequence[Profile],
         margin: float = DEFAULT_MARGIN,
-        profiles: Sequence[str] = PROFILES,
         max_per_class: int | None = DEFAULT_MAX_PER_CLASS,
     ) -> None:
         if max_per_class is not None and max_per_class < 1:
@@ -107,8 +114,7 @@ class Calibrator:
         self.thresholds = thresholds
         self.margin = margin
         self.max_per_class = max_per_class
-        # Seeded: the thresholds (and so the log's bytes) must be the same in every recording of a config.
-        self.profiles = [get_profile(p, seed=CALIBRATION_SEED) for p in profiles]
+        self.profiles = list(profiles)
         self.worst: dict[str, float] = {}
         #: measurements so far per shape class (only counted when bounded)
         self.classes: dict[str, int] = {}

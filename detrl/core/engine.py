@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
+from detrl.core import calibrate
 from detrl.core.calibrate import DEFAULT_MARGIN, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
 from detrl.core.precision import Precision
@@ -110,6 +111,13 @@ class Batch:
     x: torch.Tensor
     y: torch.Tensor
     index: torch.Tensor
+
+
+def _calibrator(thresholds: Thresholds, margin: float) -> Calibrator:
+    """A calibration that measures against :data:`calibrate.PROFILES`, seeded so that every recording of a
+    config measures (and so logs) the same."""
+    profiles = [get_profile(p, seed=calibrate.CALIBRATION_SEED) for p in calibrate.PROFILES]
+    return Calibrator(thresholds, profiles, margin)
 
 
 def _weakly(method: Callable[[], str]) -> Callable[[], str]:
@@ -317,7 +325,7 @@ class Session:
         elif thresholds == "calibrate":
             self.thresholds = Thresholds(default=TAU_FLOOR * 64)
             if self.precision.is_verifiable:
-                self._calibrator = Calibrator(self.thresholds, margin)
+                self._calibrator = _calibrator(self.thresholds, margin)
                 self.calibration_steps = max(1, int(calibration_steps))
         else:
             raise ValueError(f"thresholds must be a Thresholds or 'calibrate', not {thresholds!r}")
@@ -358,11 +366,11 @@ class Session:
             return
         if r.step == 0:  # nothing measured yet: calibrate from the start, as a fresh recording does
             self.thresholds = Thresholds(default=TAU_FLOOR * 64)
-            self._calibrator = Calibrator(self.thresholds, self.margin)
+            self._calibrator = _calibrator(self.thresholds, self.margin)
             return
         try:
             self.thresholds = Thresholds.from_json(r.meta.get("thresholds", {}))
-            self._calibrator = Calibrator(self.thresholds, self.margin)
+            self._calibrator = _calibrator(self.thresholds, self.margin)
             self._calibrator.load_state(dict(r.meta.get("calibration", {})))
         except (TypeError, ValueError) as e:
             raise BundleError(f"{bundle_mod.checkpoint_name(r.step)}: bad calibration state ({e})") from None

@@ -1,4 +1,5 @@
-"""Another libm: transcendental results an FP64 ulp or two away (``emulated:pairwise``)."""
+"""Another libm: transcendental results an FP64 ulp or two away (``emulated:pairwise``). The perturbation
+itself is in :mod:`~detrl.core.hardware.machinery`, since the row kernels' ``exp`` and ``log`` share it."""
 
 from __future__ import annotations
 
@@ -9,71 +10,8 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
-from detrl.core.hardware.machinery import _bind
+from detrl.core.hardware.machinery import _EXACT_POWERS, _bind, _libm_dtype, _perturb_
 from detrl.core.hardware.profiles import EmulatedProfile, Handler, _register, aten
-
-#: How far the emulated libm moves a result, in ulps away from zero (negative: towards zero), picked by three
-#: bits of a hash of the result: half the results move, as much as two faithfully rounded libms disagree.
-_LIBM_STEPS = (1, 1, -1, 2, 0, 0, 0, 0)
-_HASH = -7046029254386353131  # 0x9E3779B97F4A7C15 (Fibonacci hashing) as a signed int64
-_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32}
-
-
-def _libm_dtype(t: Any) -> bool:
-    """Whether the emulated libm applies to ``t``: a dense float32/float64 tensor (half types are computed
-    in float32 and rounded, which hides an ulp of float32 almost always)."""
-    return isinstance(t, Tensor) and t.layout == torch.strided and t.dtype in _INT_VIEW
-
-
-def _perturb_(t: Tensor, exact: Tensor | None = None) -> Tensor:
-    """Move each element of ``t`` (in place) by the :data:`_LIBM_STEPS` ulps its own bits hash to.
-
-    A pure function of the value, so the same input gives the same bits every time. ``exact`` (broadcasting
-    against ``t``) marks elements a libm returns exactly (``exp(0) = 1``, pass-throughs); they stay, as do
-    zeros, subnormals, infinities, NaNs and results of exactly +-1 (saturation: ``tanh``, ``erf`` and
-    ``sigmoid`` of large arguments, ``exp`` and ``cos`` of tiny ones, which every libm returns exactly).
-    The integer view steps ulps within the binade and across its edges alike: sign-magnitude bits, so
-    adding k moves ``|x|`` up by k ulps for either sign.
-    """
-    bits = t.view(_INT_VIEW[t.dtype])
-    select = ((bits.to(torch.int64) * _HASH) >> 61) & 7
-    steps = torch.tensor(_LIBM_STEPS, dtype=bits.dtype, device=t.device)[select]
-    magnitude = t.abs()
-    # ulps away from the FP range's edges: normal numbers, more than 2 ulps below the largest finite one
-    ok = (magnitude >= torch.finfo(t.dtype).tiny) & (magnitude < torch.finfo(t.dtype).max / 2)
-    ok &= magnitude != 1
-    if exact is not None:
-        ok &= ~exact
-    bits.add_(steps * ok)
-    return t
-
-
-def _exp(p: EmulatedProfile, x: Tensor) -> Tensor:
-    """``exp(x)`` with the profile's libm (inside emulated composite kernels: softmax, log-softmax)."""
-    out = torch.exp(x)
-    return _perturb_(out, x == 0) if p.libm and _libm_dtype(out) else out
-
-
-def _log(p: EmulatedProfile, x: Tensor) -> Tensor:
-    out = torch.log(x)
-    return _perturb_(out) if p.libm and _libm_dtype(out) else out  # log(1) = 0: zeros stay anyway
-
-
-def _rsqrt(p: EmulatedProfile, x: Tensor) -> Tensor:
-    """``1 / sqrt(x)``: two correctly rounded ops natively; a GPU's rsqrt instruction with the libm."""
-    return _perturb_(torch.rsqrt(x)) if p.libm and _libm_dtype(x) else 1.0 / torch.sqrt(x)
-
-
-def _pow(p: EmulatedProfile, x: Tensor, exponent: float) -> Tensor:
-    out = torch.pow(x, exponent)
-    if p.libm and _libm_dtype(out) and exponent not in _EXACT_POWERS:
-        _perturb_(out, x == 1)
-    return out
-
-
-#: Exponents that CPU and CUDA kernels compute with correctly rounded IEEE operations instead of ``pow``
-#: (``sqrt``, ``x * x``, ``x * x * x``, ``1 / x``, ``1 / (x * x)``) or that give exact results.
-_EXACT_POWERS = (0.0, 0.5, 1.0, 2.0, 3.0, -1.0, -2.0)
 
 
 def _libm_handler(

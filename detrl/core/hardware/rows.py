@@ -12,8 +12,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 
 from detrl.core import decompose
-from detrl.core.hardware.libm import _exp, _log, _pow, _rsqrt
-from detrl.core.hardware.machinery import _bind, _combine, _sum
+from detrl.core.hardware.machinery import _bind, _combine, _exp, _log, _pow, _rsqrt, _sum
 from detrl.core.hardware.profiles import EmulatedProfile, Plan, _register, aten
 
 # Each is recomputed from its textbook formula, with every reduction in the profile's "row" order and its
