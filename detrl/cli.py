@@ -182,7 +182,14 @@ def _print_trained(
 def cmd_audit(args: argparse.Namespace) -> int:
     from detrl.apps.audit import audit, parse_caps
     from detrl.formats.bundle import BundleError
+    from detrl.run.config import ConfigError
 
+    if args.json:  # before the replay, which may take hours: a report nobody can write is refused now
+        parent = Path(args.json).parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ConfigError(
+                f"--json {args.json!r}: {str(parent)!r} is not a directory this user can write to"
+            )
     try:
         report = audit(
             args.run_dir,
@@ -416,7 +423,12 @@ def main(argv: list[str] | None = None) -> int:
         from detrl.formats.roundlog import RoundLogError
         from detrl.run.config import ConfigError
 
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(
+            e, (ConfigError, BundleError, RoundLogError)
+        ):  # ours: one line, whatever paths it names
+            msg = str(e).replace("\r", "\\r").replace("\n", "\\n")
+        else:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if isinstance(e, (ConfigError, BundleError, RoundLogError, OSError, ValueError)):
             print(f"detrl: error: {msg}", file=sys.stderr)
             return EXIT_BAD_INPUT

@@ -281,12 +281,11 @@ def _verdict(report: AuditReport, session: Session, m: Any, require_log: bool) -
     violations = t.unlogged_near + t.refused
     if require_log and session.precision.is_verifiable and violations > LOG_TOLERANCE:
         step, a = session.first_violation  # type: ignore[misc]
-        where = f" in {a.module}" if a.module else ""
         report.verdict = "log incomplete"
         report.message = (
             f"the commitments match, but the rounding log breaks its own thresholds: {t.unlogged_near} "
             f"near-midpoint elements unlogged, {t.refused} entries refused; first at step {step}: "
-            f"{a.kind}, op #{a.op} aten.{a.name}{where}, element {a.index}"
+            f"{a.kind}, {a.where()}"
         )
         report.anomalies = [{**dataclasses.asdict(a), "violation": True, "step": step}]
         return report

@@ -311,6 +311,8 @@ def bench_hostile(rest: list[str]) -> int:
                 problems.append(f"timed out after {args.timeout:g} s")
             elif rc not in (0, 1, 2, 3, 4):
                 problems.append(f"exit {rc}")
+            elif name in hostile.EXPECTED_EXIT and rc != hostile.EXPECTED_EXIT[name]:
+                problems.append(f"exit {rc}, not {hostile.EXPECTED_EXIT[name]}")
             problems += [f"printed {bad!r}" for bad in ("Traceback", "internal error") if bad in out + err]
             if rss is None and rc is not None:
                 problems.append("peak RSS unknown (the launcher failed)")

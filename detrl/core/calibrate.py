@@ -28,19 +28,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrl.core.oprules import OpKind, op_name
-from detrl.core.rounding import Thresholds, snapshot, written_tensors
+from detrl.core.rounding import TAU_FLOOR, TAU_FLOOR_MEASURED, Thresholds, snapshot, written_tensors
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
 
 if TYPE_CHECKING:  # the profiles are the engine's to build: calibration only runs them
     from detrl.core.hardware import Profile
 
 DEFAULT_MARGIN = 16.0
-#: 128 FP64 ulps: libm and FMA differences of elementwise ops, and every op whose disagreement the emulated
-#: profiles cannot show (they compute it natively): there tau cannot come from a measurement.
-TAU_FLOOR = 2.0**-22
-#: For reductions the profiles do reorder, the measurement (x margin) is the threshold, down to 8 FP64
-#: ulps at the output's scale: an FMA-contracted epilogue differs by an ulp or two of terms at that scale.
-TAU_FLOOR_MEASURED = 2.0**-26
+# TAU_FLOOR (2**-22): libm and FMA differences of elementwise ops, and every op whose disagreement the
+# emulated profiles cannot show (they compute it natively): there tau cannot come from a measurement.
+# TAU_FLOOR_MEASURED (2**-26): for reductions the profiles do reorder, the measurement (x margin) is the
+# threshold, down to this. Both live with the thresholds in rounding, where the auditor enforces them.
 TAU_CAP = 2.0**-4
 #: Seed of the random accumulation orders calibration measures (emulated:atomic), reseeded every step.
 CALIBRATION_SEED = 0x5EED_CA1B

@@ -34,11 +34,21 @@ import torch
 from torch.utils.module_tracker import ModuleTracker
 
 from detrl.core import calibrate
-from detrl.core.calibrate import DEFAULT_MARGIN, TAU_FLOOR, TAU_FLOOR_MEASURED, Calibrator
+from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
 from detrl.core.precision import Precision
 from detrl.core.randomness import StreamRandomMode
-from detrl.core.rounding import Anomaly, LogOutOfRange, RoundingMode, StepRounding, StepStats, Thresholds
+from detrl.core.rounding import (
+    TAU_FLOOR,
+    TAU_FLOOR_MEASURED,
+    UNREACHED,
+    Anomaly,
+    LogOutOfRange,
+    RoundingMode,
+    StepRounding,
+    StepStats,
+    Thresholds,
+)
 from detrl.core.sources import Sources, state_bytes
 from detrl.formats import bundle as bundle_mod
 from detrl.formats import commit
@@ -72,14 +82,12 @@ class Divergence(Exception):
             parts.append("the batch the trainer committed differs from the auditor's data at this step")
         a = self.decisive
         if a is not None:
-            where = f" in {a.module}" if a.module else ""
-            parts.append(f"rounding log {a.kind}: op #{a.op} aten.{a.name}{where}, element {a.index}")
+            parts.append(f"rounding log {a.kind}: {a.where()}")
         elif self.batch_matches and self.anomalies:
             c = self.anomalies[0]
-            where = f" in {c.module}" if c.module else ""
             parts.append(
                 "no log entry breaks its thresholds; the log's first correction of this machine's rounding: "
-                f"op #{c.op} aten.{c.name}{where}, element {c.index} ({c.kind})"
+                f"{c.where()} ({c.kind})"
             )
         elif self.batch_matches and not self.detail:
             parts.append(
@@ -111,6 +119,28 @@ class Batch:
     x: torch.Tensor
     y: torch.Tensor
     index: torch.Tensor
+
+
+def _check_claims(
+    thresholds: Thresholds, calibration_steps: int, calibrates: int | None, from_config: bool
+) -> None:
+    """Raise ValueError (naming the manifest field) for thresholds or calibration steps no honest recorder
+    writes: a threshold below :data:`TAU_FLOOR_MEASURED` (calibration's least), a default below
+    :data:`TAU_FLOOR` (what an op calibration never measured gets), no calibration step where the run
+    calibrates, or for a task config other calibration steps than it gives."""
+    for name, tau in sorted(thresholds.per_op.items()):
+        if tau < TAU_FLOOR_MEASURED:
+            raise ValueError(
+                f"thresholds.per_op.{name[:64]}: {tau:g} is below 2**-26, the least threshold calibration writes"
+            )
+    if thresholds.default < TAU_FLOOR:
+        raise ValueError(
+            f"thresholds.default: {thresholds.default:g} is below 2**-22, the least a run declares"
+        )
+    if calibrates is not None and calibration_steps < 1:
+        raise ValueError("calibration_steps: 0, but the run calibrates its thresholds in its first steps")
+    if calibrates is not None and from_config and calibration_steps != calibrates:
+        raise ValueError(f"calibration_steps: {calibration_steps}, but its config calibrates in {calibrates}")
 
 
 def _calibrator(thresholds: Thresholds, margin: float) -> Calibrator:
@@ -269,7 +299,8 @@ class Session:
         if mode == "replay" or resume:  # precision, sources and thresholds come from the bundle
             if resume and mode != "record":
                 raise ValueError("resume needs mode='record'")
-            self._open_bundle(caps, resume, data_fingerprint)
+            calibrates = max(1, int(calibration_steps)) if isinstance(thresholds, str) else None
+            self._open_bundle(caps, resume, data_fingerprint, calibrates)
         else:  # a fresh recording, or a run without a bundle: they come from the arguments
             self._set_up_fresh(precision, sources, thresholds, margin, calibration_steps)
         self.stop_requested = False  # set from outside (Ctrl-C): a loop may end early after a whole step
@@ -291,14 +322,22 @@ class Session:
         self.step_seconds: list[float] = []
         #: replay: the first anomaly where the log broke its claim, with its step (for the verdict)
         self.first_violation: tuple[int, Anomaly] | None = None
+        self._verified: set[int] = set()  # replay: checkpoints checked so far
         self._batch_hash: bytes | None = None
         self._stack = contextlib.ExitStack()
 
-    def _open_bundle(self, caps: bundle_mod.Caps | None, resume: bool, data_fingerprint: str | None) -> None:
-        """Replay or resume: read the bundle and take precision, sources and thresholds from it."""
+    def _open_bundle(
+        self,
+        caps: bundle_mod.Caps | None,
+        resume: bool,
+        data_fingerprint: str | None,
+        calibrates: int | None,
+    ) -> None:
+        """Replay or resume: read the bundle and take precision, sources and thresholds from it.
+        ``calibrates``: the calibration steps this Session's arguments give (None: fixed thresholds)."""
         self.bundle = bundle_mod.Bundle(self.dir, caps)  # type: ignore[arg-type]
         try:
-            self._from_bundle(self.bundle, data_fingerprint)
+            self._from_bundle(self.bundle, data_fingerprint, calibrates)
             if resume:
                 self._resume = self.bundle.resume_point()
                 self._resume_calibration(self._resume)
@@ -331,20 +370,34 @@ class Session:
             raise ValueError(f"thresholds must be a Thresholds or 'calibrate', not {thresholds!r}")
         self._initial_sources = self.sources.state_dict()
 
-    def _from_bundle(self, b: bundle_mod.Bundle, data_fingerprint: str | None) -> None:
-        """Take precision, switchboard, thresholds and run shape from a bundle (every field checked)."""
+    def _from_bundle(
+        self, b: bundle_mod.Bundle, data_fingerprint: str | None, calibrates: int | None
+    ) -> None:
+        """Take precision, switchboard, thresholds and run shape from a bundle (every field checked).
+
+        The thresholds and calibration steps are the trainer's claims about its own log: a verifiable
+        bundle whose thresholds fall below what any honest calibration writes, or that calibrated in no
+        step (or, for a task config, in other steps than its config gives) is bad input."""
         m = b.manifest
+        not_ours = "sources: not a switchboard state as detrl writes it (a wrong type or key)"
         try:
             self.precision = Precision(m.precision)
             self.sources = Sources()
-            self.sources.load_state_dict(m.sources)
-            # load_state_dict coerces (int("7"), bool("x")) and ignores unknown keys: only a state that
-            # reads back byte for byte is the switchboard the commitments hashed
-            if state_bytes(self.sources.state_dict()) != state_bytes(m.sources):
-                raise ValueError("sources: not a switchboard state as detrl writes it (a wrong type or key)")
-            if not all(0 <= s < 1 << 64 for s in m.sources["seeds"].values()):
+            try:
+                self.sources.load_state_dict(m.sources)
+                # load_state_dict coerces (int("7"), bool("x")) and ignores unknown keys: only a state
+                # that reads back byte for byte is the switchboard the commitments hashed
+                same = state_bytes(self.sources.state_dict()) == state_bytes(m.sources)
+                seeds = list(m.sources["seeds"].values())
+            except (TypeError, KeyError, AttributeError, ValueError, OverflowError):
+                raise ValueError(not_ours) from None
+            if not same:
+                raise ValueError(not_ours)
+            if not all(isinstance(s, int) and 0 <= s < 1 << 64 for s in seeds):
                 raise ValueError("sources: a stream seed outside [0, 2**64)")
             self.thresholds = Thresholds.from_json(m.thresholds)
+            if self.precision.is_verifiable:
+                _check_claims(self.thresholds, m.calibration_steps, calibrates, m.task is not None)
         except ValueError as e:
             raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
         self._initial_sources = m.sources
@@ -564,7 +617,11 @@ class Session:
             except RoundLogError as e:
                 raise BundleError(str(e)) from None
             # Entries for op positions this replay never rounded: an honest recorder logs none of those.
-            rounding.stats.refused += rounding.replay.skipped_records
+            skipped = rounding.replay.skipped_records
+            if skipped:
+                rounding.stats.refused += skipped
+                op = rounding.replay.first_skipped_op
+                rounding.anomalies.append(Anomaly(op if op is not None else -1, "", "", -1, UNREACHED))
         self.step_seconds.append(time.perf_counter() - t0)
         self.step_index = step
         if rounding is not None:
@@ -606,7 +663,11 @@ class Session:
             if state_hash != want_state:
                 anomalies = rounding.anomalies if rounding is not None else []
                 raise Divergence(step, batch_hash == want_batch, anomalies)
+            if batch_hash != want_batch:  # the same state from other data: the commitment is still false
+                raise Divergence(step, False, [], "the state matches, but the step's batch hash does not")
             self.leaves.append((state_hash, batch_hash))
+            if step in self.bundle.checkpoint_steps:
+                self._verify_checkpoint(step)
             if step >= self.bundle.steps:
                 self.stop_requested = True  # the rest of the recording is not durable: stop the loop here
             return
@@ -651,13 +712,8 @@ class Session:
         stopped_at: int | None = None,
     ) -> None:
         assert self._writer is not None
-        parts: dict[str, Any] = {}
-        out = dict(tensors)
-        for name, part in self.parts.items():
-            arrays, meta = part.state()
-            for key, value in arrays.items():
-                out[f"{RESUME_PREFIX}{name}/{key}"] = torch.as_tensor(np.ascontiguousarray(value))
-            parts[name] = {"digest": part.digest().hex(), "meta": meta}
+        resume, parts = self._resume_state()
+        out = {**tensors, **resume}
         meta: dict[str, Any] = {
             "step": step, "sources": self.sources.state_dict(), "parts": parts,
             "stats": dataclasses.asdict(self.totals), "log_bytes": sum(self.log_bytes),
@@ -667,6 +723,18 @@ class Session:
             meta["calibration"] = self._calibrator.state()
         self._writer.stats = self._stats()
         self._writer.checkpoint(step, out, meta, status, stopped_at)
+
+    def _resume_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a checkpoint carries beyond the committed state: every attached part's arrays (under
+        ``resume/PART/KEY``) and its digest and metadata."""
+        arrays: dict[str, torch.Tensor] = {}
+        parts: dict[str, Any] = {}
+        for name, part in self.parts.items():
+            values, meta = part.state()
+            for key, value in values.items():
+                arrays[f"{RESUME_PREFIX}{name}/{key}"] = torch.as_tensor(np.ascontiguousarray(value))
+            parts[name] = {"digest": part.digest().hex(), "meta": meta}
+        return arrays, parts
 
     def _finish_record(self) -> None:
         if self.model is None:
@@ -692,19 +760,45 @@ class Session:
         return where
 
     def verify_checkpoints(self) -> None:
-        """Check that each checkpoint in the replayed bundle holds the committed state of its step."""
+        """Check that each checkpoint in the replayed bundle holds the committed state of its step (the
+        replay checked those of the steps it reached as it went, resume state included)."""
         assert self.bundle is not None
         for step in self.bundle.checkpoint_steps:
-            rel = bundle_mod.checkpoint_name(step)
-            tensors, meta = self.bundle.load_checkpoint(step)
-            committed = {k: v for k, v in tensors.items() if not k.startswith(RESUME_PREFIX)}
-            try:
-                parts = {n: bytes.fromhex(p["digest"]) for n, p in dict(meta.get("parts", {})).items()}
-                sources = state_bytes(dict(meta.get("sources", {})))
-            except (TypeError, ValueError, KeyError, AttributeError):
-                raise BundleError(f"{rel}: bad part digests or switchboard state") from None
-            if commit.state_hash(committed, sources, parts) != self.bundle.leaves[step][0]:
-                raise Divergence(step, True, [], f"{rel} differs from the commitment")
+            if step not in self._verified:
+                self._verify_checkpoint(step, resume=False)
+
+    def _verify_checkpoint(self, step: int, resume: bool = True) -> None:
+        """The checkpoint of ``step`` holds the committed state (its hash is the step's commitment) and,
+        with ``resume`` (the replay stands at that step), the resume state this replay holds there: the
+        switchboard and every part's arrays and metadata, byte for byte. So nothing a resumed recording
+        or a replay from the checkpoint starts from is only the trainer's word."""
+        assert self.bundle is not None
+        rel = bundle_mod.checkpoint_name(step)
+        tensors, meta = self.bundle.load_checkpoint(step)
+        committed = {k: v for k, v in tensors.items() if not k.startswith(RESUME_PREFIX)}
+        try:
+            parts = {n: bytes.fromhex(p["digest"]) for n, p in dict(meta.get("parts", {})).items()}
+            sources = state_bytes(dict(meta.get("sources", {})))
+        except (TypeError, ValueError, KeyError, AttributeError):
+            raise BundleError(f"{rel}: bad part digests or switchboard state") from None
+        if commit.state_hash(committed, sources, parts) != self.bundle.leaves[step][0]:
+            raise Divergence(step, True, [], f"{rel} differs from the commitment")
+        self._verified.add(step)
+        if not resume:
+            return
+        arrays, own_parts = self._resume_state()
+        theirs = {k: v for k, v in tensors.items() if k.startswith(RESUME_PREFIX)}
+        differ = sorted(
+            k for k in theirs.keys() | arrays.keys() if not _same_tensor(theirs.get(k), arrays.get(k))
+        )
+        if differ:
+            raise Divergence(step, True, [], f"{rel}: resume state {differ[0]} differs from the replay's")
+        if state_bytes({"parts": meta.get("parts"), "sources": meta.get("sources")}) != state_bytes(
+            {"parts": own_parts, "sources": self.sources.state_dict()}
+        ):
+            raise Divergence(
+                step, True, [], f"{rel}: its switchboard or part metadata differs from the replay's"
+            )
 
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))
@@ -732,6 +826,13 @@ def _load_state_tensors(
             if not i.isdigit() or int(i) >= len(optimizers) or pname not in params:
                 raise BundleError(f"checkpoint tensor {name!r} is not model or optimizer state")
             optimizers[int(i)].state[params[pname]][key] = t.clone()
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Both present, of one dtype and shape, and equal byte for byte (NaNs included)."""
+    if a is None or b is None or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().numpy().tobytes() == b.contiguous().numpy().tobytes()
 
 
 def _as_tuple(batch: Any) -> tuple:

@@ -33,6 +33,18 @@ from detrl.formats.roundlog import OpEntries, key32, nearest_with_low16
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
 REPLAY_CHECK_FRACTION = 0.5
+#: The least threshold calibration gives an op kind it cannot measure (every non-reduction: libm and FMA
+#: differences of elementwise ops), 128 FP64 ulps; :mod:`detrl.core.calibrate` floors at it.
+TAU_FLOOR = 2.0**-22
+#: The least threshold calibration gives a reduction whose disagreement it measured: 8 FP64 ulps at the
+#: output's scale (an FMA-contracted epilogue differs by an ulp or two of terms at that scale).
+TAU_FLOOR_MEASURED = 2.0**-26
+
+
+def auditor_floor(reduction: bool) -> float:
+    """The threshold the auditor holds a log to at least, whatever the bundle declares: the least one an
+    honest calibration writes for the op's kind (a reduction, or anything else)."""
+    return TAU_FLOOR_MEASURED if reduction else TAU_FLOOR
 
 
 @dataclasses.dataclass
@@ -212,10 +224,28 @@ class Anomaly:
         """The log breaks its own claim here (as opposed to an honest correction)."""
         return self.kind in LOG_VIOLATIONS
 
+    def where(self) -> str:
+        """``op #k aten.NAME in MODULE, element i``, or for an entry at an op position the replay never
+        reached, ``op #k (never reached by this replay)``."""
+        if self.kind == UNREACHED:
+            return f"op #{self.op} (never reached by this replay)"
+        module = f" in {self.module}" if self.module else ""
+        return f"op #{self.op} aten.{self.name}{module}, element {self.index}"
+
+
+#: A log record for an op position the replay never reached: an honest recorder logs only ops it ran.
+UNREACHED = "logged-op-not-reached"
+
 
 #: Anomalies where the log breaks its claim: a near-midpoint element it omits, an entry this machine refuses
 #: (far from any midpoint, a pinned value out of reach), an index outside the op's output.
-LOG_VIOLATIONS = ("unlogged-near", "logged-not-near", "pinned-value-far", "logged-index-out-of-range")
+LOG_VIOLATIONS = (
+    "unlogged-near",
+    "logged-not-near",
+    "pinned-value-far",
+    "logged-index-out-of-range",
+    UNREACHED,
+)
 #: Anomalies that are the log doing its job: this machine's own nearest rounding differed from the
 #: recorder's, and the logged direction or value was applied (hardware that needs corrections shows many).
 CORRECTIONS = ("logged-direction-differs", "pinned-value-differs")
@@ -426,7 +456,12 @@ class RoundingMode(TorchDispatchMode):
         """Apply the log to ``rounded`` and check it: an entry is honoured only where this machine also
         sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it."""
         entries = step.entries(seq, x.numel())
-        check_tau = self.check_thresholds.tau(name) if self.check_thresholds else tau * REPLAY_CHECK_FRACTION
+        # The bundle's thresholds are the trainer's claim: its log is checked against at least the floor
+        # an honest calibration cannot go below, so a bundle that lowers its own thresholds gains nothing.
+        claimed = max(tau, auditor_floor(scaled is not False))
+        check_tau = (
+            self.check_thresholds.tau(name) if self.check_thresholds else claimed * REPLAY_CHECK_FRACTION
+        )
         honour = max(tau, self.honour_floor)  # the largest threshold the recorder may have logged it with
         flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
         if entries is not None and (last := entries.last_index()) >= 0:  # -1: no entry of any kind

@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -67,7 +66,8 @@ MANIFEST = "manifest.json"
 COMMITMENTS = "commitments"
 ROUNDLOG = "roundlog"
 CHECKPOINTS = "checkpoints"
-#: Files and folders of a bundle (``--force`` removes exactly these; ``tb/`` belongs to the CLI).
+#: Files and folders of a bundle (``--force`` removes exactly these, from a bundle only; ``tb/`` belongs to the
+#: CLI).
 BUNDLE_ENTRIES = (MANIFEST, COMMITMENTS, ROUNDLOG, CHECKPOINTS)
 #: Checkpoint tensors under this prefix are resume state of attached parts, outside the state commitment.
 RESUME_PREFIX = "resume/"
@@ -80,7 +80,7 @@ _TMP_RE = re.compile(r"^\.step_\d{8}\.safetensors\.tmp$")  # safeio.write_atomic
 _HEX64 = r"^[0-9a-f]{64}$"
 
 # commitments: header magic[8] | version u16 | reserved u16 | reserved u32, then fixed-size records
-_COMMIT_MAGIC = b"DTRLCMIT"
+COMMIT_MAGIC = b"DTRLCMIT"
 COMMIT_HEADER = struct.Struct("<8sHHI")
 #: step u64 | state hash 32 | batch hash 32 | crc32 u32 (over the 72 bytes before it)
 COMMIT_RECORD = struct.Struct("<Q32s32sI")
@@ -100,6 +100,8 @@ class Caps:
     checkpoint_bytes: int = 8 << 30
     #: safetensors header and detrl metadata inside a checkpoint
     checkpoint_header_bytes: int = 64 << 20
+    #: tensors in one checkpoint (GPT-2 small with AdamW state writes about 600)
+    checkpoint_tensors: int = 1 << 16
 
 
 def checkpoint_name(step: int) -> str:
@@ -180,7 +182,8 @@ def parse_manifest(data: bytes) -> Manifest:
 
 
 # ---------------------------------------------------------------------------------------------- commitments
-def _commit_record(step: int, state: bytes, batch: bytes) -> bytes:
+def commit_record(step: int, state: bytes, batch: bytes) -> bytes:
+    """One commitments record: step, state hash, batch hash and the CRC-32 of those."""
     body = COMMIT_RECORD.pack(step, state, batch, 0)[:-4]
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -191,7 +194,7 @@ def parse_commitments(data: bytes) -> tuple[list[tuple[bytes, bytes]], int]:
     if len(data) < COMMIT_HEADER.size:
         raise BundleError(f"{COMMITMENTS}: truncated header ({len(data)} bytes)")
     magic, version, r1, r2 = COMMIT_HEADER.unpack_from(data)
-    if magic != _COMMIT_MAGIC:
+    if magic != COMMIT_MAGIC:
         raise BundleError(f"{COMMITMENTS}: bad magic (not a detrl commitments file)")
     if version != 1 or r1 or r2:
         raise BundleError(f"{COMMITMENTS}: unsupported version {version}")
@@ -270,8 +273,7 @@ class Bundle:
             # Killed between writing the first manifest and creating the files: nothing recorded yet.
             self.written, self.torn_bytes = [], 0
         else:
-            data = self._read(COMMITMENTS, self.caps.commitments_bytes, append_only=True)
-            self.written, self.torn_bytes = parse_commitments(data)
+            self.written, self.torn_bytes = parse_commitments(self._read_commitments(m.planned_steps))
         if m.durable is None:
             self.leaves: list[tuple[bytes, bytes]] = []
         else:
@@ -290,12 +292,15 @@ class Bundle:
         self.checkpoint_steps = sorted(_ckpt_step(rel) for rel in m.checkpoints)
         if self.checkpoint_steps and self.checkpoint_steps[-1] > self.steps:
             raise BundleError(f"{MANIFEST}: a checkpoint beyond the durable point")
-        for rel in m.checkpoints:  # up front: a linked or missing checkpoint is bad input before any replay
+        # Up front: a linked or missing checkpoint, or one whose header does not fit or names too many
+        # tensors, is bad input before any replay
+        for rel in m.checkpoints:
             try:
-                f, _ = safeio.open_regular(self.dir, rel, self.caps.checkpoint_bytes)
+                f, size = safeio.open_regular(self.dir, rel, self.caps.checkpoint_bytes)
+                with f:
+                    self._check_checkpoint_header(f, size, rel)
             except safeio.UnsafeInput as e:
                 raise BundleError(str(e)) from None
-            f.close()
         self.roundlog: RoundLogReader | None = None
         if m.precision == "verifiable" and (m.durable is not None or _exists(self.dir / ROUNDLOG)):
             self.roundlog = self._open_log()
@@ -303,6 +308,26 @@ class Bundle:
     def _read(self, rel: str, cap: int, append_only: bool = False) -> bytes:
         try:
             return safeio.read_file(self.dir, rel, cap, append_only)
+        except safeio.UnsafeInput as e:
+            raise BundleError(str(e)) from None
+
+    def _read_commitments(self, planned_steps: int | None) -> bytes:
+        """The commitments file, its header checked before anything else is read, and its size against the
+        records the planned steps can write (steps 0..planned, and a torn record): a file of zeros or a giant
+        one is refused from its first bytes, not after a whole-file read."""
+        try:
+            f, size = safeio.open_regular(self.dir, COMMITMENTS, self.caps.commitments_bytes)
+            with f:
+                head = safeio.read_bounded(f, min(size, COMMIT_HEADER.size), COMMITMENTS, append_only=True)
+                parse_commitments(head)  # magic and version (a short file: truncated header)
+                if planned_steps is not None:
+                    most = COMMIT_HEADER.size + (planned_steps + 2) * COMMIT_RECORD.size
+                    if size > most:
+                        raise BundleError(
+                            f"{COMMITMENTS}: {size} bytes, more than the {planned_steps} planned steps "
+                            f"can write ({most})"
+                        )
+                return head + safeio.read_bounded(f, size - len(head), COMMITMENTS, append_only=True)
         except safeio.UnsafeInput as e:
             raise BundleError(str(e)) from None
 
@@ -345,10 +370,40 @@ class Bundle:
         digest = self.manifest.checkpoints.get(rel)
         if digest is None:
             raise BundleError(f"{rel}: not listed in {MANIFEST}")
-        data = self._read(rel, self.caps.checkpoint_bytes)
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise BundleError(f"{rel}: SHA-256 does not match {MANIFEST} (file changed or corrupted)")
+        try:
+            f, size = safeio.open_regular(self.dir, rel, self.caps.checkpoint_bytes)
+            with f:
+                # Cheap checks first: the header's length and tensor count, then the SHA-256 while
+                # streaming; only a file that passes both is read whole and decoded.
+                self._check_checkpoint_header(f, size, rel)
+                f.seek(0)
+                h = hashlib.sha256()
+                for chunk in iter(lambda: f.read(safeio.CHUNK_BYTES), b""):
+                    h.update(chunk)
+                if h.hexdigest() != digest:
+                    raise BundleError(f"{rel}: SHA-256 does not match {MANIFEST} (file changed or corrupted)")
+                f.seek(0)
+                data = safeio.read_bounded(f, size, rel)
+        except safeio.UnsafeInput as e:
+            raise BundleError(str(e)) from None
         return decode_checkpoint(data, rel, self.caps)
+
+    def _check_checkpoint_header(self, f: Any, size: int, rel: str) -> None:
+        """A safetensors header that fits the file and the cap, naming at most ``caps.checkpoint_tensors``."""
+        head = safeio.read_bounded(f, min(size, 8), rel, append_only=True)
+        if len(head) < 8:
+            raise BundleError(f"{rel}: not a valid safetensors checkpoint (truncated)")
+        n = int.from_bytes(head, "little")
+        if not 2 <= n <= min(size - 8, self.caps.checkpoint_header_bytes):  # "{}" at least
+            raise BundleError(f"{rel}: safetensors header of {n} bytes does not fit")
+        raw = safeio.read_bounded(f, n, rel, append_only=True)
+        # Every tensor's entry names its data_offsets: counted in the bytes, before parsing builds them all
+        # (the count is at least the number of tensors, and exact for every checkpoint detrl writes).
+        count = raw.count(b'"data_offsets"')
+        if count > self.caps.checkpoint_tensors:
+            raise BundleError(
+                f"{rel}: {count} tensors, more than the auditor's cap {self.caps.checkpoint_tensors}"
+            )
 
     def resume_point(self) -> ResumePoint:
         """Where ``--resume`` continues: the last checkpoint, with what was written after it (without a
@@ -440,9 +495,11 @@ class BundleWriter:
             self._lock = None
             raise BundleError(str(e)) from None
         try:
-            existing = any((self.dir / e).exists() for e in BUNDLE_ENTRIES)
+            existing = any(_exists(self.dir / e) for e in BUNDLE_ENTRIES)
             if self.resume is None and existing and not force:
                 raise BundleError(f"{self.dir}: a bundle is already there (use --force to replace it)")
+            if self.resume is None and existing:
+                _check_replaceable(self.dir)
             if self.resume is None:
                 self._start_fresh()
             else:
@@ -452,17 +509,20 @@ class BundleWriter:
             raise
 
     def _start_fresh(self) -> None:
-        for entry in BUNDLE_ENTRIES:  # --force: the old bundle goes, the manifest first
-            p = self.dir / entry
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink(missing_ok=True)
+        # --force (checked by _check_replaceable): the old bundle goes, the manifest first, and in
+        # checkpoints/ only the files a bundle writes
+        for entry in (MANIFEST, COMMITMENTS, ROUNDLOG):
+            (self.dir / entry).unlink(missing_ok=True)
+        ckpts = self.dir / CHECKPOINTS
+        if ckpts.is_dir() and not ckpts.is_symlink():
+            for p in ckpts.iterdir():
+                p.unlink()
+            ckpts.rmdir()
         self.header.setdefault("created", utc_now())
         # The manifest first: from here on the directory is a bundle (incomplete at step 0) whatever happens.
         self._write_manifest()
         self._commits = open(self.dir / COMMITMENTS, "wb")  # noqa: SIM115 - closed in close()
-        self._commits.write(COMMIT_HEADER.pack(_COMMIT_MAGIC, 1, 0, 0))
+        self._commits.write(COMMIT_HEADER.pack(COMMIT_MAGIC, 1, 0, 0))
         self._commits.flush()
         if self.verifiable:
             self._log = RoundLogWriter(self.dir / ROUNDLOG, level=LOG_ZSTD_LEVEL)
@@ -496,7 +556,7 @@ class BundleWriter:
             self.status, self.stopped_at = "recording", None
             self._write_manifest()
         if not (self.dir / COMMITMENTS).exists():  # killed before the files were created
-            (self.dir / COMMITMENTS).write_bytes(COMMIT_HEADER.pack(_COMMIT_MAGIC, 1, 0, 0))
+            (self.dir / COMMITMENTS).write_bytes(COMMIT_HEADER.pack(COMMIT_MAGIC, 1, 0, 0))
         if self.verifiable and not (self.dir / ROUNDLOG).exists():
             RoundLogWriter(self.dir / ROUNDLOG, level=LOG_ZSTD_LEVEL).close()
         self._commits = open(self.dir / COMMITMENTS, "r+b")  # noqa: SIM115 - closed in close()
@@ -535,7 +595,7 @@ class BundleWriter:
             size = self._log.write_step(step, log_ops or [])
             self._log_end = self._log.bytes_written
         assert self._commits is not None
-        self._commits.write(_commit_record(step, state, batch))
+        self._commits.write(commit_record(step, state, batch))
         self._commits.flush()
         self.leaves.append((state, batch))
         return size
@@ -665,6 +725,32 @@ def reseal(run_dir: str | os.PathLike) -> None:
             with RoundLogReader(run_dir / ROUNDLOG) as r:
                 m["durable"]["roundlog_bytes"] = r.segment_end(step)
     safeio.write_atomic(run_dir, MANIFEST, safeio.dumps_json(m))
+
+
+def _check_replaceable(run_dir: Path) -> None:
+    """Refuse ``--force`` unless ``run_dir`` holds a detrl bundle and nothing of anyone else's among the
+    entries a bundle owns: a manifest that says it is one (its ``format`` marker), ``roundlog`` and
+    ``commitments`` regular files, and in ``checkpoints/`` only checkpoint files. Nothing is changed."""
+    refuse = f"{run_dir}: --force replaces only a detrl bundle, and nothing was changed:"
+    try:
+        m = safeio.loads_json(safeio.read_file(run_dir, MANIFEST, 1 << 26), MANIFEST)
+    except (safeio.UnsafeInput, OSError):
+        m = None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise BundleError(f"{refuse} it holds no {MANIFEST} with format {FORMAT!r}")
+    for entry in (COMMITMENTS, ROUNDLOG):
+        p = run_dir / entry
+        if _exists(p) and (p.is_symlink() or not p.is_file()):
+            raise BundleError(f"{refuse} {entry} is not a regular file")
+    ckpts = run_dir / CHECKPOINTS
+    if not _exists(ckpts):
+        return
+    if ckpts.is_symlink() or not ckpts.is_dir():
+        raise BundleError(f"{refuse} {CHECKPOINTS} is not a directory")
+    for p in ckpts.iterdir():
+        rel = f"{CHECKPOINTS}/{p.name}"
+        if p.is_symlink() or not p.is_file() or not (_CKPT_RE.match(rel) or _TMP_RE.match(p.name)):
+            raise BundleError(f"{refuse} {rel!r} is not a checkpoint detrl wrote")
 
 
 def _exists(path: Path) -> bool:

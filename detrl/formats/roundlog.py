@@ -772,11 +772,13 @@ class StepCursor:
     Attributes:
         step: the training step.
         skipped_records: records read and discarded because no :meth:`take` asked for their op.
+        first_skipped_op: the op position of the first of those (None while there is none).
     """
 
     def __init__(self, reader: RoundLogReader, seg: _Segment | None, step: int) -> None:
         self.step = step
         self.skipped_records = 0
+        self.first_skipped_op: int | None = None
         self._reader = reader
         self._seg = seg
         self._n_ops = 0 if seg is None else seg.n_ops
@@ -899,6 +901,8 @@ class StepCursor:
             self._chunk(n)
             left -= n
         self._pending = None
+        if self.first_skipped_op is None:
+            self.first_skipped_op = head.op
         self.skipped_records += 1
 
     def _planes(self, count: int, n_planes: int, acc: np.ndarray) -> bool:

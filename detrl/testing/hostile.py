@@ -52,6 +52,25 @@ def set_literal(run: Path, path: tuple[str, ...], literal: bytes) -> None:
     p.write_bytes(p.read_bytes().replace(b'"__LITERAL__"', literal))
 
 
+def write_commitments(run: Path, leaves: list[tuple[bytes, bytes]]) -> None:
+    """Write ``leaves`` (state hash, batch hash per step) as the bundle's commitments file, every record's
+    CRC valid: the forgery then reaches the replay (reseal the manifest's Merkle root after it)."""
+    out = bundle_mod.COMMIT_HEADER.pack(bundle_mod.COMMIT_MAGIC, 1, 0, 0)
+    out += b"".join(
+        bundle_mod.commit_record(step, state, batch) for step, (state, batch) in enumerate(leaves)
+    )
+    (run / bundle_mod.COMMITMENTS).write_bytes(out)
+
+
+def rewrite_checkpoint(run: Path, step: int, change: Callable[[dict[str, Any]], None]) -> None:
+    """Decode the checkpoint of ``step``, let ``change(tensors)`` edit it, and encode it again with its own
+    metadata (the manifest's SHA-256 is then stale: :func:`rehash_checkpoints`)."""
+    rel = bundle_mod.checkpoint_name(step)
+    tensors, meta = bundle_mod.decode_checkpoint((run / rel).read_bytes(), rel, bundle_mod.Caps())
+    change(tensors)
+    (run / rel).write_bytes(bundle_mod.encode_checkpoint(tensors, meta))
+
+
 def rehash_checkpoints(run: Path) -> None:
     """Re-sign every listed checkpoint's SHA-256 in the manifest (so damage reaches the decoder)."""
     m = read_manifest(run)
@@ -233,6 +252,92 @@ def _plant_bomb_512mib(run: Path, scratch: Path) -> list[Path]:
     return []
 
 
+def _plant_zero_commitments(run: Path, scratch: Path) -> list[Path]:
+    """A commitments file of 10**9 zero bytes (sparse): its bad magic is in its first 8 bytes."""
+    with open(run / bundle_mod.COMMITMENTS, "wb") as f:
+        f.truncate(10**9)
+    return []
+
+
+def _plant_sparse_checkpoint(run: Path, scratch: Path) -> list[Path]:
+    """A listed checkpoint replaced by a 2 GiB sparse file (the manifest's SHA-256 left as it was)."""
+    rel = sorted(read_manifest(run)["checkpoints"])[0]
+    with open(run / rel, "wb") as f:
+        f.truncate(2 << 30)
+    return []
+
+
+def _plant_many_tensors(run: Path, scratch: Path) -> list[Path]:
+    """The first checkpoint with 600,000 empty tensors added, re-signed so it reaches the decoder."""
+    import torch
+
+    def add(tensors: dict[str, Any]) -> None:
+        empty = torch.zeros(0)
+        tensors.update({f"x{i}": empty for i in range(600_000)})
+
+    step = int(sorted(read_manifest(run)["checkpoints"])[0][-20:-12])
+    rewrite_checkpoint(run, step, add)
+    rehash_checkpoints(run)
+    return []
+
+
+def _plant_lowered_thresholds(run: Path, scratch: Path) -> list[Path]:
+    """The log emptied, every threshold and the calibration steps 0, resealed: a forgery that replicated."""
+    from detrl.testing.logrewrite import rewrite
+
+    rewrite(run / bundle_mod.ROUNDLOG, scratch / "roundlog", lambda step, ops: {})
+    (scratch / "roundlog").replace(run / bundle_mod.ROUNDLOG)
+    bundle_mod.reseal(run)
+    m = read_manifest(run)
+    m["thresholds"] = {"default": 0.0, "per_op": {name: 0.0 for name in m["thresholds"]["per_op"]}}
+    m["calibration_steps"] = 0
+    write_manifest(run, m)
+    return []
+
+
+def _plant_batch_hash(run: Path, scratch: Path) -> list[Path]:
+    """One bit of step 1's batch hash flipped, its CRC and the Merkle root fixed."""
+    leaves, _ = bundle_mod.parse_commitments((run / bundle_mod.COMMITMENTS).read_bytes())
+    state, batch = leaves[1]
+    leaves[1] = (state, bytes([batch[0] ^ 1]) + batch[1:])
+    write_commitments(run, leaves)
+    bundle_mod.reseal(run)
+    return []
+
+
+def _plant_unreached_op(run: Path, scratch: Path) -> list[Path]:
+    """A well-formed log record at step 1 for op position 2**32 - 1, which no replay reaches."""
+    import numpy as np
+
+    from detrl.formats.roundlog import OpEntries
+    from detrl.testing.logrewrite import rewrite
+
+    last = 2**32 - 1
+
+    def plant(step: int, ops: dict[int, OpEntries]) -> dict[int, OpEntries]:
+        if step == 1:
+            ops[last] = OpEntries(last, np.array([0], dtype=np.int64), np.array([True]))
+        return ops
+
+    rewrite(run / bundle_mod.ROUNDLOG, scratch / "roundlog", plant)
+    (scratch / "roundlog").replace(run / bundle_mod.ROUNDLOG)
+    bundle_mod.reseal(run)
+    return []
+
+
+#: The verdict (exit code) a case must give, where only one is right: a forgery consistent in every
+#: checksum must never replicate, and a bundle that is no bundle is bad input.
+EXPECTED_EXIT = {
+    "honest bundle": 0,
+    "commitments: 10**9 zero bytes": 2,
+    "checkpoint: a 2 GiB sparse file": 2,
+    "checkpoint: 600,000 empty tensors": 2,
+    "log emptied, thresholds and calibration 0": 2,
+    "step 1's batch hash forged": 1,
+    "a log record for op 2**32-1": 4,
+}
+
+
 def hostile_cases() -> list[tuple[str, Callable[[Path, Path], list[Path]]]]:
     """``(name, plant)`` for each case of ``detrl bench hostile``, the honest bundle (the control) first.
     ``plant(run, scratch)`` damages the bundle copy ``run`` in place (``scratch``: a folder outside it) and
@@ -256,4 +361,10 @@ def hostile_cases() -> list[tuple[str, Callable[[Path, Path], list[Path]]]]:
         ("checkpoints/ -> outside the bundle", _plant_checkpoints_outside),
         ("checkpoint is a pickle (torch.save)", _plant_pickle_checkpoint),
         ("commitments: 10**6 garbage records", _plant_garbage_commitments),
+        ("commitments: 10**9 zero bytes", _plant_zero_commitments),
+        ("checkpoint: a 2 GiB sparse file", _plant_sparse_checkpoint),
+        ("checkpoint: 600,000 empty tensors", _plant_many_tensors),
+        ("log emptied, thresholds and calibration 0", _plant_lowered_thresholds),
+        ("step 1's batch hash forged", _plant_batch_hash),
+        ("a log record for op 2**32-1", _plant_unreached_op),
     ]

@@ -1,0 +1,223 @@
+"""The auditor trusts no claim of the trainer's: a bundle that lowers its own thresholds or calibration,
+a forged batch commitment, a forged checkpoint resume state and a log record for an op the replay never
+reaches each end in a verdict; ``--force`` never deletes what is not a detrl bundle.
+
+Every forgery is consistent (CRCs, checkpoint SHA-256s, Merkle root and log length resealed), as a
+dishonest trainer can make it, so it reaches the replay rather than the parsers.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from detrl.cli import main
+from detrl.formats import bundle as bundle_mod
+from detrl.formats.roundlog import OpEntries
+from detrl.testing.hostile import (
+    EXPECTED_EXIT,
+    audit_subprocess,
+    hostile_cases,
+    read_manifest,
+    rehash_checkpoints,
+    rewrite_checkpoint,
+    write_commitments,
+    write_manifest,
+)
+from detrl.testing.logrewrite import rewrite
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "configs" / "supervised" / "digits_cnn.yaml")
+SETS = ["--set", "train.steps=6", "--set", "verify.checkpoint_every=3"]
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def honest(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("claims") / "run"
+    assert main(["train", CONFIG, *SETS, "--out", str(run), "--quiet"]) == 0
+    return run
+
+
+@pytest.fixture
+def bundle(honest: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(honest, dst)
+    return dst
+
+
+def empty_log(run: Path) -> None:
+    rewrite(run / "roundlog", run / "roundlog.new", lambda step, ops: {})
+    (run / "roundlog.new").replace(run / "roundlog")
+    bundle_mod.reseal(run)
+
+
+@pytest.mark.parametrize("hardware", ["native", "emulated:splitk"])
+def test_a_bundle_that_lowers_its_own_thresholds_is_bad_input(
+    bundle: Path, hardware: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The log emptied, every threshold and the calibration steps set to 0: it replicated (exit 0) while
+    the replayer took the declared thresholds as the measure of compliance."""
+    empty_log(bundle)
+    m = read_manifest(bundle)
+    m["thresholds"] = {"default": 0.0, "per_op": {name: 0.0 for name in m["thresholds"]["per_op"]}}
+    m["calibration_steps"] = 0
+    write_manifest(bundle, m)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--hardware", hardware, "--quiet")
+    assert rc == 2, out + err
+    assert "manifest.json: thresholds.per_op." in err and "below 2**-26" in err
+
+
+def test_thresholds_at_the_floor_still_need_their_log(
+    bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Thresholds lowered to exactly what calibration may write pass the check, but the auditor holds the
+    emptied log to its own floor (2**-22 for every op that is not a reduction): log incomplete."""
+    empty_log(bundle)
+    m = read_manifest(bundle)
+    m["thresholds"] = {"default": 2.0**-22, "per_op": {name: 2.0**-26 for name in m["thresholds"]["per_op"]}}
+    write_manifest(bundle, m)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    assert rc == 4, out + err
+    assert out.startswith("LOG INCOMPLETE") and "unlogged-near" in out
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_calibration_steps_other_than_the_config_gives_are_bad_input(
+    bundle: Path, steps: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    m = read_manifest(bundle)
+    m["calibration_steps"] = steps
+    write_manifest(bundle, m)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    assert rc == 2 and "manifest.json: calibration_steps:" in err, out + err
+
+
+def test_a_forged_batch_commitment_diverges_at_its_step(
+    bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One bit of step 3's batch hash flipped, its CRC and the Merkle root fixed: the replay compares the
+    batch hash of every step, not only the state hash."""
+    leaves, _ = bundle_mod.parse_commitments((bundle / "commitments").read_bytes())
+    state, batch = leaves[3]
+    leaves[3] = (state, bytes([batch[0] ^ 1]) + batch[1:])
+    write_commitments(bundle, leaves)
+    bundle_mod.reseal(bundle)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    assert rc == 1, out + err
+    assert out.startswith("DIVERGED") and "diverged at step 3" in out and "batch hash" in out
+
+
+def test_a_forged_resume_state_in_a_checkpoint_diverges(
+    bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The data order a resume (or a replay from the checkpoint) would continue with, swapped and
+    resealed: the replay compares every resume tensor with its own at that step."""
+
+    def swap(tensors: dict[str, torch.Tensor]) -> None:
+        order = tensors["resume/loader/order"].clone()
+        order[[0, 1]] = order[[1, 0]]
+        tensors["resume/loader/order"] = order
+
+    rewrite_checkpoint(bundle, 3, swap)
+    rehash_checkpoints(bundle)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    assert rc == 1, out + err
+    assert "diverged at step 3" in out and "resume state resume/loader/order" in out
+
+
+def test_a_record_for_an_op_never_reached_is_a_log_violation(
+    bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A well-formed record for op position 2**32 - 1 at step 2: an internal error (exit 70) before, now
+    a log that breaks its claim (exit 4) naming the op position."""
+
+    def plant(step: int, ops: dict[int, OpEntries]) -> dict[int, OpEntries]:
+        if step == 2:
+            ops[2**32 - 1] = OpEntries(2**32 - 1, np.array([0], dtype=np.int64), np.array([True]))
+        return ops
+
+    rewrite(bundle / "roundlog", bundle / "roundlog.new", plant)
+    (bundle / "roundlog.new").replace(bundle / "roundlog")
+    bundle_mod.reseal(bundle)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    assert rc == 4, out + err
+    assert "refused" in out and "op #4294967295 (never reached by this replay)" in out
+
+
+def test_force_refuses_a_directory_that_is_not_a_bundle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's directory holding a ``checkpoints/`` folder and a file named ``roundlog``: --force used
+    to delete both. It is refused, and nothing in it changes."""
+    out_dir = tmp_path / "mine"
+    (out_dir / "checkpoints").mkdir(parents=True)
+    (out_dir / "checkpoints" / "my_model_weights.pt").write_bytes(b"weights")
+    (out_dir / "roundlog").write_text("my notes")
+    before = sorted(p.relative_to(out_dir) for p in out_dir.rglob("*"))
+    rc, out, err = cli(capsys, "train", CONFIG, *SETS, "--out", str(out_dir), "--force", "--quiet")
+    assert rc == 2 and "--force replaces only a detrl bundle" in err, out + err
+    assert sorted(p.relative_to(out_dir) for p in out_dir.rglob("*")) == before
+    assert (out_dir / "checkpoints" / "my_model_weights.pt").read_bytes() == b"weights"
+
+
+def test_force_keeps_a_users_file_inside_a_bundles_checkpoints(
+    bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (bundle / "checkpoints" / "notes.txt").write_text("mine")
+    rc, out, err = cli(capsys, "train", CONFIG, *SETS, "--out", str(bundle), "--force", "--quiet")
+    assert rc == 2 and "'checkpoints/notes.txt' is not a checkpoint detrl wrote" in err, out + err
+    assert (bundle / "checkpoints" / "notes.txt").read_text() == "mine"
+
+
+def test_force_replaces_a_bundle(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = cli(
+        capsys, "train", CONFIG, "--set", "train.steps=2", "--out", str(bundle), "--force", "--quiet"
+    )
+    assert rc == 0, out + err
+    assert read_manifest(bundle)["planned_steps"] == 2
+
+
+def test_a_json_report_nobody_can_write_is_refused_before_the_replay(
+    honest: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = cli(capsys, "audit", str(honest), "--json", str(tmp_path / "no_such_dir" / "r.json"))
+    assert rc == 2 and "--json" in err and out == "", out + err
+
+
+def test_a_newline_in_a_path_stays_in_the_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = cli(capsys, "audit", str(tmp_path / "first\nsecond"))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "second" in err, err
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "commitments: 10**9 zero bytes",
+        "checkpoint: a 2 GiB sparse file",
+        # planting 600,000 tensors takes 15 s: the slow suite
+        pytest.param("checkpoint: 600,000 empty tensors", marks=pytest.mark.slow),
+    ],
+)
+def test_cheap_checks_come_before_whole_file_reads(bundle: Path, tmp_path: Path, case: str) -> None:
+    """Each cost gigabytes (2.1 GB, 4.5 GB and 1.6 GB RSS): the header, size and tensor count are
+    checked first, and a checkpoint is hashed while streaming. Bad input, under 1 GB, in seconds."""
+    plant = dict(hostile_cases())[case]
+    plant(bundle, tmp_path)
+    rc, out, err, rss, wall = audit_subprocess(bundle, timeout=120)
+    assert rc == EXPECTED_EXIT[case] == 2, out + err
+    assert err.startswith("detrl: error: ") and len(err.strip().splitlines()) == 1, err
+    assert rss is not None and rss < 10**9, f"peak RSS {rss / 1e6:.0f} MB"
+    assert wall < 30, wall
