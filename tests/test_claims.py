@@ -221,3 +221,22 @@ def test_cheap_checks_come_before_whole_file_reads(bundle: Path, tmp_path: Path,
     assert err.startswith("detrl: error: ") and len(err.strip().splitlines()) == 1, err
     assert rss is not None and rss < 10**9, f"peak RSS {rss / 1e6:.0f} MB"
     assert wall < 30, wall
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("planned_steps", 10**6), ("checkpoint_every", 1), ("margin", 15.0), ("data_fingerprint", None)],
+)
+def test_run_shape_claims_other_than_the_config_gives_are_refused(
+    bundle: Path, field: str, value: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by the production-path fuzzer: each of these was accepted (exit 0). A dropped fingerprint
+    claims other data than the auditor's (diverged at step 0); the others are bad input."""
+    m = read_manifest(bundle)
+    m[field] = value
+    write_manifest(bundle, m)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    if field == "data_fingerprint":
+        assert rc == 1 and "data fingerprint differs" in out, out + err
+    else:
+        assert rc == 2 and f"manifest.json: {field}:" in err, out + err

@@ -163,7 +163,7 @@ def audit(
         precision=m.precision,
     )
     ours = task.fingerprint(cfg, data, **extra)
-    if m.data_fingerprint is not None and m.data_fingerprint != ours:
+    if m.data_fingerprint != ours:  # a bundle that drops its fingerprint claims other data than ours
         report.verdict, report.diverged_step, report.steps = "diverged", 0, 0
         report.message = "the bundle's data fingerprint differs from the auditor's copy of the data" + (
             " or of the init weights (--init-from)" if init_from is not None else ""
@@ -202,6 +202,15 @@ def _validated_config(
         check_caps({"size": task.size(cfg)}, {**tasks.SIZE_CAPS, **(caps or {})})
     except (config_mod.ConfigError, tasks.UnknownTask) as e:
         raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
+    # The run shape the manifest claims is the one its config gives (the recorder built its Session from
+    # the config through the same path): planned steps, checkpoint spacing, calibration margin.
+    for field, claimed, given in (
+        ("planned_steps", m.planned_steps, task.planned_steps(cfg)),
+        ("checkpoint_every", m.checkpoint_every, cfg.verify.checkpoint_every),
+        ("margin", m.margin, cfg.verify.margin),
+    ):
+        if claimed != given:
+            raise BundleError(f"{bundle_mod.MANIFEST}: {field}: {claimed!r}, but its config gives {given!r}")
     # The switchboard the manifest claims is the one its config gives (but for unseeded streams' OS-drawn
     # seeds): edited seeds are bad input, not a divergence at step 0.
     want, got = Sources.from_config(cfg.sources).state_dict(), m.sources.get("seeds")

@@ -33,7 +33,7 @@ from detrl.bench.common import (
 from detrl.bench.registry import benchmark
 from detrl.core.hardware import get_profile
 from detrl.run.fmt import format_bytes, machine_line, table
-from detrl.testing import fuzzing, hostile
+from detrl.testing import auditfuzz, fuzzing, hostile
 from detrl.testing.logrewrite import strip_log
 
 
@@ -188,7 +188,17 @@ def bench_fuzz(rest: list[str]) -> int:
     p.add_argument("--targets", default=",".join(fuzzing.TARGETS), help="comma list, taken in turn")
     p.add_argument("--case-timeout", type=float, default=10.0, help="seconds per case (more: a hang)")
     p.add_argument("--show", type=int, default=3, help="tracebacks shown of the first N distinct crashes")
+    p.add_argument(
+        "--path",
+        choices=("readers", "audit"),
+        default="readers",
+        help="readers: damage bytes and call the readers in-process; audit: forge bundles consistently "
+        "and fork the real `detrl audit` per case (detrl.testing.auditfuzz)",
+    )
+    p.add_argument("--workers", type=int, default=2, help="--path audit: audits in flight at once")
     args = p.parse_args(rest)
+    if args.path == "audit":
+        return _fuzz_audit(args)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in targets:
         if t not in fuzzing.TARGETS:
@@ -274,6 +284,87 @@ def bench_fuzz(rest: list[str]) -> int:
     if args.cases != 100_000:
         print(f"at this rate, 100,000 cases take about {100_000 * elapsed / args.cases / 60:.1f} min")
     return 1 if found else 0
+
+
+def _fuzz_audit(args: argparse.Namespace) -> int:
+    """``detrl bench fuzz --path audit``: :mod:`detrl.testing.auditfuzz` cases, each a forged bundle
+    audited by a fork of the real command; a crash is an exit code outside the verdicts (70), a signal,
+    a traceback or a timeout. Prints outcomes per kind of forgery, crash signatures with their replays,
+    the rate and the children's peak RSS against the honest audit's."""
+    import subprocess
+    import sys
+
+    if args.cases < 1 or args.case_timeout <= 0 or args.workers < 1:
+        raise ValueError("--cases, --case-timeout and --workers must be positive")
+    print(machine_line(1))
+    with tempfile.TemporaryDirectory(prefix="detrl-auditfuzz-") as tmp:
+        run = Path(tmp) / "base"
+        progress("recording the base bundle (digits_cnn, 4 steps, checkpoints at 2 and 4) ...")
+        subprocess.run(  # in a child: this process must start no torch thread pool before it forks
+            [sys.executable, "-m", "detrl.cli", "train", "configs/supervised/digits_cnn.yaml", "--set",
+             "train.steps=4", "--set", "verify.checkpoint_every=2", "--out", str(run), "--quiet"],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        forgers = [auditfuzz.Forger(run, Path(tmp) / f"slot{k}" / "run") for k in range(args.workers)]
+        auditfuzz.warm_up(run)
+        honest = auditfuzz.audit_forked(run, args.case_timeout)
+        if honest.code != 0:
+            raise RuntimeError(f"the honest base bundle did not replicate: {honest.line}")
+        outcomes: collections.Counter[tuple[str, str]] = collections.Counter()
+        crashes: dict[str, list[tuple[str, str]]] = {}
+        worst = {"rss": 0, "seconds": 0.0, "seed": ""}
+        whats: dict[int, str] = {}
+        t_start = time.perf_counter()
+
+        def prepare(slot: int, seed: str) -> None:
+            whats[slot] = forgers[slot].forge(random.Random(seed))
+
+        def done(slot: int, seed: str, o: auditfuzz.Outcome) -> None:
+            forgers[slot].restore()
+            kind, what = whats[slot].partition(":")[::2]
+            outcomes[(kind, "crash" if o.crashed else str(o.code))] += 1
+            if o.crashed:
+                crashes.setdefault(auditfuzz.signature(o), []).append((seed, whats[slot]))
+            worst["rss"] = max(worst["rss"], o.peak_rss)
+            if o.seconds > worst["seconds"]:
+                worst.update(seconds=o.seconds, seed=seed)
+            n = sum(outcomes.values())
+            if n % max(1, args.cases // 20) == 0:
+                rate = n / (time.perf_counter() - t_start)
+                progress(f"{n}/{args.cases} cases, {rate:.1f}/s, {sum(map(len, crashes.values()))} crashes")
+
+        seeds = [f"{args.seed}:{i}" for i in range(args.cases)]
+        slots = [f.workdir for f in forgers]
+        auditfuzz.run_forked(slots, seeds, args.case_timeout, done, prepare)
+        elapsed = time.perf_counter() - t_start
+    codes = ["0", "1", "2", "3", "4", "crash"]
+    rows = [
+        [
+            kind,
+            str(sum(n for (k, _), n in outcomes.items() if k == kind)),
+            *(str(outcomes[(kind, c)]) for c in codes),
+        ]
+        for kind in auditfuzz.KINDS
+    ]
+    print(table(["forgery", "cases", *(f"exit {c}" if c != "crash" else c for c in codes)], rows))
+    ran = sum(outcomes.values())
+    n_crash = sum(map(len, crashes.values()))
+    print(f"cases run: {ran} in {elapsed:.1f} s ({ran / elapsed:.1f}/s, {args.workers} at a time)")
+    print(
+        f"crashes (exit 70, other codes, signals, tracebacks, timeouts): {n_crash} ({len(crashes)} distinct)"
+    )
+    for sig, hits in sorted(crashes.items(), key=lambda kv: -len(kv[1])):
+        print(
+            f"  {sig}: {len(hits)} cases; replay: Forger(...).forge(Random({hits[0][0]!r}))  # {hits[0][1]}"
+        )
+    print(f"slowest case: {worst['seconds']:.2f} s (seed {worst['seed']!r})")
+    print(
+        f"peak RSS of an audit child: {format_bytes(worst['rss'])} at most, the honest audit's "
+        f"{format_bytes(honest.peak_rss)} (+{format_bytes(max(0, worst['rss'] - honest.peak_rss))})"
+    )
+    if args.cases != 100_000:
+        print(f"at this rate, 100,000 cases take about {100_000 * elapsed / ran / 60:.0f} min")
+    return 1 if crashes else 0
 
 
 @benchmark("hostile", "audit hostile bundles (bombs, caps, FIFOs, links, deep JSON, pickles): time, peak RSS")

@@ -783,6 +783,8 @@ class Session:
             raise BundleError(f"{rel}: bad part digests or switchboard state") from None
         if commit.state_hash(committed, sources, parts) != self.bundle.leaves[step][0]:
             raise Divergence(step, True, [], f"{rel} differs from the commitment")
+        if meta.get("step") != step:
+            raise BundleError(f"{rel}: its metadata names step {str(meta.get('step'))[:20]}, not {step}")
         self._verified.add(step)
         if not resume:
             return

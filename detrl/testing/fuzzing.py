@@ -305,13 +305,13 @@ def encode_json(rng: random.Random, obj: Any) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------ per target
-def _manifest_bytes(rng: random.Random, base: BaseBundle) -> bytes:
+def manifest_bytes(rng: random.Random, base: BaseBundle) -> bytes:
     if rng.random() < 0.6:
         return encode_json(rng, mutate_json(rng, base.manifest))
     return mutate_bytes(rng, base.files[bundle_mod.MANIFEST])
 
 
-def _commitments_bytes(rng: random.Random, base: BaseBundle) -> bytes:
+def commitments_bytes(rng: random.Random, base: BaseBundle) -> bytes:
     data = mutate_bytes(rng, base.files[bundle_mod.COMMITMENTS])
     if rng.random() < 0.5:  # re-seal every record, so the step and hash fields are what is damaged
         buf = bytearray(data)
@@ -324,7 +324,7 @@ def _commitments_bytes(rng: random.Random, base: BaseBundle) -> bytes:
     return data
 
 
-def _checkpoint_bytes(rng: random.Random, data: bytes) -> bytes:
+def checkpoint_bytes(rng: random.Random, data: bytes) -> bytes:
     r = rng.random()
     if r < 0.5 and len(data) >= 8:
         n = int.from_bytes(data[:8], "little")
@@ -374,7 +374,7 @@ def _segment_bytes(step: int, n_ops: int, raw_len: int, comp: bytes, comp_len: i
     return head + struct.pack("<I", zlib.crc32(comp, zlib.crc32(head))) + comp
 
 
-def _roundlog_bytes(rng: random.Random, base: BaseBundle) -> bytes:
+def roundlog_bytes(rng: random.Random, base: BaseBundle) -> bytes:
     """A rounding log with one segment rebuilt (damaged records, frame or header fields, re-sealed with a
     valid CRC), segments dropped or reordered, or plain byte damage."""
     import zstandard
@@ -480,7 +480,7 @@ def _read_regular(base: BaseBundle, rel: Any) -> bytes | None:
         return None
 
 
-def _reseal(base: BaseBundle) -> None:
+def reseal(base: BaseBundle) -> None:
     """Re-sign the scratch copy's manifest after damage elsewhere: fresh checkpoint SHA-256s, Merkle root
     and log length, where the damaged files still parse (so the damage reaches the reader behind them)."""
     raw = _read_regular(base, bundle_mod.MANIFEST)
@@ -542,18 +542,18 @@ def _bundle_case(rng: random.Random, base: BaseBundle) -> str:
                 touched.add(bundle_mod.CHECKPOINTS)
                 continue
             if rel == bundle_mod.MANIFEST:
-                data = _manifest_bytes(rng, base)
+                data = manifest_bytes(rng, base)
             elif rel == bundle_mod.COMMITMENTS:
-                data = _commitments_bytes(rng, base)
+                data = commitments_bytes(rng, base)
             elif rel == bundle_mod.ROUNDLOG:
-                data = _roundlog_bytes(rng, base)
+                data = roundlog_bytes(rng, base)
             else:
-                data = _checkpoint_bytes(rng, base.files[rel])
+                data = checkpoint_bytes(rng, base.files[rel])
             with contextlib.suppress(OSError):  # not where the checkpoints folder was swapped for a file
                 (base.workdir / rel).write_bytes(data)
         if rng.random() < 0.6 and bundle_mod.MANIFEST not in touched:
             touched.add(bundle_mod.MANIFEST)
-            _reseal(base)
+            reseal(base)
         return _exercise_bundle(rng, base)
     finally:
         if bundle_mod.CHECKPOINTS in touched:
@@ -574,15 +574,15 @@ def fuzz_case(rng: random.Random, base: BaseBundle, target: str | None = None) -
     target = target or rng.choice(TARGETS)
     try:
         if target == "manifest":
-            bundle_mod.parse_manifest(_manifest_bytes(rng, base))
+            bundle_mod.parse_manifest(manifest_bytes(rng, base))
         elif target == "commitments":
-            bundle_mod.parse_commitments(_commitments_bytes(rng, base))
+            bundle_mod.parse_commitments(commitments_bytes(rng, base))
         elif target == "checkpoint":
             rel = rng.choice(base.checkpoint_rels())
-            bundle_mod.decode_checkpoint(_checkpoint_bytes(rng, base.files[rel]), rel, Caps())
+            bundle_mod.decode_checkpoint(checkpoint_bytes(rng, base.files[rel]), rel, Caps())
         elif target == "roundlog":
             try:
-                with RoundLogReader(io.BytesIO(_roundlog_bytes(rng, base)), name="roundlog") as reader:
+                with RoundLogReader(io.BytesIO(roundlog_bytes(rng, base)), name="roundlog") as reader:
                     exercise_log(rng, reader, base)
             except RoundLogError:
                 return "roundlog:RoundLogError"
