@@ -240,3 +240,41 @@ def test_run_shape_claims_other_than_the_config_gives_are_refused(
         assert rc == 1 and "data fingerprint differs" in out, out + err
     else:
         assert rc == 2 and f"manifest.json: {field}:" in err, out + err
+
+
+_BACKWARD_PATHS = """
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from detrl.core.engine import _OrderedTracker
+from detrl.supervised.models import DigitsCNN
+
+tracker, seen = _OrderedTracker(), []
+
+class Spy(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution_backward.default:
+            seen.append(tracker.current())
+        return func(*args, **(kwargs or {}))
+
+net = DigitsCNN().double()
+with tracker, Spy():
+    net(torch.randn(4, 1, 8, 8, dtype=torch.float64)).sum().backward()
+print(",".join(seen))
+"""
+
+
+@pytest.mark.parametrize("hash_seed", ["1", "3"])
+def test_backward_ops_are_named_after_their_module_in_every_process(hash_seed: str) -> None:
+    """The digits CNN's dropout is an Identity, which never leaves the tracker's set in backward: the
+    deepest name in the set was picked in set order (string hashes are salted per process), so conv2's
+    backward was named after dropout in some audits. Under two hash seeds that picked differently, each
+    convolution's backward is named after its own module."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    out = subprocess.run(
+        [sys.executable, "-c", _BACKWARD_PATHS], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "DigitsCNN.conv2,DigitsCNN.conv1", out.stdout + out.stderr

@@ -517,3 +517,21 @@ def test_lock_release_is_idempotent_and_reacquirable(tmp_path: Path) -> None:
     lock.release()
     lock.acquire()
     lock.release()
+
+
+def test_a_full_disk_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``[Errno 28] No space left on device`` alone did not say where: the write names its file, and a
+    failed atomic write leaves the old file and no temporary one."""
+    import errno
+
+    (tmp_path / "manifest.json").write_bytes(b"old")
+
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safeio.os, "write", full)
+    with pytest.raises(OSError) as e:
+        safeio.write_atomic(tmp_path, "manifest.json", b"new")
+    assert e.value.errno == errno.ENOSPC and str(tmp_path / "manifest.json") in str(e.value)
+    assert (tmp_path / "manifest.json").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]

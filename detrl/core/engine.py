@@ -121,6 +121,32 @@ class Batch:
     index: torch.Tensor
 
 
+class _OrderedTracker(ModuleTracker):
+    """torch's ModuleTracker, plus the order modules were entered in. Its ``parents`` is a set, and in
+    backward several modules can be in it at once (one whose inputs need no gradient never leaves): the
+    deepest of them was whichever the set iterated first, and string hashes are salted per process, so
+    one ``convolution_backward`` was named after ``conv2`` in one audit and ``dropout`` in another. An
+    op belongs to the module entered last that has not left: the innermost one running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._order: dict[str, None] = {}  # insertion-ordered: the last entry is the latest entered
+
+    def _get_append_fn(self, name: str, is_bw: bool) -> Callable[..., None]:
+        enter = super()._get_append_fn(name, is_bw)
+
+        def append(*args: Any) -> None:
+            self._order.pop(name, None)
+            self._order[name] = None
+            enter(*args)
+
+        return append
+
+    def current(self) -> str:
+        """The module path of the op running now ("" outside every module)."""
+        return next((n for n in reversed(self._order) if n in self.parents and n != "Global"), "")
+
+
 def _check_claims(
     thresholds: Thresholds, calibration_steps: int, calibrates: int | None, from_config: bool
 ) -> None:
@@ -308,9 +334,9 @@ class Session:
         self.parts: dict[str, StatePart] = {}
         # Recorder and auditor alike: the cache reuses a digest only for bytes it has compared equal.
         self._digests = commit.DigestCache() if mode != "off" else None
-        self._tracker: ModuleTracker | None = None
+        self._tracker: _OrderedTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":
-            self._tracker = ModuleTracker()
+            self._tracker = _OrderedTracker()
         self.rounding = RoundingMode(self.profile, self.thresholds, _weakly(self._module_path))
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -753,8 +779,7 @@ class Session:
     def _module_path(self) -> str:
         if self._tracker is None:
             return ""
-        names = [p for p in self._tracker.parents if p != "Global"]
-        where = max(names, key=lambda n: n.count("."), default="")
+        where = self._tracker.current()
         if where and self._tracker.is_bw:
             return f"{where} (backward)"
         return where

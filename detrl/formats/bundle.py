@@ -592,11 +592,13 @@ class BundleWriter:
             self._begin_append()
         size = 0
         if self._log is not None and step > 0:
-            size = self._log.write_step(step, log_ops or [])
+            with safeio.naming(self.dir / ROUNDLOG):
+                size = self._log.write_step(step, log_ops or [])
             self._log_end = self._log.bytes_written
         assert self._commits is not None
-        self._commits.write(commit_record(step, state, batch))
-        self._commits.flush()
+        with safeio.naming(self.dir / COMMITMENTS):
+            self._commits.write(commit_record(step, state, batch))
+            self._commits.flush()
         self.leaves.append((state, batch))
         return size
 
@@ -657,10 +659,12 @@ class BundleWriter:
         if self.resume is not None:
             self._begin_append()
         if self._commits is not None:
-            self._commits.flush()
-            os.fsync(self._commits.fileno())
+            with safeio.naming(self.dir / COMMITMENTS):
+                self._commits.flush()
+                os.fsync(self._commits.fileno())
         if self._log is not None:
-            self._log.sync()
+            with safeio.naming(self.dir / ROUNDLOG):
+                self._log.sync()
         step = len(self.leaves) - 1
         if step >= 0:
             self.durable = Durable(

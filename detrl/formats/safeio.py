@@ -29,6 +29,7 @@ import math
 import os
 import re
 import stat
+from collections.abc import Iterator
 from itertools import accumulate
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -40,6 +41,7 @@ __all__ = [
     "dumps_json",
     "fsync_dir",
     "loads_json",
+    "naming",
     "nesting_depth",
     "open_regular",
     "read_bounded",
@@ -325,6 +327,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Give an ``OSError`` raised inside without a file name (a write or fsync on a full disk:
+    ``[Errno 28] No space left on device``) the name of ``path``, so the one-line error says where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def write_atomic(dir: Path, name: str, data: bytes) -> None:
     """Replace ``dir/name`` with ``data`` so that after a crash it holds either the old or the new bytes.
 
@@ -339,10 +353,11 @@ def write_atomic(dir: Path, name: str, data: bytes) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | _O_CLOEXEC, 0o644)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            with naming(dir / name):
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, dir / name)

@@ -364,7 +364,8 @@ _IMAGE_SHAPES = {"digits": (1797, 1, 8, 8), "digits32": (1797, 3, 32, 32), "cifa
 
 
 def size(cfg: RunConfig) -> dict[str, int]:
-    """Parameters (counted on the meta device: nothing allocated) and training-data bytes of ``cfg``.
+    """Parameters (counted on the meta device: nothing allocated) and training-data bytes of ``cfg``: what
+    the generator or loader allocates, and for FP64 and verifiable precision the FP64 copy the run casts to.
 
     An ``image_folder`` holds what the auditor's own directory holds: nothing in the bundle sizes it, so
     it counts one image here (the shape the model is built for).
@@ -381,6 +382,8 @@ def size(cfg: RunConfig) -> dict[str, int]:
     with torch.device("meta"):
         model = build_model(cfg, torch.empty(x_shape, device="meta"))
     n = x_shape[0]
+    if x_bytes == 4 and cfg.precision != "fp32":  # float images, cast to FP64: both copies are alive at once
+        x_bytes += 8
     data_bytes = n * int(torch.Size(x_shape[1:]).numel()) * x_bytes + n * y_bytes
     return {"params": sum(p.numel() for p in model.parameters()), "data_bytes": data_bytes}
 
