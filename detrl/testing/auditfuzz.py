@@ -14,10 +14,12 @@ Each case here does that to one part of a small honest bundle:
 - ``bytes``: the byte-level damage of :mod:`detrl.testing.fuzzing`, re-sealed.
 
 The parent process imports the auditor and warms it up once with one torch thread (so a fork inherits
-no thread pool), then forks a child per case that runs ``detrl.cli.main(["audit", ...])`` exactly as the
-command does and exits with its code. An exit code outside the documented verdicts (70: internal error),
+no thread pool), then forks a child per case that runs ``detrl audit`` exactly as the command does and
+exits with its code. An exit code outside the documented verdicts (70: internal error),
 a signal, a traceback, or a child still running after the case timeout is a crash. A case is a pure
-function of its ``random.Random``: :func:`forge` replays it.
+function of its ``random.Random``: :meth:`Forger.forge` replays it. Like the crash harness, it reaches the
+command through the installed ``detrl`` program (:func:`~detrl.testing.program.detrl_program`), so the
+CLI stays on top of every layer.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from detrl.formats import safeio
 from detrl.formats.roundlog import OpEntries, RoundLogReader, RoundLogWriter
 from detrl.testing import fuzzing
 from detrl.testing.hostile import write_commitments
+from detrl.testing.program import detrl_program
 
 #: What :func:`forge` changes (see the module docstring).
 KINDS = ("log", "commitments", "manifest", "checkpoint", "bytes")
@@ -344,9 +347,7 @@ class _Child:
                 os.close(read_fd)
                 os.dup2(write_fd, 1)
                 os.dup2(write_fd, 2)
-                from detrl.cli import main
-
-                code = main(["audit", str(run_dir), "--quiet"])
+                code = detrl_program()(["audit", str(run_dir), "--quiet"])
                 sys.stdout.flush()
                 sys.stderr.flush()
             except BaseException as e:  # noqa: BLE001 - anything that escapes main is a crash signature
@@ -378,7 +379,7 @@ class _Child:
 
 def audit_forked(run_dir: Path, timeout: float) -> Outcome:
     """``detrl audit RUN_DIR --quiet`` in a fork of this process: its exit code, first line printed, wall
-    seconds and peak RSS. The child runs :func:`detrl.cli.main` exactly as the command does."""
+    seconds and peak RSS. The child runs the ``detrl`` program's entry point exactly as the command does."""
     outcome: list[Outcome] = []
     run_forked(
         [run_dir], [None], timeout, lambda slot, case, o: outcome.append(o), prepare=lambda slot, case: None

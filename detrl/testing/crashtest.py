@@ -47,6 +47,7 @@ from typing import Any
 
 from detrl.apps.audit import VERDICT_OF_EXIT
 from detrl.run import fmt
+from detrl.testing.program import detrl_program
 
 #: The recordings the matrix kills: name -> the ``detrl train`` arguments (config and ``--set``s).
 KINDS: dict[str, list[str]] = {
@@ -624,18 +625,6 @@ def install(specs: list[str], trace: str | None) -> None:
     writer.append_step = wrap("step", writer.append_step, skip_self=True)  # type: ignore[method-assign]
 
 
-def _detrl_program() -> Callable[[list[str]], int]:
-    """The installed ``detrl`` program's entry point (its console script in pyproject.toml).
-
-    The harness drives detrl as a user does, by its command line, so it names the program, not the module:
-    the CLI stays on top of every layer, and nothing in the package imports it.
-    """
-    from importlib.metadata import entry_points
-
-    (script,) = entry_points(group="console_scripts", name="detrl")
-    return script.load()
-
-
 def _serve() -> int:
     """``--serve``: import what ``detrl`` needs once, then fork a child per request read from stdin.
 
@@ -646,7 +635,7 @@ def _serve() -> int:
     """
     import detrl.apps.audit  # noqa: F401 - imported to be inherited by the children
 
-    detrl_main = _detrl_program()
+    detrl_main = detrl_program()
     from detrl.run import tasks
 
     for name in tasks.names():
@@ -714,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve()
     cli = args.cli[1:] if args.cli[:1] == ["--"] else args.cli
     install(args.kill, args.trace)
-    return _detrl_program()(cli)
+    return detrl_program()(cli)
 
 
 if __name__ == "__main__":
