@@ -44,17 +44,10 @@ HEADER, RECORD = 16, 76  # commitments: header bytes, then records of step u64 |
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def honest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("recorded") / "run"
     assert main(["train", CONFIG, "--out", str(out), *TRAIN_ARGS]) == 0
     return out
-
-
-@pytest.fixture
-def bundle(recorded: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(recorded, dst)
-    return dst
 
 
 DELETE = object()
@@ -150,9 +143,9 @@ def audit_bad(capsys: pytest.CaptureFixture[str], run: Path, *needles: str) -> s
     return assert_bad_input(rc, out, err, *needles)
 
 
-def test_recorded_bundle_replicates(recorded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_honest_bundle_replicates(honest: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The undamaged bundle replicates (so the damage is what each test below tests)."""
-    rc, out, err = cli(capsys, "audit", str(recorded), "--quiet")
+    rc, out, err = cli(capsys, "audit", str(honest), "--quiet")
     assert rc == 0, out + err
     assert out.startswith("REPLICATED")
 

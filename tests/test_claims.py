@@ -8,7 +8,6 @@ dishonest trainer can make it, so it reaches the replay rather than the parsers.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +46,6 @@ def honest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("claims") / "run"
     assert main(["train", CONFIG, *SETS, "--out", str(run), "--quiet"]) == 0
     return run
-
-
-@pytest.fixture
-def bundle(honest: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(honest, dst)
-    return dst
 
 
 def empty_log(run: Path) -> None:

@@ -135,13 +135,6 @@ def honest(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-@pytest.fixture
-def bundle(honest: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(honest, dst)
-    return dst
-
-
 def rehash(run: Path) -> None:
     """Make the manifest consistent with the changed files again, as the adversary can."""
     bundle_mod.reseal(run)
