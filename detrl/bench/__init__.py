@@ -9,7 +9,8 @@ because a shared CPU is noisy. detrl's own:
 ``roundlog``     rounding-log bytes per step against the dense encoding and the paper's 26.2 MB a step
 ``nolog``        a verifiable run replayed on every emulated profile with its log and with it emptied
 ``replication``  the paper's experiment: FP32, FP64 rounded without the log, verifiable, per profile
-``fuzz``         mutation-fuzz the bundle readers (:mod:`detrl.testing.fuzzing`)
+``fuzz``         mutation-fuzz the bundle readers (:mod:`detrl.testing.fuzzing`), or with ``--path audit``
+                 forged bundles through the real ``detrl audit`` (:mod:`detrl.testing.auditfuzz`)
 ``fsync``        the cost of the durable points as a share of run time
 ``sweep``        ablation sweep throughput, 1 worker against N
 ``hostile``      audit hostile bundles (:mod:`detrl.testing.hostile`): exit code, time, peak RSS

@@ -1,5 +1,6 @@
 """Trust benchmarks: ``nolog`` (replays with the log emptied), ``replication`` (the paper's experiment),
-``fuzz`` (mutation-fuzz the bundle readers) and ``hostile`` (audit hostile bundles)."""
+``fuzz`` (mutation-fuzz the bundle readers, or forged bundles through the real audit) and ``hostile``
+(audit hostile bundles)."""
 
 from __future__ import annotations
 
@@ -178,10 +179,11 @@ class _CaseTimeout(BaseException):
     """A fuzz case ran past --case-timeout (a BaseException: no reader's error handling swallows it)."""
 
 
-@benchmark("fuzz", "mutation-fuzz the bundle readers: outcomes, crashes, the slowest case, peak memory")
+@benchmark("fuzz", "fuzz the bundle readers, or the real audit (--path audit): outcomes, crashes, memory")
 def bench_fuzz(rest: list[str]) -> int:
     """Run --cases cases of :func:`detrl.testing.fuzzing.fuzz_case` over a freshly recorded bundle, in-process, each
-    under a time limit. A crash (an exception other than the reader's own error) or a timeout exits 1."""
+    under a time limit (``--path audit``: forged bundles, each audited by a fork of the real command). A
+    crash (an exception other than the reader's own error) or a timeout exits 1."""
     p = argparse.ArgumentParser(prog="detrl bench fuzz", description=bench_fuzz.__doc__)
     p.add_argument("--cases", type=int, default=100_000, help="fuzz cases to run (default 100000)")
     p.add_argument("--seed", type=int, default=0, help="case i draws from random.Random(f'{seed}:{i}')")
