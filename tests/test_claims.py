@@ -270,3 +270,12 @@ def test_backward_ops_are_named_after_their_module_in_every_process(hash_seed: s
         [sys.executable, "-c", _BACKWARD_PATHS], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "DigitsCNN.conv2,DigitsCNN.conv1", out.stdout + out.stderr
+
+
+def test_a_missing_default_threshold_is_bad_input(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without ``default`` every op not in ``per_op`` would get a threshold the trainer never claimed."""
+    m = read_manifest(bundle)
+    del m["thresholds"]["default"]
+    write_manifest(bundle, m)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    assert rc == 2 and "manifest.json: thresholds.default: missing" in err, out + err

@@ -421,6 +421,9 @@ class Session:
                 raise ValueError(not_ours)
             if not all(isinstance(s, int) and 0 <= s < 1 << 64 for s in seeds):
                 raise ValueError("sources: a stream seed outside [0, 2**64)")
+            if self.precision.is_verifiable and "default" not in m.thresholds:
+                # from_json would fill in the class default: a threshold the trainer never claimed
+                raise ValueError("thresholds.default: missing (the threshold of every op not in per_op)")
             self.thresholds = Thresholds.from_json(m.thresholds)
             if self.precision.is_verifiable:
                 _check_claims(self.thresholds, m.calibration_steps, calibrates, m.task is not None)
