@@ -373,10 +373,8 @@ class Bundle:
         try:
             f, size = safeio.open_regular(self.dir, rel, self.caps.checkpoint_bytes)
             with f:
-                # Cheap checks first: the header's length and tensor count, then the SHA-256 while
-                # streaming; only a file that passes both is read whole and decoded.
-                self._check_checkpoint_header(f, size, rel)
-                f.seek(0)
+                # The header's length and tensor count were checked when the bundle was opened; the SHA-256
+                # (while streaming) says the file is still that one, and only then is it read whole.
                 h = hashlib.sha256()
                 for chunk in iter(lambda: f.read(safeio.CHUNK_BYTES), b""):
                     h.update(chunk)
