@@ -36,6 +36,7 @@ from torch.utils.module_tracker import ModuleTracker
 from detrl.core import calibrate
 from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
+from detrl.core.portable import portable_kernels
 from detrl.core.precision import Precision
 from detrl.core.randomness import StreamRandomMode
 from detrl.core.rounding import (
@@ -83,6 +84,7 @@ class Divergence(Exception):
         a = self.decisive
         if a is not None:
             parts.append(f"rounding log {a.kind}: {a.where()}")
+            parts.append(a.blame())
         elif self.batch_matches and self.anomalies:
             c = self.anomalies[0]
             parts.append(
@@ -612,6 +614,9 @@ class Session:
         rounding = None
         t0 = time.perf_counter()
         with contextlib.ExitStack() as modes:
+            # Attention is its math decomposition: the same aten ops on every device, its dropout mask from
+            # the dropout stream (see detrl/core/portable.py).
+            modes.enter_context(portable_kernels())
             # Innermost first: random ops are drawn from their stream before a profile sees them.
             if not self.precision.is_verifiable and self.hardware != "native":
                 modes.enter_context(HardwareMode(self.profile))
@@ -780,8 +785,8 @@ class Session:
 
     # ------------------------------------------------------------------ helpers
     def _module_path(self) -> str:
-        if self._tracker is None:
-            return ""
+        if self._tracker is None:  # recording: found only when asked (a refused op), from the Python stack
+            return _module_on_stack(self.model)
         where = self._tracker.current()
         if where and self._tracker.is_bw:
             return f"{where} (backward)"
@@ -833,6 +838,22 @@ class Session:
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))
 _NO_STATS = StepStats()
+
+
+def _module_on_stack(model: torch.nn.Module | None) -> str:
+    """The path in ``model`` of the innermost module whose ``forward`` is running (found on the Python stack,
+    so tracking modules costs nothing until asked); ``(backward of NODE)`` inside autograd's backward."""
+    import sys
+
+    names = {id(m): n or type(m).__name__ for n, m in model.named_modules()} if model is not None else {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in names:
+            return names[id(owner)]
+        frame = frame.f_back
+    node = torch._C._current_autograd_node()
+    return f"(backward of {node.name()})" if node is not None else ""
 
 
 def _load_state_tensors(

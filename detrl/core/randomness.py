@@ -88,7 +88,7 @@ def draws_randomness(func: Any) -> bool:
     return func in _HANDLERS or torch.Tag.nondeterministic_seeded in func.tags
 
 
-def handler_for(func: Any, kwargs: dict) -> Handler | None:
+def handler_for(func: Any, args: tuple, kwargs: dict) -> Handler | None:
     """The handler that draws ``func``'s randomness from a stream, or None for an op that needs no stream
     (it is not random, or names its generator explicitly: an already chosen stream).
 
@@ -97,12 +97,30 @@ def handler_for(func: Any, kwargs: dict) -> Handler | None:
     if kwargs.get("generator") is not None:
         return None
     handler = _HANDLERS.get(func)
-    if handler is None and torch.Tag.nondeterministic_seeded in func.tags:
+    if handler is None and torch.Tag.nondeterministic_seeded in func.tags and draws_now(func, args, kwargs):
         raise RuntimeError(
             f"random op {func} has no switchboard stream in detrl; it would draw from the device RNG "
             "and break replay (add a handler in detrl/core/randomness.py)"
         )
     return handler
+
+
+#: Arguments that switch a seeded op's randomness off: a dropout probability of 0, or eval mode.
+_OFF_WHEN_ZERO = ("dropout_p", "dropout")
+_OFF_WHEN_FALSE = ("train", "training")
+
+
+def draws_now(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether seeded op ``func`` draws randomness with these arguments. torch tags an op as seeded when it
+    *can* draw: fused attention (``_scaled_dot_product_flash_attention_for_cpu``, ...) and the RNN ops do
+    only for a dropout probability above 0 in training; with ``dropout_p=0`` they are plain arithmetic."""
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+        if arg.name in _OFF_WHEN_ZERO and isinstance(value, (int, float)) and value == 0:
+            return False
+        if arg.name in _OFF_WHEN_FALSE and value is False:
+            return False
+    return True
 
 
 class StreamRandomMode(TorchDispatchMode):
@@ -118,7 +136,7 @@ class StreamRandomMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        handler = handler_for(func, kwargs)
+        handler = handler_for(func, args, kwargs)
         if handler is not None:
             return handler(self.generator, func, args, kwargs)
         return func(*args, **kwargs)

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from detrl.core import decompose, kernel, randomness
+from detrl.core import decompose, islands, kernel, randomness
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import OpKind, classify, op_name
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
@@ -218,6 +218,9 @@ class Anomaly:
     module: str  # module path (or "" when not tracked)
     index: int  # logical row-major element index
     kind: str  # one of LOG_VIOLATIONS or CORRECTIONS
+    #: a refused entry: how far this machine's FP64 value is from the recorder's claim, in thresholds (from
+    #: the nearest FP32 midpoint for a direction, from the pinned value for a pinned one); None otherwise
+    distance: float | None = None
 
     @property
     def violation(self) -> bool:
@@ -232,6 +235,28 @@ class Anomaly:
         module = f" in {self.module}" if self.module else ""
         return f"op #{self.op} aten.{self.name}{module}, element {self.index}"
 
+    def blame(self) -> str:
+        """Why this op is (or is not) where the replay first went wrong, for a divergence's report.
+
+        An honest machine's FP64 result lies within a fraction of the threshold of the recorder's (the
+        threshold is a margin times the largest disagreement calibration measured). A value many thresholds
+        from the recorder's claim is not this op's own arithmetic: its inputs already differed."""
+        if self.kind == UNREACHED:
+            return "the replay ran fewer ops than the recorder logged: an op before it took another path"
+        if self.distance is not None and self.distance >= FAR_THRESHOLDS:
+            return (
+                f"this machine's value is {self.distance:.3g} thresholds from the recorder's claim, far beyond "
+                f"any difference in the op's own arithmetic: its inputs already differed, so an op before "
+                f"#{self.op} produced different bits (or the recorder computed something else)"
+            )
+        return (
+            f"if op #{self.op}'s inputs already differed (the other anomalies of the step tell), an op before "
+            f"#{self.op} produced different bits"
+        )
+
+
+#: A refused entry this many thresholds from its claim means the op's inputs differed (Anomaly.blame).
+FAR_THRESHOLDS = 16.0
 
 #: A log record for an op position the replay never reached: an honest recorder logs only ops it ran.
 UNREACHED = "logged-op-not-reached"
@@ -349,6 +374,8 @@ class RoundingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         plan = _PLANS.get(id(func)) or _plan(func)
+        if not (plan.keep or plan.widening) and (narrow := islands.narrow_dtype(args, kwargs)) is not None:
+            return self._island(func, types, args, kwargs, plan, narrow)
         if plan.decomposes and decompose.applies(func, args):
             # Only the sums (and log-softmax backward's exp) are machine dependent: they run under this mode
             # (rounded, logged, computed by the profile); the rest is plain IEEE arithmetic: exact outputs.
@@ -361,7 +388,7 @@ class RoundingMode(TorchDispatchMode):
         kind = OpKind.EXACT if split else classify(func, kwargs) if plan.alpha else plan.kind
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
         before = snapshot(func, args) if calibrating else args
-        draw = randomness.handler_for(func, kwargs) if plan.random and self.random is not None else None
+        draw = randomness.handler_for(func, args, kwargs) if plan.random and self.random is not None else None
         if draw is not None:  # drawn from the stream (plain IEEE arithmetic), then rounded as its kind says
             out = draw(self.random, func, args, kwargs)
         elif split:
@@ -379,6 +406,21 @@ class RoundingMode(TorchDispatchMode):
             elif t.dtype == torch.float64 and t.numel():
                 self._round_logged(func, t, kind, args)
         return out
+
+    def _island(self, func, types, args, kwargs, plan, narrow):  # noqa: ANN001, ANN202
+        """An op on float32 (or half) tensors: computed in FP64 under the profile and rounded, with the log,
+        exactly as its FP64 twin would be, then cast back to the op's own output dtype (exact: the result is
+        on the FP32 grid). Half types take only ops whose FP64 result is the same on every machine (EXACT:
+        add, mul, fills, ...) and refuse the rest (see :class:`islands.UnroundableOp`)."""
+        if narrow in islands.HALVES:
+            kind = classify(func, kwargs)
+            if kind not in (OpKind.KEEP, OpKind.EXACT) and not (plan.splits and split_needed(func, kwargs)):
+                module = self.module_path() if self.module_path is not None else ""
+                raise islands.UnroundableOp(func, narrow, module)
+        wide_args, wide_kwargs, twins = islands.widen(args, kwargs)
+        out = self.__torch_dispatch__(func, types, wide_args, wide_kwargs)
+        written = written_tensors(func, args, kwargs, None)  # in-place and out= arguments, hidden writes
+        return islands.narrow_back(func, args, kwargs, out, twins, written)
 
     def _round_exact(self, t: torch.Tensor) -> None:
         if t.dtype != torch.float64 or t.numel() == 0:
@@ -504,7 +546,9 @@ class RoundingMode(TorchDispatchMode):
         honoured = (xs - t2).to(torch.float32) != (xs + t2).to(torch.float32)
         if not bool(honoured.all()):  # a log entry for an element far from any midpoint: refuse it
             step.stats.refused += int((~honoured).sum())
-            self._anomaly(seq, name, int(idx[(~honoured).nonzero()[0, 0]]), "logged-not-near")
+            bad = int((~honoured).nonzero()[0, 0])
+            far = _midpoint_distance(xs[bad], t2[bad] / 2)
+            self._anomaly(seq, name, int(idx[bad]), "logged-not-near", far)
         wrong = (rs.double().abs() > xs.abs()) != want_up
         wrong &= honoured
         n_wrong = int(wrong.sum())
@@ -520,11 +564,14 @@ class RoundingMode(TorchDispatchMode):
         values = torch.from_numpy(entries.pinned_values).to(x.device)
         xs, vs = _take(x, idx), values.double()
         # The recorder's value is within half a spacing of its FP32 rounding and within tau/margin of ours.
-        reach = 2 * _uncertainty(x, rounded, idx, tau, scaled) + spacing32(vs)
+        t = _uncertainty(x, rounded, idx, tau, scaled)
+        reach = 2 * t + spacing32(vs)
         honoured = (xs - vs).abs() <= reach
         if not bool(honoured.all()):  # a pinned value this machine cannot have computed: refuse it
             step.stats.refused += int((~honoured).sum())
-            self._anomaly(seq, name, int(idx[(~honoured).nonzero()[0, 0]]), "pinned-value-far")
+            bad = int((~honoured).nonzero()[0, 0])
+            far = float((xs[bad] - vs[bad]).abs() / t[bad].clamp(min=1e-300))
+            self._anomaly(seq, name, int(idx[bad]), "pinned-value-far", far)
         step.stats.logged += idx.numel()
         rs = _take(rounded, idx)
         changed = honoured & (rs != values)
@@ -533,12 +580,12 @@ class RoundingMode(TorchDispatchMode):
             _put(rounded, idx, torch.where(honoured, values, rs))
             self._anomaly(seq, name, int(idx[changed.nonzero()[0, 0]]), "pinned-value-differs")
 
-    def _anomaly(self, seq: int, name: str, index: int, kind: str) -> None:
+    def _anomaly(self, seq: int, name: str, index: int, kind: str, distance: float | None = None) -> None:
         step = self.step
         assert step is not None
         if step._kept.get(kind, 0) < step.max_anomalies:
             module = self.module_path() if self.module_path is not None else ""
-            step.keep(Anomaly(op=seq, name=name, module=module, index=index, kind=kind))
+            step.keep(Anomaly(op=seq, name=name, module=module, index=index, kind=kind, distance=distance))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -606,6 +653,17 @@ def _element_uncertainty(values: torch.Tensor, tau: float) -> torch.Tensor:
     """T of elementwise ops at FP64 ``values``: tau spacings at each, ``|v| * 2**-23`` bounding the spacing,
     at least tau subnormal spacings and finite for infinities (:func:`near_midpoint`'s rule)."""
     return (values.abs() * (tau * 2.0**-23)).clamp_(min=tau * 2.0**-149, max=tau * 2.0**104)
+
+
+def _midpoint_distance(x: torch.Tensor, t: torch.Tensor) -> float:
+    """How many ``t`` FP64 scalar ``x`` lies from the nearest FP32 rounding midpoint (the two around its
+    own FP32 rounding; each midpoint of FP32 neighbours is exact in FP64)."""
+    r = x.to(torch.float32).reshape(1)
+    up = torch.nextafter(r, torch.tensor([math.inf])).double()
+    down = torch.nextafter(r, torch.tensor([-math.inf])).double()
+    rd = r.double()
+    d = torch.minimum((x - (rd + up) / 2).abs(), (x - (rd + down) / 2).abs())
+    return float(d / t.clamp(min=1e-300))
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,169 @@
+"""Float32 and half "islands" inside a verifiable step: ops on narrower floats computed in FP64 too.
+
+Verifiable precision rounds FP64 results. A model can still compute some ops in float32 (Hugging Face's
+causal-LM loss calls ``logits.float()``, Llama's RMSNorm ``hidden_states.to(torch.float32)``, a classifier
+ends in ``.float().log_softmax(-1)``). Run natively, such an op is unrounded, unlogged and machine
+dependent: two machines disagree in its bits and nothing reconciles them.
+
+Every float32 value is exact in FP64, so an op on float32 tensors is computed on FP64 twins of them, under
+the hardware profile, rounded with the log like any FP64 op, and its result cast back to float32: exact,
+since the rounded result lies on the FP32 grid. An in-place op writes its twin, which is then copied back.
+
+float16 and bfloat16 values are exact in FP64 as well, but the log rounds to the FP32 grid, not theirs. So
+only the ops whose FP64 result is the same on every machine (EXACT: add, mul, div, casts, fills; and KEEP
+ops, which only move values) are taken; their FP32-rounded result cast to the half type is an IEEE
+conversion, the same everywhere. Any other op on a half type is refused in one line naming the op, its
+dtype and the module (:class:`UnroundableOp`), before it computes anything. (``torch.autocast`` casts only
+float32 tensors, so in verifiable precision, where every tensor is FP64, it changes nothing.)
+
+Casts need no island and no log entry: FP32 -> FP64 is exact, FP64 -> FP32 and FP64 -> half are correctly
+rounded IEEE conversions of values already on the FP32 grid (the first exact), the same on every machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+HALVES = (torch.float16, torch.bfloat16)
+_NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+class UnroundableOp(ValueError):
+    """A float op in a verifiable step whose result cannot be rounded to bits every machine agrees on."""
+
+    def __init__(self, func: Any, dtype: torch.dtype, module: str) -> None:
+        where = f" in {module}" if module else ""
+        name = str(dtype).removeprefix("torch.")
+        super().__init__(
+            f"verifiable precision cannot round aten.{func.overloadpacket.__name__}{where} in {name}: its "
+            f"result would differ between machines; compute it in float32 or float64 (drop the "
+            f".to(torch.{name}) or .half() that makes this tensor)"
+        )
+        self.op, self.dtype, self.module = func, dtype, module
+
+
+def narrow_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
+    """The float dtype narrower than FP64 that op arguments ``args``/``kwargs`` compute in: a half type if
+    any tensor (or ``dtype=``) is one, else float32 if any is, else None. Called for every op: plain loops."""
+    found = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            d = a.dtype
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            d = next((t.dtype for t in a if isinstance(t, torch.Tensor) and t.dtype in _NARROW), None)
+        else:
+            continue
+        if d in _NARROW:
+            if d is not torch.float32:
+                return d
+            found = d
+    if kwargs:
+        for key, v in kwargs.items():
+            d = v if key == "dtype" else v.dtype if isinstance(v, torch.Tensor) else None
+            if d in _NARROW:
+                if d is not torch.float32:
+                    return d
+                found = d
+    return found
+
+
+def widen(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """``args``/``kwargs`` with every narrow float tensor replaced by an FP64 copy (its twin) and a narrow
+    ``dtype=`` by FP64; and ``id(twin) -> (original, twin)``."""
+    twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def wide(a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.dtype in _NARROW:
+            twin = a.to(torch.float64)
+            twins[id(twin)] = (a, twin)
+            return twin
+        return a
+
+    wide_kwargs = tree_map(wide, {k: v for k, v in kwargs.items() if k != "dtype"})
+    if "dtype" in kwargs:
+        wide_kwargs["dtype"] = torch.float64 if kwargs["dtype"] in _NARROW else kwargs["dtype"]
+    return tree_map(wide, args), wide_kwargs, twins
+
+
+def narrow_back(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    out: Any,
+    twins: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    written: list[torch.Tensor],
+) -> Any:
+    """What ``func(*args, **kwargs)`` returns natively, from ``out``, what it returned on the twins: the
+    ``written`` originals (in-place and ``out=`` arguments, batch norm's running statistics) get their
+    twins' rounded values, and fresh floating outputs are cast to the dtype the op gives natively."""
+    by_original = {id(orig): twin for orig, twin in twins.values()}
+    for t in written:
+        twin = by_original.get(id(t))
+        if twin is not None:
+            t.copy_(twin)  # exact: the twin is rounded to the FP32 grid (a half type: an IEEE conversion)
+    inputs = {id(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+    flat, spec = tree_flatten(out)
+    dtypes: list[torch.dtype] | None = None
+    k = -1  # position among the floating outputs (what native_dtypes lists)
+    for i, t in enumerate(flat):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        k += 1
+        if id(t) in twins:
+            flat[i] = twins[id(t)][0]
+        elif id(t) not in inputs:
+            if dtypes is None:
+                dtypes = native_dtypes(func, args, kwargs, out)
+            dtype = dtypes[k] if k < len(dtypes) else t.dtype
+            if dtype != t.dtype and dtype.is_floating_point:
+                flat[i] = t.to(dtype)
+    return tree_unflatten(flat, spec)
+
+
+_DTYPES: dict[tuple, list[torch.dtype]] = {}
+
+
+def native_dtypes(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.dtype]:
+    """The dtypes of ``func``'s floating outputs, in order, as the op gives them on ``args``/``kwargs``:
+    from its meta kernel (cached by the arguments' dtypes, which is all type promotion reads)."""
+    leaves = tree_flatten((args, kwargs))[0]
+    key = (id(func), tuple(sorted(kwargs)), *(_signature(a) for a in leaves))
+    cached = _DTYPES.get(key)
+    if cached is None:
+        cached = _DTYPES[key] = _meta_dtypes(func, args, kwargs, out)
+    return cached
+
+
+def _signature(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.dim() == 0)
+    return a if isinstance(a, torch.dtype) else type(a)
+
+
+def _meta_dtypes(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.dtype]:
+    if isinstance(kwargs.get("dtype"), torch.dtype):  # an explicit result dtype: every float output's
+        return [kwargs["dtype"]] * len(_floats(out))
+
+    def meta(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        return a
+
+    try:
+        result = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+    except Exception:  # noqa: BLE001 - no meta kernel: type promotion's rule over the float inputs
+        floats = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        floats = [a for a in floats if a.is_floating_point()]
+        dims = [a for a in floats if a.dim() > 0] or floats
+        dtype = dims[0].dtype if dims else torch.float64
+        for a in dims[1:]:
+            dtype = torch.promote_types(dtype, a.dtype)
+        return [dtype] * len(_floats(out))
+    return [t.dtype for t in _floats(result)]
+
+
+def _floats(out: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
