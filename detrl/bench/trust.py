@@ -437,3 +437,53 @@ def bench_hostile(rest: list[str]) -> int:
         print(f"note: the honest bundle (the control) did not replicate: exit {rows[0][1]}")
     print(f"failures: {len(failures)}" + "".join(f"\n  {f}" for f in failures))
     return 1 if failures else 0
+
+
+@benchmark("zoo", "record architectures built from configs (HF GPT-2 small through labels=, ...) and replay them")
+def bench_zoo(rest: list[str]) -> int:
+    """Record each model of :mod:`detrl.testing.zoo` for ``--steps`` verifiable steps on this machine, then
+    replay the bundle on ``--profile``, with its log and emptied of it: seconds per recorded step and per
+    replayed step, and whether each replay replicates (or the step it diverges at)."""
+    from detrl import Divergence
+    from detrl.testing import zoo
+    from detrl.testing.logrewrite import strip_log
+
+    every = {**zoo.SPECIMENS, **zoo.FULL_SIZE}
+    p = argparse.ArgumentParser(prog="detrl bench zoo")
+    p.add_argument("--models", default="hf_gpt2_small", help="comma-separated, of: " + ",".join(every))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--profile", default="emulated:splitk")
+    p.add_argument("--no-strip", action="store_true", help="skip the replay emptied of its log")
+    args = p.parse_args(rest)
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in every]
+    if unknown:
+        raise ValueError(f"unknown zoo models {unknown}; known: {', '.join(every)}")
+    print(f"{'model':<22} {'record s/step':>13} {'replay s/step':>13}  with log     without log", flush=True)
+    with tempfile.TemporaryDirectory(prefix="detrl-zoo-") as tmp:
+        for name in names:
+            s = every[name]
+            if not zoo.available(s):
+                print(f"{name:<22} skipped: transformers has no {s.needs}")
+                continue
+            run = Path(tmp) / name
+            t0 = time.perf_counter()
+            zoo.record(s, run, steps=args.steps)
+            t_rec = (time.perf_counter() - t0) / args.steps
+            verdicts, t_rep = [], float("nan")
+            bundles = [run] if args.no_strip else [run, Path(tmp) / f"{name}-nolog"]
+            if not args.no_strip:
+                strip_log(run, bundles[1])
+            for i, b in enumerate(bundles):
+                t0 = time.perf_counter()
+                try:
+                    zoo.replay(s, b, args.profile, steps=args.steps)
+                    verdicts.append("replicates")
+                except Divergence as e:
+                    verdicts.append(f"diverges at {e.step}")
+                if i == 0:
+                    t_rep = (time.perf_counter() - t0) / args.steps
+            shutil.rmtree(run, ignore_errors=True)
+            print(f"{name:<22} {t_rec:>13.1f} {t_rep:>13.1f}  " + "  ".join(f"{v:<12}" for v in verdicts), flush=True)
+    print(f"({args.steps} steps, replayed on {args.profile}; record on native, this machine)")
+    return 0

@@ -180,6 +180,19 @@ SPECIMENS: dict[str, Specimen] = {
 }  # fmt: skip
 
 
+def _gpt2_small_tokens() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(4)
+    return (torch.randint(0, 50257, (8, 64), generator=g),)  # the paper's batch: 8 x 64 tokens
+
+
+#: Full-size models, for the ``zoo`` benchmark (minutes a step on a CPU; the tests use SPECIMENS).
+FULL_SIZE: dict[str, Specimen] = {
+    "hf_gpt2_small": Specimen(
+        "hf_gpt2_small", _hf("GPT2LMHeadModel", "GPT2Config", bos_token_id=None, eos_token_id=None),
+        _gpt2_small_tokens, _lm_loss, "GPT2LMHeadModel"),  # GPT-2 small: 124M parameters
+}  # fmt: skip
+
+
 def available(specimen: Specimen) -> bool:
     """Whether this installation can build ``specimen`` (its transformers class exists)."""
     if not specimen.needs:
@@ -199,6 +212,8 @@ def _train(session: Session, specimen: Specimen, steps: int) -> Session:
         dtype = session.precision.dtype  # float inputs in the run's precision, as Session.loader gives them
         batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in specimen.batch())
         for _ in range(steps):
+            if session.stop_requested:  # a replay at the end of what its bundle holds
+                break
             with session.step(batch=batch):
                 loss = specimen.loss(model, batch)
                 opt.zero_grad()

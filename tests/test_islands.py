@@ -1,0 +1,175 @@
+"""Every model a user brings replays: float32 islands computed in FP64 and rounded with the log, half types
+refused where they would differ between machines, fused attention recorded as its math decomposition, and a
+divergence report that blames the op whose inputs differed, not the matmul downstream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from detrl import Divergence
+from detrl.core import islands, randomness
+from detrl.core.hardware import profile_names
+from detrl.core.islands import UnroundableOp
+from detrl.testing import zoo
+
+EMULATED = [p for p in profile_names() if p.startswith("emulated:")]
+#: The models a new user tried: float32 inside (HF's labels= loss, Llama's and Qwen2's RMSNorm and rotary
+#: frequencies, an MLP's .float().log_softmax), fused attention (Llama's sdpa, nn.TransformerEncoder), and
+#: the control that stayed in FP64 (BERT).
+FOUND = [
+    "upcast_mlp", "hf_gpt2", "hf_llama_eager", "hf_qwen2_eager", "hf_bert", "hf_llama_sdpa",
+    "transformer_encoder",
+]  # fmt: skip
+
+
+def specimen(name: str) -> zoo.Specimen:
+    s = zoo.SPECIMENS[name]
+    if not zoo.available(s):
+        pytest.skip(f"transformers has no {s.needs}")
+    return s
+
+
+def weights(session) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in session.model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", FOUND)
+def test_models_that_upcast_or_use_fused_attention_replicate_on_every_emulated_profile(tmp_path, name):
+    s = specimen(name)
+    rec = zoo.record(s, tmp_path / "run", steps=2)
+    assert rec.step_index == 2 and rec.totals.logged > 0
+    want = weights(rec)
+    for hw in EMULATED:
+        rep = zoo.replay(s, tmp_path / "run", hw, steps=2)
+        assert rep.step_index == 2
+        got = weights(rep)
+        assert all(torch.equal(got[k], want[k]) for k in want), hw
+
+
+@pytest.mark.parametrize("name", ["upcast_mlp", "hf_gpt2"])
+def test_without_islands_float32_ops_diverge_at_step_1_and_the_report_blames_upstream(
+    tmp_path, monkeypatch, name
+):
+    # The control: float32 ops run natively (what detrl did before) make the honest run diverge, and the
+    # first refused entry is far from any midpoint: the report says an op before it produced other bits.
+    s = specimen(name)
+    monkeypatch.setattr(islands, "narrow_dtype", lambda args, kwargs: None)
+    zoo.record(s, tmp_path / "run", steps=2)
+    with pytest.raises(Divergence) as e:
+        zoo.replay(s, tmp_path / "run", "emulated:splitk", steps=2)
+    assert e.value.step == 1
+    a = e.value.decisive
+    assert a is not None and a.distance is not None and a.distance > 16
+    assert f"an op before #{a.op} produced different bits" in e.value.describe()
+    assert "inputs already differed" in e.value.describe()
+
+
+class HalfMatmul(nn.Module):
+    """Casts a hidden layer to bfloat16 and multiplies in it: no machine-independent FP32 rounding exists."""
+
+    def __init__(self, exact_only: bool) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 8), nn.Linear(8, 5)
+        self.exact_only = exact_only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).to(torch.bfloat16)
+        if self.exact_only:  # a scale and a relu in bfloat16: the same bits on every machine
+            return self.out((h * 2).relu().double()).log_softmax(-1)
+        return (h @ h.T).double().log_softmax(-1)  # a matmul in bfloat16: refused
+
+
+def _half(exact_only: bool) -> zoo.Specimen:
+    return zoo.Specimen("half", lambda: HalfMatmul(exact_only), zoo._features, zoo._nll)
+
+
+def test_a_half_precision_matmul_is_refused_at_record_time_naming_op_dtype_and_module(tmp_path):
+    with pytest.raises(UnroundableOp) as e:
+        zoo.record(_half(False), tmp_path / "run", steps=2)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "aten.mm" in msg and "bfloat16" in msg and "in HalfMatmul" in msg
+    assert isinstance(e.value, ValueError)  # the CLI's bad input: one line, exit 2
+    # What the refused run left is a bundle of its durable steps (none), which replays: never a divergence.
+    rep = zoo.replay(_half(False), tmp_path / "run", "emulated:splitk", steps=2)
+    assert rep.step_index == 0
+
+
+def test_exact_ops_in_bfloat16_record_and_replicate(tmp_path):
+    rec = zoo.record(_half(True), tmp_path / "run", steps=2)
+    want = weights(rec)
+    rep = zoo.replay(_half(True), tmp_path / "run", "emulated:atomic", steps=2)
+    assert all(torch.equal(v, want[k]) for k, v in weights(rep).items())
+
+
+def test_a_refused_submodule_is_named_by_its_path(tmp_path):
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(16, 8), Tanh16())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x).double().log_softmax(-1)
+
+    class Tanh16(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x.half())
+
+    s = zoo.Specimen("half_tanh", Wrapper, zoo._features, zoo._nll)
+    with pytest.raises(UnroundableOp, match=r"aten\.tanh in block\.1 in float16"):
+        zoo.record(s, tmp_path / "run", steps=1)
+
+
+def test_fused_attention_with_dropout_0_is_not_random_and_with_dropout_draws():
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.zeros(1, 1, 2, 4, dtype=torch.float64)
+    assert not randomness.draws_now(flash, (q, q, q, 0.0), {})
+    assert randomness.draws_now(flash, (q, q, q, 0.1), {})
+    assert randomness.handler_for(flash, (q, q, q), {"dropout_p": 0.0}) is None
+    with pytest.raises(RuntimeError, match="no switchboard stream"):
+        randomness.handler_for(flash, (q, q, q, 0.1), {})
+
+
+def _attention_ops(model: nn.Module, tmp_path, train: bool) -> list[str]:
+    """The logged op names of one step that runs ``model`` (a TransformerEncoder) in eval or training."""
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with Session(tmp_path / ("t" if train else "e"), sources=Sources(), planned_steps=1) as s:
+        m = s.init(lambda: model)
+        m.train(train)
+        with s.step(batch=(x,)) as rounding:
+            if train:
+                m(x).square().mean().backward()
+            else:
+                with torch.no_grad():
+                    m(x)
+        return list(rounding.op_names)
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_multihead_attention_fast_paths_stay_off_in_verifiable_steps(tmp_path, train):
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    names = _attention_ops(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), tmp_path, train)
+    assert "bmm" in names or "mm" in names
+    fused = {"_native_multi_head_attention", "_transformer_encoder_layer_fwd",
+             "_scaled_dot_product_flash_attention_for_cpu"}  # fmt: skip
+    assert not fused & set(names)
+    assert torch.backends.mha.get_fastpath_enabled()  # restored after the step
+
+
+def test_attention_dropout_draws_from_the_dropout_stream_and_replicates(tmp_path):
+    class DropEncoder(zoo.Encoder):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.2, batch_first=True)
+            self.body = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    s = zoo.Specimen("drop_encoder", DropEncoder, zoo._tokens, zoo._next_token)
+    rec = zoo.record(s, tmp_path / "run", steps=2)
+    want = weights(rec)
+    rep = zoo.replay(s, tmp_path / "run", "emulated:splitk", steps=2)
+    assert all(torch.equal(v, want[k]) for k, v in weights(rep).items())
