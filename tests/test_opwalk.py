@@ -27,6 +27,11 @@ RECIPES = {
     "supervised/resnet50_cifar": ["model.width=4", "data.name=digits32", "data.n=16"],
     "supervised/gpt2_tiny": SMALL_TEXT,
     "supervised/gpt2": [*SMALL_TEXT, "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.vocab_size=512", "data.vocab_size=512"],
+    "supervised/llama_tiny": SMALL_TEXT,
+    "supervised/llama": [*SMALL_TEXT, "model.n_layer=1", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2",
+                         "model.intermediate=64", "model.vocab_size=512", "data.vocab_size=512"],
+    "supervised/vit_tiny": ["data.n=16"],
+    "supervised/vit": ["data.n=16", "model.n_layer=1", "model.n_embd=32", "model.n_head=4", "model.intermediate=64"],
     "dqn/tiny": ["train.steps=260", "agent.learning_starts=200"],
     "dqn/cartpole": ["precision=verifiable", "train.steps=1010", "agent.learning_starts=1000"],
     "dqn/minatar": ["precision=verifiable", "train.steps=60", "agent.learning_starts=40", "agent.buffer_size=100"],
@@ -59,7 +64,7 @@ def walk_config(path: str, overrides: list[str], tmp_path: Path) -> tuple[WalkPr
 
 
 def _recipe_available(path: str) -> bool:
-    if "gpt2" in path:
+    if any(name in path for name in ("gpt2", "llama", "vit")):
         try:
             import tokenizers, transformers  # noqa: F401, E401
         except ImportError:

@@ -90,7 +90,7 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 batch = next(batches)
                 with session.step():
-                    loss = train.loss_fn(model(batch.x), batch.y)
+                    loss = train.training_loss(model, batch.x, batch.y)
                     loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)

@@ -72,24 +72,48 @@ class DataConfig(Strict):
 
 
 class ModelConfig(Strict):
-    name: Literal["cnn_bn", "mlp_dropout", "tiny_transformer", "lstm_lm", "resnet50", "gpt2"] = "cnn_bn"
+    name: Literal[
+        "cnn_bn", "mlp_dropout", "tiny_transformer", "lstm_lm", "resnet50", "gpt2", "llama", "vit"
+    ] = "cnn_bn"
     channels: int = Field(16, ge=1, description="cnn_bn: channels of the first conv")
     hidden: int = Field(128, ge=1, description="mlp_dropout and lstm_lm: hidden units")
     dropout: float | None = Field(
         None,
         ge=0.0,
         lt=1.0,
-        description="dropout probability (default: 0 for cnn_bn, 0.1 for mlp, transformer and gpt2)",
+        description="dropout probability (default: 0 for cnn_bn, llama and vit, 0.1 for mlp, transformer "
+        "and gpt2; vit: its hidden dropout; llama: must be 0, Llama has none)",
     )
     d_model: int = Field(32, ge=2, description="tiny_transformer: width; lstm_lm: embedding width")
     heads: int = Field(2, ge=1)
     layers: int = Field(1, ge=1, description="tiny_transformer: blocks; lstm_lm: LSTM layers")
     width: int = Field(64, ge=1, description="resnet50: base width (stem and first stage; 64 is ResNet-50)")
-    n_layer: int = Field(12, ge=1, description="gpt2: transformer blocks")
-    n_embd: int = Field(768, ge=1, description="gpt2: embedding width")
-    n_head: int = Field(12, ge=1, description="gpt2: attention heads (must divide n_embd)")
-    n_positions: int = Field(1024, ge=1, description="gpt2: longest sequence (at least data.seq_len)")
-    vocab_size: int = Field(50257, ge=2, description="gpt2: vocabulary (at least the data's)")
+    n_layer: int = Field(12, ge=1, description="gpt2, llama, vit: transformer blocks")
+    n_embd: int = Field(768, ge=1, description="gpt2, llama, vit: embedding (hidden) width")
+    n_head: int = Field(12, ge=1, description="gpt2, llama, vit: attention heads (must divide n_embd)")
+    n_kv_head: int | None = Field(
+        None,
+        ge=1,
+        description="llama: key-value heads of grouped-query attention (must divide n_head; default n_head)",
+    )
+    intermediate: int | None = Field(
+        None,
+        ge=1,
+        description="llama: SwiGLU width (default 8/3 n_embd rounded up to 256); vit: MLP width (default "
+        "4 n_embd)",
+    )
+    patch_size: int = Field(
+        4, ge=1, description="vit: side of the square patches, in pixels (divides the image's)"
+    )
+    attention: Literal["sdpa", "eager"] = Field(
+        "sdpa",
+        description="llama and vit: transformers' attention implementation (inside a verifiable step SDPA is "
+        "its math decomposition: the same ops on every device)",
+    )
+    n_positions: int = Field(
+        1024, ge=1, description="gpt2 and llama: longest sequence (at least data.seq_len)"
+    )
+    vocab_size: int = Field(50257, ge=2, description="gpt2 and llama: vocabulary (at least the data's)")
     init_from: str | None = Field(
         None,
         description="a safetensors file of weights loaded after building (keys and shapes checked). The "

@@ -1,4 +1,5 @@
-"""Models for the supervised recipes: small ones for tests and demos, ResNet-50 and GPT-2 at paper scale.
+"""Models for the supervised recipes: small ones for tests and demos, ResNet-50 and GPT-2 at paper scale,
+and Hugging Face's Llama and ViT beside GPT-2.
 
 Attention is written with explicit matmuls and softmax rather than a fused kernel so that every reduction
 is an aten op the hardware profiles and the rounding mode can see, and so that every device runs the same
@@ -8,10 +9,13 @@ aten ops in the same order (the rounding log is keyed by op position; see :class
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from detrl.run.config import ConfigError
 
 
 class DigitsCNN(nn.Module):
@@ -205,6 +209,22 @@ def canonical_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor
     return torch.ops.aten.native_dropout(x, p, True)[0]
 
 
+def canonical_dropouts(module: nn.Module) -> int:
+    """Replace every ``nn.Dropout`` inside ``module`` (in place) by a :class:`Dropout` of the same ``p``, so
+    the op sequence is the same on every device (see :class:`Dropout`). Returns how many were replaced.
+
+    Hugging Face models build their dropouts as ``nn.Dropout`` children; their parameters and state-dict
+    names are untouched (a dropout has neither).
+    """
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Dropout):
+                setattr(parent, name, Dropout(child.p))
+                replaced += 1
+    return replaced
+
+
 #: The name detrl's attention is registered under in transformers' ``AttentionInterface``.
 ATTENTION = "detrl_causal"
 
@@ -278,10 +298,7 @@ class GPT2(nn.Module):
         )  # fmt: skip
         config._attn_implementation = ATTENTION
         self.lm = GPT2LMHeadModel(config)
-        for parent in list(self.lm.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Dropout):
-                    setattr(parent, name, Dropout(child.p))
+        canonical_dropouts(self.lm)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=tokens, use_cache=False).logits
@@ -310,6 +327,192 @@ class GPT2(nn.Module):
         return out
 
 
+def _transformers(model: str) -> Any:
+    """The ``transformers`` module, or one ConfigError line naming ``model.name`` when it is missing."""
+    try:  # an optional extra: detrl[gpt2] (the test extra has it too)
+        import transformers
+    except ImportError as e:
+        raise ConfigError(
+            f"model.name={model} needs Hugging Face transformers: pip install 'detrl[gpt2]' ({e})"
+        ) from None
+    return transformers
+
+
+def checkpoint_names(hf_model: nn.Module) -> dict[str, str]:
+    """``{name in a Hugging Face checkpoint: the name in hf_model}`` for the model's parameters and
+    persistent buffers: the names ``save_pretrained`` writes, and the module's own.
+
+    transformers 5 renames some modules (ViT's ``encoder.layer.0.attention.attention.query`` is
+    ``layers.0.attention.q_proj``) and writes checkpoints in the old names; its own
+    ``revert_weight_conversion`` (what ``save_pretrained`` calls) gives them. A rename carries the tensor
+    object through, so identity pairs the names; a conversion that computes new tensors (none in Llama or
+    ViT) pairs nothing, and ``load_init`` then names the first missing key. Without that function
+    (transformers 4) the checkpoint names are the module's own.
+    """
+    own = hf_model.state_dict()
+    names = {k: k for k in own}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return names
+    by_id = {id(t): k for k, t in own.items()}
+    for saved, t in revert_weight_conversion(hf_model, dict(own)).items():
+        if id(t) in by_id:
+            names.setdefault(saved, by_id[id(t)])
+    return names
+
+
+def _adapted(tensors: dict[str, torch.Tensor], hf_model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """A Hugging Face checkpoint's tensors under this wrapper's names (``prefix`` + the module's name; see
+    :func:`checkpoint_names`); a dict already in the wrapper's names (``export_safetensors`` of a detrl
+    run) passes unchanged. Keys neither knows pass through prefixed, for ``load_init`` to name."""
+    if any(k.startswith(prefix) for k in tensors):
+        return tensors
+    names = checkpoint_names(hf_model)
+    return {prefix + names.get(k, k): t for k, t in tensors.items()}
+
+
+def llama_intermediate(n_embd: int) -> int:
+    """LLaMA's SwiGLU width for a model ``n_embd`` wide: ``8/3 n_embd`` rounded up to a multiple of 256
+    (Touvron et al. 2023's ``multiple_of``): 2048 at 768, 11008 at 4096 (LLaMA-7B's)."""
+    return -(-(8 * n_embd // 3) // 256) * 256
+
+
+class Llama(nn.Module):
+    """Llama (Touvron et al. 2023) as Hugging Face's ``LlamaForCausalLM``, randomly initialised from a
+    ``LlamaConfig`` (no download; load weights with ``model.init_from``): RMSNorm, rotary position
+    embeddings, a SwiGLU MLP of ``intermediate`` units, grouped-query attention (``n_kv_head`` key-value
+    heads shared by ``n_head`` query heads), an untied output head. Input tokens ``(N, T)`` int64, output
+    logits ``(N, T, vocab_size)``.
+
+    Trained through its own loss (:meth:`training_loss`: ``labels=tokens``, shifted inside transformers).
+    Attention is transformers' ``sdpa`` or ``eager``: inside a verifiable step SDPA is its math
+    decomposition (``detrl.core.portable``), the same aten ops on every device. Llama has no dropout
+    module, and its attention dropout (SDPA's or eager's, an ``aten.dropout`` that decomposes differently
+    on a CPU and a GPU) is kept at 0, as Llama is trained; :func:`canonical_dropouts` still swaps any ``nn.Dropout``
+    for :class:`Dropout`, so a transformers version that adds one keeps one op sequence.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        n_positions: int = 2048,
+        n_embd: int = 768,
+        n_layer: int = 12,
+        n_head: int = 12,
+        n_kv_head: int | None = None,
+        intermediate: int | None = None,
+        attention: str = "sdpa",
+    ) -> None:
+        super().__init__()
+        transformers = _transformers("llama")
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
+        if n_embd % n_head or (n_embd // n_head) % 2:
+            raise ConfigError(
+                f"config error: model.n_embd={n_embd} must be model.n_head={n_head} times an even head "
+                "width (rotary embeddings rotate pairs of channels)"
+            )
+        if n_head % n_kv_head:
+            raise ConfigError(
+                f"config error: model.n_kv_head={n_kv_head} must divide model.n_head={n_head} (grouped-query "
+                "attention shares each key-value head among n_head / n_kv_head query heads)"
+            )
+        config = transformers.LlamaConfig(
+            vocab_size=vocab_size, hidden_size=n_embd, num_hidden_layers=n_layer, num_attention_heads=n_head,
+            num_key_value_heads=n_kv_head, intermediate_size=intermediate or llama_intermediate(n_embd),
+            max_position_embeddings=n_positions, attention_dropout=0.0, tie_word_embeddings=False,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=False,
+            attn_implementation=attention,
+        )  # fmt: skip
+        self.lm = transformers.LlamaForCausalLM(config)
+        canonical_dropouts(self.lm)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=tokens, use_cache=False).logits
+
+    def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Llama's own causal-LM loss: ``lm(input_ids=tokens, labels=tokens).loss``, the mean cross-entropy
+        of the ``N (T - 1)`` next tokens inside the windows (transformers shifts the labels; the logits are
+        upcast to float32 first, an island detrl computes in FP64 and rounds). ``targets`` ``(N, T)`` (the
+        windows shifted by one) is not read: its last column, the one token past each window, is the one
+        target this loss leaves out."""
+        del targets
+        return self.lm(input_ids=tokens, labels=tokens, use_cache=False).loss
+
+    def adapt_state_dict(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face's names (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``, as
+        ``save_pretrained`` writes them) to this module's (``lm.model.layers.0...``), for
+        ``model.init_from``; detrl's own (``lm.``...) pass unchanged."""
+        return _adapted(tensors, self.lm, "lm.")
+
+
+class ViT(nn.Module):
+    """The Vision Transformer (Dosovitskiy et al. 2021) as Hugging Face's ``ViTForImageClassification``,
+    randomly initialised from a ``ViTConfig`` (no download): ``patch_size`` x ``patch_size`` patches
+    embedded by a strided convolution, a class token and learned position embeddings, ``n_layer`` pre-LN
+    blocks (``n_head`` heads, a GELU MLP of ``intermediate`` units), a linear head on the class token.
+    Input images ``(N, channels, image_size, image_size)``, output logits ``(N, classes)``.
+
+    Trained through its own loss (:meth:`training_loss`). ``dropout`` is ViT's hidden dropout (embeddings,
+    attention output, MLP output): every ``nn.Dropout`` is a :class:`Dropout`, drawing from the ``dropout``
+    stream. The attention-probability dropout is kept at 0: it runs inside the attention function as an
+    ``aten.dropout``, which decomposes differently on a CPU and a GPU (ViT's default is 0 too).
+    """
+
+    def __init__(
+        self,
+        image_size: int = 32,
+        channels: int = 3,
+        classes: int = 10,
+        patch_size: int = 4,
+        n_embd: int = 384,
+        n_layer: int = 12,
+        n_head: int = 6,
+        intermediate: int | None = None,
+        dropout: float = 0.0,
+        attention: str = "sdpa",
+    ) -> None:
+        super().__init__()
+        transformers = _transformers("vit")
+        if image_size % patch_size:
+            raise ConfigError(
+                f"config error: model.patch_size={patch_size} does not divide the images' side ({image_size})"
+            )
+        if n_embd % n_head:
+            raise ConfigError(
+                f"config error: model.n_embd={n_embd} is not divisible by model.n_head={n_head}"
+            )
+        if classes < 2:
+            raise ConfigError(
+                f"config error: model.name=vit needs at least 2 classes, the data has {classes}"
+            )
+        config = transformers.ViTConfig(
+            image_size=image_size, patch_size=patch_size, num_channels=channels, hidden_size=n_embd,
+            num_hidden_layers=n_layer, num_attention_heads=n_head,
+            intermediate_size=intermediate or 4 * n_embd, hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=0.0, num_labels=classes, attn_implementation=attention,
+            # written out: transformers otherwise infers it from the first labels and stores it in the config
+            problem_type="single_label_classification",
+        )  # fmt: skip
+        self.net = transformers.ViTForImageClassification(config)
+        canonical_dropouts(self.net)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(pixel_values=images).logits
+
+    def training_loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """ViT's own loss: ``net(pixel_values=images, labels=labels).loss``, the mean cross-entropy of the
+        ``N`` labels ``(N,)`` int64 (transformers' single-label classification loss)."""
+        return self.net(pixel_values=images, labels=labels).loss
+
+    def adapt_state_dict(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face's names (``vit.encoder.layer.0.attention.attention.query.weight``,
+        ``classifier.weight``, as ``save_pretrained`` writes them) to this module's
+        (``net.vit.layers.0.attention.q_proj.weight``: transformers 5's modules), for ``model.init_from``;
+        detrl's own (``net.``...) pass unchanged."""
+        return _adapted(tensors, self.net, "net.")
+
+
 MODELS = {
     "cnn_bn": DigitsCNN,
     "mlp_dropout": MLPDropout,
@@ -317,4 +520,6 @@ MODELS = {
     "lstm_lm": LSTMLM,
     "resnet50": ResNet50,
     "gpt2": GPT2,
+    "llama": Llama,
+    "vit": ViT,
 }

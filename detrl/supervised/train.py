@@ -140,16 +140,9 @@ def build_model(cfg: RunConfig, x: torch.Tensor, classes: int = 10) -> torch.nn.
         )
     if name == "lstm_lm":
         return MODELS[name](vocab=data_vocab(cfg), d_model=m.d_model, hidden=m.hidden, layers=m.layers)
+    if name in ("gpt2", "llama"):
+        _check_text_model(cfg, x)
     if name == "gpt2":
-        if cfg.data.name in TEXT_DATA and m.vocab_size < data_vocab(cfg):
-            raise ConfigError(
-                f"config error: model.vocab_size={m.vocab_size} is smaller than the data's vocabulary "
-                f"({data_vocab(cfg)})"
-            )
-        if x.ndim == 2 and m.n_positions < x.shape[1]:
-            raise ConfigError(
-                f"config error: model.n_positions={m.n_positions} is shorter than data.seq_len={x.shape[1]}"
-            )
         return MODELS[name](
             vocab_size=m.vocab_size,
             n_positions=m.n_positions,
@@ -158,7 +151,61 @@ def build_model(cfg: RunConfig, x: torch.Tensor, classes: int = 10) -> torch.nn.
             n_head=m.n_head,
             dropout=dropout,
         )
+    if name == "llama":
+        if m.dropout:  # an explicit nonzero value: the default (None) is Llama's own 0
+            raise ConfigError(
+                f"config error: model.dropout={m.dropout}: model.name=llama has no dropout (Llama trains "
+                "without; its attention dropout would run inside SDPA, which drops differently by device)"
+            )
+        return MODELS[name](
+            vocab_size=m.vocab_size,
+            n_positions=m.n_positions,
+            n_embd=m.n_embd,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            n_kv_head=m.n_kv_head,
+            intermediate=m.intermediate,
+            attention=m.attention,
+        )
+    if name == "vit":
+        if x.ndim != 4 or x.shape[-1] != x.shape[-2]:
+            raise ConfigError(
+                f"config error: model.name=vit needs square images (N, C, H, W); data.name={cfg.data.name} "
+                f"gives {tuple(x.shape[1:])}"
+            )
+        return MODELS[name](
+            image_size=int(x.shape[-1]),
+            channels=int(x.shape[1]),
+            classes=classes,
+            patch_size=m.patch_size,
+            n_embd=m.n_embd,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            intermediate=m.intermediate,
+            dropout=m.dropout or 0.0,  # ViT's default hidden dropout is 0
+            attention=m.attention,
+        )
     return MODELS[name](classes=classes, width=m.width)
+
+
+def _check_text_model(cfg: RunConfig, x: torch.Tensor) -> None:
+    """A language model (gpt2, llama) fits its data: token windows ``x`` ``(N, T)``, a vocabulary at least
+    the data's, positions at least ``T``; otherwise one ConfigError line."""
+    m = cfg.model
+    if cfg.data.name not in TEXT_DATA or x.ndim != 2:
+        raise ConfigError(
+            f"config error: model.name={m.name} trains on text (data.name: {', '.join(TEXT_DATA)}), not "
+            f"data.name={cfg.data.name}"
+        )
+    if m.vocab_size < data_vocab(cfg):
+        raise ConfigError(
+            f"config error: model.vocab_size={m.vocab_size} is smaller than the data's vocabulary "
+            f"({data_vocab(cfg)})"
+        )
+    if m.n_positions < x.shape[1]:
+        raise ConfigError(
+            f"config error: model.n_positions={m.n_positions} is shorter than data.seq_len={x.shape[1]}"
+        )
 
 
 def model_builder(
@@ -248,6 +295,20 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def training_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The scalar loss one training step minimises on the batch ``(x, y)``.
+
+    A model that defines ``training_loss(x, y)`` gives its own (the Hugging Face wrappers
+    :class:`~.models.Llama` and :class:`~.models.ViT`: the loss transformers computes from ``labels=``,
+    with its own shifting, upcasting and reduction); every other model is scored by :func:`loss_fn` on
+    ``model(x)``, the logits. ``forward`` stays logits either way, so :func:`predict` serves both.
+    """
+    own = getattr(model, "training_loss", None)
+    if callable(own):
+        return own(x, y)
+    return loss_fn(model(x), y)
+
+
 def run(
     cfg: RunConfig,
     session: Session,
@@ -301,7 +362,7 @@ def run(
                 inputs, cfg.data.augment, cfg.data.crop_padding, session.sources.torch("augment")
             )
         with session.step():
-            loss = loss_fn(model(inputs), batch.y)
+            loss = training_loss(model, inputs, batch.y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -355,7 +416,8 @@ CAPS = {
     "data.n": 100_000, "data.seq_len": 4096, "data.vocab": 65_536, "data.vocab_size": 65_536,
     "model.channels": 1024, "model.hidden": 65_536, "model.d_model": 4096, "model.heads": 64,
     "model.layers": 64, "model.width": 1024, "model.n_layer": 64, "model.n_embd": 4096, "model.n_head": 64,
-    "model.n_positions": 8192, "model.vocab_size": 262_144,
+    "model.n_positions": 8192, "model.vocab_size": 262_144, "model.n_kv_head": 64, "model.intermediate": 65_536,
+    "model.patch_size": 256,
     "train.steps": 1_000_000, "train.batch_size": 4096, "threads": 256,
 }  # fmt: skip
 
