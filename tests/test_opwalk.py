@@ -45,7 +45,9 @@ NOT_WALKED = {"supervised/gpt2_finetune": "gpt2 from a weights file: the gpt2 re
 
 
 def test_every_recipe_config_is_walked():
-    shipped = {f"{p.parent.name}/{p.stem}" for d in ("supervised", "dqn") for p in (CONFIGS / d).glob("*.yaml")}
+    shipped = {
+        f"{p.parent.name}/{p.stem}" for d in ("supervised", "dqn") for p in (CONFIGS / d).glob("*.yaml")
+    }
     missing = shipped - set(RECIPES) - set(NOT_WALKED)
     assert not missing, f"add these configs to RECIPES (with overrides that shrink them): {sorted(missing)}"
 
@@ -55,7 +57,9 @@ def walk_config(path: str, overrides: list[str], tmp_path: Path) -> tuple[WalkPr
     if cfg.task == "supervised":
         cfg = load(CONFIGS / f"{path}.yaml", [*overrides, "train.steps=1", "train.batch_size=4"])
     profile = WalkProfile()
-    session = sessions.session_for(cfg, tmp_path / "run", "record", hardware=profile, session_type=WalkedSession)
+    session = sessions.session_for(
+        cfg, tmp_path / "run", "record", hardware=profile, session_type=WalkedSession
+    )
     from detrl.run.tasks import get
 
     with session:
@@ -66,12 +70,14 @@ def walk_config(path: str, overrides: list[str], tmp_path: Path) -> tuple[WalkPr
 def _recipe_available(path: str) -> bool:
     if any(name in path for name in ("gpt2", "llama", "vit")):
         try:
-            import tokenizers, transformers  # noqa: F401, E401
+            import tokenizers  # noqa: F401
+            import transformers  # noqa: F401
         except ImportError:
             return False
     if "minatar" in path or "breakout" in path:
         try:
-            import ale_py, minatar  # noqa: F401, E401
+            import ale_py  # noqa: F401
+            import minatar  # noqa: F401
         except ImportError:
             return False
     return True

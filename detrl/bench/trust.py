@@ -439,7 +439,9 @@ def bench_hostile(rest: list[str]) -> int:
     return 1 if failures else 0
 
 
-@benchmark("zoo", "record architectures built from configs (HF GPT-2 small through labels=, ...) and replay them")
+@benchmark(
+    "zoo", "record architectures built from configs (HF GPT-2 small through labels=, ...) and replay them"
+)
 def bench_zoo(rest: list[str]) -> int:
     """Record each model of :mod:`detrl.testing.zoo` for ``--steps`` verifiable steps on this machine, then
     replay the bundle on ``--profile``, with its log and emptied of it: seconds per recorded step and per
@@ -484,6 +486,9 @@ def bench_zoo(rest: list[str]) -> int:
                 if i == 0:
                     t_rep = (time.perf_counter() - t0) / args.steps
             shutil.rmtree(run, ignore_errors=True)
-            print(f"{name:<22} {t_rec:>13.1f} {t_rep:>13.1f}  " + "  ".join(f"{v:<12}" for v in verdicts), flush=True)
+            print(
+                f"{name:<22} {t_rec:>13.1f} {t_rep:>13.1f}  " + "  ".join(f"{v:<12}" for v in verdicts),
+                flush=True,
+            )
     print(f"({args.steps} steps, replayed on {args.profile}; record on native, this machine)")
     return 0

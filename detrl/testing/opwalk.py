@@ -73,7 +73,9 @@ class _GridCheck(TorchDispatchMode):
             if t.dtype == torch.float64 and t.numel():
                 on_grid = (t.to(torch.float32).to(torch.float64) == t) | torch.isnan(t)
                 if not bool(on_grid.all()):
-                    self.found.append(f"aten.{func.overloadpacket.__name__} left an FP64 result off the FP32 grid")
+                    self.found.append(
+                        f"aten.{func.overloadpacket.__name__} left an FP64 result off the FP32 grid"
+                    )
         return out
 
 

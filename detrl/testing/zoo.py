@@ -105,7 +105,11 @@ class Encoder(nn.Module):
 class LSTMNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.emb, self.lstm, self.head = nn.Embedding(VOCAB, 16), nn.LSTM(16, 32, batch_first=True), nn.Linear(32, VOCAB)
+        self.emb, self.lstm, self.head = (
+            nn.Embedding(VOCAB, 16),
+            nn.LSTM(16, 32, batch_first=True),
+            nn.Linear(32, VOCAB),
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.lstm(self.emb(tokens))[0])
