@@ -82,7 +82,7 @@ class HalfMatmul(nn.Module):
 
 
 def _half(exact_only: bool) -> zoo.Specimen:
-    return zoo.Specimen("half", lambda: HalfMatmul(exact_only), zoo._features, zoo._nll)
+    return zoo.Specimen("half", lambda: HalfMatmul(exact_only), zoo.features, zoo.nll)
 
 
 def test_a_half_precision_matmul_is_refused_at_record_time_naming_op_dtype_and_module(tmp_path):
@@ -117,7 +117,7 @@ def test_a_refused_submodule_is_named_by_its_path(tmp_path):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.tanh(x.half())
 
-    s = zoo.Specimen("half_tanh", Wrapper, zoo._features, zoo._nll)
+    s = zoo.Specimen("half_tanh", Wrapper, zoo.features, zoo.nll)
     with pytest.raises(UnroundableOp, match=r"aten\.tanh in block\.1 in float16"):
         zoo.record(s, tmp_path / "run", steps=1)
 
@@ -168,7 +168,7 @@ def test_attention_dropout_draws_from_the_dropout_stream_and_replicates(tmp_path
             layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.2, batch_first=True)
             self.body = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
 
-    s = zoo.Specimen("drop_encoder", DropEncoder, zoo._tokens, zoo._next_token)
+    s = zoo.Specimen("drop_encoder", DropEncoder, zoo.tokens, zoo.next_token)
     rec = zoo.record(s, tmp_path / "run", steps=2)
     want = weights(rec)
     rep = zoo.replay(s, tmp_path / "run", "emulated:splitk", steps=2)

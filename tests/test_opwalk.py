@@ -97,7 +97,7 @@ def walk_specimen(s: zoo.Specimen, tmp_path: Path) -> tuple[WalkProfile, WalkedS
 
     profile = WalkProfile()
     session = WalkedSession(tmp_path / "run", sources=Sources(), hardware=profile, planned_steps=1)
-    zoo._train(session, s, 1)
+    zoo.train(session, s, 1)
     return profile, session
 
 

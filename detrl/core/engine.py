@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -843,8 +844,6 @@ _NO_STATS = StepStats()
 def _module_on_stack(model: torch.nn.Module | None) -> str:
     """The path in ``model`` of the innermost module whose ``forward`` is running (found on the Python stack,
     so tracking modules costs nothing until asked); ``(backward of NODE)`` inside autograd's backward."""
-    import sys
-
     names = {id(m): n or type(m).__name__ for n, m in model.named_modules()} if model is not None else {}
     frame = sys._getframe(1)
     while frame is not None:

@@ -28,7 +28,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 HALVES = (torch.float16, torch.bfloat16)
-_NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
+#: The float types narrower than FP64 whose ops an island computes on FP64 twins.
+NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 class UnroundableOp(ValueError):
@@ -53,17 +54,17 @@ def narrow_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
         if isinstance(a, torch.Tensor):
             d = a.dtype
         elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            d = next((t.dtype for t in a if isinstance(t, torch.Tensor) and t.dtype in _NARROW), None)
+            d = next((t.dtype for t in a if isinstance(t, torch.Tensor) and t.dtype in NARROW), None)
         else:
             continue
-        if d in _NARROW:
+        if d in NARROW:
             if d is not torch.float32:
                 return d
             found = d
     if kwargs:
         for key, v in kwargs.items():
             d = v if key == "dtype" else v.dtype if isinstance(v, torch.Tensor) else None
-            if d in _NARROW:
+            if d in NARROW:
                 if d is not torch.float32:
                     return d
                 found = d
@@ -76,7 +77,7 @@ def widen(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, tuple[torch
     twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def wide(a: Any) -> Any:
-        if isinstance(a, torch.Tensor) and a.dtype in _NARROW:
+        if isinstance(a, torch.Tensor) and a.dtype in NARROW:
             twin = a.to(torch.float64)
             twins[id(twin)] = (a, twin)
             return twin
@@ -84,7 +85,7 @@ def widen(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, tuple[torch
 
     wide_kwargs = tree_map(wide, {k: v for k, v in kwargs.items() if k != "dtype"})
     if "dtype" in kwargs:
-        wide_kwargs["dtype"] = torch.float64 if kwargs["dtype"] in _NARROW else kwargs["dtype"]
+        wide_kwargs["dtype"] = torch.float64 if kwargs["dtype"] in NARROW else kwargs["dtype"]
     return tree_map(wide, args), wide_kwargs, twins
 
 

@@ -604,8 +604,8 @@ class _Plan:
 
 
 _PLANS: dict[int, _Plan] = {}  # by id(): an OpOverload's __hash__ is Python code, called at every op
-_CASTS = frozenset({torch.ops.aten._to_copy.default})
-_NARROW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: Casts between float types: to FP64 from a narrower type they need no rounding (see :func:`_widens_floats`).
+CASTS = frozenset({torch.ops.aten._to_copy.default})
 
 
 def _plan(func: Any) -> _Plan:
@@ -617,7 +617,7 @@ def _plan(func: Any) -> _Plan:
         kind=kind,
         random=randomness.draws_randomness(func),
         keep=bool(func.is_view) or kind is OpKind.KEEP,
-        widening=func in _CASTS,
+        widening=func in CASTS,
     )
     _PLANS[id(func)] = plan
     return plan
@@ -625,7 +625,7 @@ def _plan(func: Any) -> _Plan:
 
 def _widens_floats(args: tuple) -> bool:
     """A cast's input is a narrower float type: every value is on the FP32 grid, so is the FP64 output."""
-    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in _NARROW_FLOATS
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in islands.NARROW
 
 
 class LogOutOfRange(Exception):

@@ -142,15 +142,10 @@ def build_model(cfg: RunConfig, x: torch.Tensor, classes: int = 10) -> torch.nn.
         return MODELS[name](vocab=data_vocab(cfg), d_model=m.d_model, hidden=m.hidden, layers=m.layers)
     if name in ("gpt2", "llama"):
         _check_text_model(cfg, x)
+        # the sizes both text models take; each adds its own below
+        text = {k: getattr(m, k) for k in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}
     if name == "gpt2":
-        return MODELS[name](
-            vocab_size=m.vocab_size,
-            n_positions=m.n_positions,
-            n_embd=m.n_embd,
-            n_layer=m.n_layer,
-            n_head=m.n_head,
-            dropout=dropout,
-        )
+        return MODELS[name](**text, dropout=dropout)
     if name == "llama":
         if m.dropout:  # an explicit nonzero value: the default (None) is Llama's own 0
             raise ConfigError(
@@ -158,11 +153,7 @@ def build_model(cfg: RunConfig, x: torch.Tensor, classes: int = 10) -> torch.nn.
                 "without; its attention dropout would run inside SDPA, which drops differently by device)"
             )
         return MODELS[name](
-            vocab_size=m.vocab_size,
-            n_positions=m.n_positions,
-            n_embd=m.n_embd,
-            n_layer=m.n_layer,
-            n_head=m.n_head,
+            **text,
             n_kv_head=m.n_kv_head,
             intermediate=m.intermediate,
             attention=m.attention,

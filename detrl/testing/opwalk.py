@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten
 from detrl.core.engine import Session
 from detrl.core.hardware import Profile, get_profile
 from detrl.core.oprules import OpKind, classify
+from detrl.core.rounding import CASTS
 
-_CASTS = frozenset({torch.ops.aten._to_copy.default})
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
@@ -50,7 +50,7 @@ class WalkProfile(Profile):
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         out = self.base(func, args, kwargs)
         self.ops += 1
-        if func.is_view or func in _CASTS or classify(func, kwargs) is OpKind.KEEP:
+        if func.is_view or func in CASTS or classify(func, kwargs) is OpKind.KEEP:
             return out
         narrow = {t.dtype for t in _floats((args, kwargs, out)) if t.dtype != torch.float64}
         if narrow:

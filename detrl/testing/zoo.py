@@ -10,6 +10,7 @@ use them; so can anyone trying a model of their own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,17 @@ from detrl.core.engine import Session
 from detrl.core.hardware import Profile
 from detrl.core.sources import Sources
 
-VOCAB, SEQ, BATCH = 64, 12, 4
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """How big the zoo's models are: ``width`` is the hidden size (``2 * width`` the MLP's), each sequence
+    ``seq`` tokens of a ``vocab``-token vocabulary, each batch ``batch`` sequences or images (``4 * batch``
+    feature rows). The tests use the small default; :data:`LOG_MATTERS` the sizes where the log matters."""
+
+    width: int = 32
+    seq: int = 12
+    batch: int = 4
+    vocab: int = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,19 +48,23 @@ class Specimen:
     needs: str = ""  # a transformers class it needs ("" when torch alone builds it)
 
 
-def _tokens() -> tuple[torch.Tensor, ...]:
+def tokens(size: Size = Size()) -> tuple[torch.Tensor, ...]:
+    """``(batch, seq)`` token ids."""
     g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),)
+    return (torch.randint(0, size.vocab, (size.batch, size.seq), generator=g),)
 
 
-def _images() -> tuple[torch.Tensor, ...]:
+def images(size: Size = Size()) -> tuple[torch.Tensor, ...]:
+    """``(batch, 3, 16, 16)`` pixels in [0, 1) and ``(batch,)`` labels of 3 classes."""
     g = torch.Generator().manual_seed(2)
-    return torch.rand(BATCH, 3, 16, 16, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+    return torch.rand(size.batch, 3, 16, 16, generator=g), torch.randint(0, 3, (size.batch,), generator=g)
 
 
-def _features() -> tuple[torch.Tensor, ...]:
+def features(size: Size = Size()) -> tuple[torch.Tensor, ...]:
+    """``(4 * batch, 16)`` standard-normal features and ``(4 * batch,)`` labels of 5 classes."""
     g = torch.Generator().manual_seed(3)
-    return torch.randn(BATCH * 4, 16, generator=g), torch.randint(0, 5, (BATCH * 4,), generator=g)
+    n = size.batch * 4
+    return torch.randn(n, 16, generator=g), torch.randint(0, 5, (n,), generator=g)
 
 
 def _hf(name: str, config: str, **kw: Any) -> Callable[[], nn.Module]:
@@ -62,65 +77,77 @@ def _hf(name: str, config: str, **kw: Any) -> Callable[[], nn.Module]:
     return build
 
 
-def _lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A Hugging Face causal LM through its own ``labels=`` loss (which upcasts the logits to float32)."""
     return model(input_ids=batch[0], labels=batch[0]).loss
+
+
+def lm_loss_outside(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The same causal-LM loss as :func:`lm_loss`, computed outside the model on its ``(B, T, vocab)`` logits
+    in the run's own precision (no float32 upcast)."""
+    logits = model(input_ids=batch[0]).logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[0][:, 1:].reshape(-1))
 
 
 def _cls_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return model(input_ids=batch[0], labels=batch[0][:, 0] % 3).loss
 
 
-def _decoder(**kw: Any) -> dict[str, Any]:
+def _decoder(size: Size, **kw: Any) -> dict[str, Any]:
+    w = size.width
     return {
-        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, **kw,
+        "vocab_size": size.vocab, "hidden_size": w, "intermediate_size": 2 * w, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": max(64, size.seq), **kw,
     }  # fmt: skip
 
 
 class UpcastMLP(nn.Module):
     """An MLP whose forward ends in ``logits.float().log_softmax(-1)``, a common stability idiom."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32, upcast: bool = True) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 5)
+        self.fc1, self.fc2 = nn.Linear(16, width), nn.Linear(width, 5)
+        self.upcast = upcast  # False: the same MLP in the run's own precision (its FP64 twin)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x))).float().log_softmax(-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5) log-probabilities
+        logits = self.fc2(torch.tanh(self.fc1(x)))
+        return (logits.float() if self.upcast else logits).log_softmax(-1)
 
 
 class Encoder(nn.Module):
     """``nn.TransformerEncoder`` (fused SDPA attention inside) over token embeddings, next-token loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32, vocab: int = 64) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, 32)
-        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.emb = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
         self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(32, VOCAB)
+        self.head = nn.Linear(width, vocab)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
         return self.head(self.body(self.emb(tokens)))
 
 
 class LSTMNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32, vocab: int = 64) -> None:
         super().__init__()
         self.emb, self.lstm, self.head = (
-            nn.Embedding(VOCAB, 16),
-            nn.LSTM(16, 32, batch_first=True),
-            nn.Linear(32, VOCAB),
+            nn.Embedding(vocab, width // 2),
+            nn.LSTM(width // 2, width, batch_first=True),
+            nn.Linear(width, vocab),
         )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
         return self.head(self.lstm(self.emb(tokens))[0])
 
 
 class AutocastCNN(nn.Module):
     """A small CNN whose forward runs under ``torch.autocast(dtype=torch.bfloat16)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32) -> None:
         super().__init__()
-        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 3)
+        c = max(1, width // 4)
+        self.conv, self.fc = nn.Conv2d(3, c, 3, padding=1), nn.Linear(c, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -128,16 +155,19 @@ class AutocastCNN(nn.Module):
             return self.fc(h)
 
 
-def _next_token(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def next_token(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Cross-entropy of ``model``'s ``(B, T-1, vocab)`` logits against the next tokens."""
     logits = model(batch[0][:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), batch[0][:, 1:].reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[0][:, 1:].reshape(-1))
 
 
-def _classify(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def classify(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Cross-entropy of ``model(x)`` against ``y``."""
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
-def _nll(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def nll(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Negative log-likelihood of ``model(x)`` (log-probabilities) against ``y``."""
     return F.nll_loss(model(batch[0]), batch[1])
 
 
@@ -149,39 +179,65 @@ def _t5_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return model(input_ids=batch[0], labels=batch[0].flip(1)).loss
 
 
-SPECIMENS: dict[str, Specimen] = {
-    s.name: s
-    for s in [
-        Specimen("upcast_mlp", UpcastMLP, _features, _nll),
-        Specimen(
-            "hf_gpt2", _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=64, n_embd=32,
-                           n_layer=2, n_head=4), _tokens, _lm_loss, "GPT2LMHeadModel"),
-        Specimen("hf_llama_eager", _hf("LlamaForCausalLM", "LlamaConfig", **_decoder(attn_implementation="eager")),
-                 _tokens, _lm_loss, "LlamaForCausalLM"),
-        Specimen("hf_llama_sdpa", _hf("LlamaForCausalLM", "LlamaConfig", **_decoder(attn_implementation="sdpa")),
-                 _tokens, _lm_loss, "LlamaForCausalLM"),
-        Specimen("hf_qwen2_eager", _hf("Qwen2ForCausalLM", "Qwen2Config", **_decoder(attn_implementation="eager")),
-                 _tokens, _lm_loss, "Qwen2ForCausalLM"),
-        Specimen("hf_mistral", _hf("MistralForCausalLM", "MistralConfig", **_decoder()), _tokens, _lm_loss,
-                 "MistralForCausalLM"),
-        Specimen(
-            "hf_bert", _hf("BertForSequenceClassification", "BertConfig", vocab_size=VOCAB, hidden_size=32,
-                           num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                           max_position_embeddings=64, num_labels=3), _tokens, _cls_loss,
-            "BertForSequenceClassification"),
-        Specimen(
-            "hf_vit", _hf("ViTForImageClassification", "ViTConfig", image_size=16, patch_size=4, hidden_size=32,
-                          num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_labels=3),
-            _images, _vit_loss, "ViTForImageClassification"),
-        Specimen(
-            "hf_t5", _hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64,
-                         num_layers=2, num_heads=4, decoder_start_token_id=0, pad_token_id=0),
-            _tokens, _t5_loss, "T5ForConditionalGeneration"),
-        Specimen("transformer_encoder", Encoder, _tokens, _next_token),
-        Specimen("lstm", LSTMNet, _tokens, _next_token),
-        Specimen("autocast_bf16", AutocastCNN, _images, _classify),
-    ]
-}  # fmt: skip
+def specimens(size: Size = Size()) -> dict[str, Specimen]:
+    """Every zoo architecture at ``size``, by name."""
+    w, v, pos = size.width, size.vocab, max(64, size.seq)
+    toks, imgs, feats = (functools.partial(f, size) for f in (tokens, images, features))
+    return {
+        s.name: s
+        for s in [
+            Specimen("upcast_mlp", functools.partial(UpcastMLP, w), feats, nll),
+            Specimen(
+                "hf_gpt2", _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=v, n_positions=pos, n_embd=w,
+                               n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None), toks, lm_loss, "GPT2LMHeadModel"),
+            Specimen("hf_llama_eager", _hf("LlamaForCausalLM", "LlamaConfig",
+                                           **_decoder(size, attn_implementation="eager")),
+                     toks, lm_loss, "LlamaForCausalLM"),
+            Specimen("hf_llama_sdpa", _hf("LlamaForCausalLM", "LlamaConfig",
+                                          **_decoder(size, attn_implementation="sdpa")),
+                     toks, lm_loss, "LlamaForCausalLM"),
+            Specimen("hf_qwen2_eager", _hf("Qwen2ForCausalLM", "Qwen2Config",
+                                           **_decoder(size, attn_implementation="eager")),
+                     toks, lm_loss, "Qwen2ForCausalLM"),
+            Specimen("hf_mistral", _hf("MistralForCausalLM", "MistralConfig", **_decoder(size)), toks, lm_loss,
+                     "MistralForCausalLM"),
+            Specimen(
+                "hf_bert", _hf("BertForSequenceClassification", "BertConfig", vocab_size=v, hidden_size=w,
+                               num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * w,
+                               max_position_embeddings=pos, num_labels=3), toks, _cls_loss,
+                "BertForSequenceClassification"),
+            Specimen(
+                "hf_vit", _hf("ViTForImageClassification", "ViTConfig", image_size=16, patch_size=4,
+                              hidden_size=w, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * w,
+                              num_labels=3), imgs, _vit_loss, "ViTForImageClassification"),
+            Specimen(
+                "hf_t5", _hf("T5ForConditionalGeneration", "T5Config", vocab_size=v, d_model=w, d_kv=w // 4,
+                             d_ff=2 * w, num_layers=2, num_heads=4, decoder_start_token_id=0, pad_token_id=0),
+                toks, _t5_loss, "T5ForConditionalGeneration"),
+            Specimen("transformer_encoder", functools.partial(Encoder, w, v), toks, next_token),
+            Specimen("lstm", functools.partial(LSTMNet, w, v), toks, next_token),
+            Specimen("autocast_bf16", functools.partial(AutocastCNN, w), imgs, classify),
+        ]
+    }  # fmt: skip
+
+
+#: The zoo at the tests' size (seconds a model).
+SPECIMENS: dict[str, Specimen] = specimens()
+
+
+def fp64_twins(size: Size = Size()) -> dict[str, tuple[Specimen, Specimen]]:
+    """Models with float32 islands beside their FP64 twins (the same model and batch, computed in the run's
+    own precision throughout), for measuring what an island costs: name -> (island model, twin)."""
+    zoo = specimens(size)
+    gpt2 = zoo["hf_gpt2"]
+    return {
+        "upcast_mlp": (
+            zoo["upcast_mlp"],
+            dataclasses.replace(zoo["upcast_mlp"], name="fp64_mlp",
+                                build=functools.partial(UpcastMLP, size.width, upcast=False)),
+        ),
+        "hf_gpt2": (gpt2, dataclasses.replace(gpt2, name="hf_gpt2_loss_outside", loss=lm_loss_outside)),
+    }  # fmt: skip
 
 
 def _gpt2_small_tokens() -> tuple[torch.Tensor, ...]:
@@ -193,7 +249,7 @@ def _gpt2_small_tokens() -> tuple[torch.Tensor, ...]:
 FULL_SIZE: dict[str, Specimen] = {
     "hf_gpt2_small": Specimen(
         "hf_gpt2_small", _hf("GPT2LMHeadModel", "GPT2Config", bos_token_id=None, eos_token_id=None),
-        _gpt2_small_tokens, _lm_loss, "GPT2LMHeadModel"),  # GPT-2 small: 124M parameters
+        _gpt2_small_tokens, lm_loss, "GPT2LMHeadModel"),  # GPT-2 small: 124M parameters
 }  # fmt: skip
 
 
@@ -208,7 +264,7 @@ def available(specimen: Specimen) -> bool:
     return hasattr(transformers, specimen.needs)
 
 
-def _train(session: Session, specimen: Specimen, steps: int) -> Session:
+def train(session: Session, specimen: Specimen, steps: int) -> Session:
     with session:
         model = session.init(specimen.build)
         model.train()
@@ -233,9 +289,9 @@ def record(
     session = Session(
         run_dir, mode="record", sources=Sources(), hardware=hardware, planned_steps=steps, checkpoint_every=0
     )
-    return _train(session, specimen, steps)
+    return train(session, specimen, steps)
 
 
 def replay(specimen: Specimen, run_dir: str | Path, hardware: str | Profile, steps: int = 2) -> Session:
     """Replay the bundle ``run_dir`` of ``specimen`` under ``hardware`` (raises Divergence if it differs)."""
-    return _train(Session(run_dir, mode="replay", hardware=hardware), specimen, steps)
+    return train(Session(run_dir, mode="replay", hardware=hardware), specimen, steps)
