@@ -282,14 +282,19 @@ def leaf(step: int, state_hash: bytes, batch_hash: bytes) -> bytes:
     return _hasher(LEAF_TAG + struct.pack("<Q", step) + state_hash + batch_hash).digest()
 
 
+def node(left: bytes, right: bytes) -> bytes:
+    """The Merkle node over two child hashes (32 bytes each), left first."""
+    return _hasher(NODE_TAG + left + right).digest()
+
+
 def merkle_root(leaves: list[bytes]) -> bytes:
     """Merkle root (BLAKE3, leaves and nodes domain-separated; an odd node is carried up unchanged).
-    Empty -> hash of the node tag."""
+    Empty -> hash of the node tag. Inclusion proofs of one leaf: detrl/formats/proof.py."""
     if not leaves:
         return _hasher(NODE_TAG).digest()
     level = list(leaves)
     while len(level) > 1:
-        nxt = [_hasher(NODE_TAG + level[i] + level[i + 1]).digest() for i in range(0, len(level) - 1, 2)]
+        nxt = [node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
         if len(level) % 2:
             nxt.append(level[-1])
         level = nxt
