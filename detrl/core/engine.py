@@ -280,6 +280,23 @@ class Session:
             :meth:`restore`); the bundle is unchanged until the run goes past the steps it holds.
         force: with ``mode="record"``, replace a bundle already in ``run_dir`` (otherwise refused).
         caps: the reader's bounds when replaying or resuming (:class:`detrl.formats.bundle.Caps`).
+        start: with ``mode="replay"``, replay a segment from the checkpoint of step ``start`` instead of from
+            step 0: the task builds its state as always (``init`` still checks step 0's commitment), then
+            :meth:`restore` loads that checkpoint's model, optimizer, switchboard and part state, after
+            checking it against the step's commitment as the full replay does when it reaches it. The
+            bundle must hold a checkpoint of that step (bad input otherwise).
+        stop: with ``mode="replay"``, end the replay after step ``stop`` (None: the bundle's last durable
+            step); must be above ``start`` and at most the durable steps (bad input beyond them). The loop
+            stops there as at the end of a bundle, and on exit the replay must have reached ``stop``.
+            Checkpoints of steps ``start..stop`` are checked, and :attr:`step_stats`, :attr:`totals` and
+            :attr:`first_violation` cover steps ``start+1..stop`` only. So a bundle's steps can be audited
+            in segments between checkpoints (``detrl audit --workers``), or one disputed step replayed::
+
+                with Session(run_dir, mode="replay", start=20, stop=23) as s:   # steps 21..23
+                    task.run(cfg, s)          # calls s.restore() after building its state
+                    s.verify_checkpoints()
+
+            The default (``start=0, stop=None``) is the whole replay.
     """
 
     def __init__(
@@ -303,9 +320,15 @@ class Session:
         resume: bool = False,
         force: bool = False,
         caps: bundle_mod.Caps | None = None,
+        start: int = 0,
+        stop: int | None = None,
     ) -> None:
         if mode not in ("record", "replay", "off"):
             raise ValueError(f"mode must be record, replay or off, not {mode!r}")
+        if mode != "replay" and (start or stop is not None):
+            raise ValueError("start and stop select a segment of a replay: they need mode='replay'")
+        if start < 0 or (stop is not None and stop <= start):
+            raise ValueError(f"a replayed segment needs 0 <= start < stop, not start={start}, stop={stop}")
         if mode != "off" and run_dir is None:
             raise ValueError(f"mode={mode!r} needs the bundle directory")
         self.mode = mode
@@ -325,6 +348,8 @@ class Session:
         self._calibrator: Calibrator | None = None
         self._resume: bundle_mod.ResumePoint | None = None
         self.calibration_steps = 0
+        #: replay: the segment's first and last step (see ``start`` and ``stop`` above)
+        self.start, self.stop = start, stop
         if mode == "replay" or resume:  # precision, sources and thresholds come from the bundle
             if resume and mode != "record":
                 raise ValueError("resume needs mode='record'")
@@ -367,6 +392,8 @@ class Session:
         self.bundle = bundle_mod.Bundle(self.dir, caps)  # type: ignore[arg-type]
         try:
             self._from_bundle(self.bundle, data_fingerprint, calibrates)
+            if self.mode == "replay":
+                self._replay_segment(self.bundle)
             if resume:
                 self._resume = self.bundle.resume_point()
                 self._resume_calibration(self._resume)
@@ -460,6 +487,26 @@ class Session:
         except (TypeError, ValueError) as e:
             raise BundleError(f"{bundle_mod.checkpoint_name(r.step)}: bad calibration state ({e})") from None
 
+    def _replay_segment(self, b: bundle_mod.Bundle) -> None:
+        """Replay: the segment's last step (the bundle's last durable one by default) and, from a checkpoint,
+        the state :meth:`restore` loads (read now, so a missing or unreadable one fails before any work)."""
+        if self.stop is None:
+            self.stop = b.steps
+        elif self.stop > b.steps:
+            raise BundleError(
+                f"{bundle_mod.MANIFEST}: a replay to step {self.stop}, but the bundle holds {b.steps} "
+                "durable steps"
+            )
+        if not self.start:
+            return
+        if self.start not in b.checkpoint_steps:
+            raise BundleError(
+                f"{bundle_mod.checkpoint_name(self.start)}: the bundle has no checkpoint of step "
+                f"{self.start} to replay from"
+            )
+        tensors, meta = b.load_checkpoint(self.start)
+        self._resume = bundle_mod.ResumePoint(self.start, tensors, meta, list(b.leaves), b)
+
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
         if self.mode == "record":
@@ -479,12 +526,11 @@ class Session:
         try:
             if self.mode == "record" and exc_type is None:
                 self._finish_record()
-            elif self.mode == "replay" and exc_type is None and self.step_index != self.bundle.steps:  # type: ignore[union-attr]
+            elif self.mode == "replay" and exc_type is None and self.step_index != self.stop:
+                steps = self.bundle.steps  # type: ignore[union-attr]
+                short = f"the bundle has {steps}" if self.stop == steps else f"not to step {self.stop}"
                 raise Divergence(
-                    self.step_index + 1,
-                    True,
-                    [],
-                    f"the replay ran {self.step_index} steps, the bundle has {self.bundle.steps}",  # type: ignore[union-attr]
+                    self.step_index + 1, True, [], f"the replay ran {self.step_index} steps, {short}"
                 )
         finally:
             if self._writer is not None:
@@ -542,13 +588,18 @@ class Session:
 
         Call after :meth:`init`, :meth:`track`, :meth:`attach` and :meth:`loader`. Returns the number of
         steps already done (0 when not resuming). The model built by ``init`` must commit to the bundle's
-        step 0, so a resumed run is the run it continues.
+        step 0, so a resumed run is the run it continues. A replay from ``start`` loads the checkpoint of
+        that step instead, checked first as the full replay checks it when it gets there (a checkpoint
+        that differs from its commitment diverges at its step); its stats count from zero.
         """
         r = self._resume
         if r is None or r.step == 0:
             return 0
         assert self.model is not None, "call init() before restore()"
         rel = bundle_mod.checkpoint_name(r.step)
+        replay = self.mode == "replay"
+        if replay:
+            self._check_checkpoint(r.step, r.tensors, r.meta)
         committed = {k: v for k, v in r.tensors.items() if not k.startswith(RESUME_PREFIX)}
         _load_state_tensors(self.model, self.optimizers, committed)
         try:
@@ -561,15 +612,17 @@ class Session:
                 arrays = {k[len(prefix) :]: v.numpy() for k, v in r.tensors.items() if k.startswith(prefix)}
                 part.load_state(arrays, dict(parts[name]["meta"]))
             totals = dict(r.meta.get("stats", {}))
-            for name in _STATS_FIELDS:
-                setattr(self.totals, name, int(totals.get(name, 0)))
-            self.log_bytes = [int(r.meta.get("log_bytes", 0))]
+            for name in _STATS_FIELDS:  # the recorder's counts, continued; a replay counts its own
+                setattr(self.totals, name, 0 if replay else int(totals.get(name, 0)))
+            self.log_bytes = [] if replay else [int(r.meta.get("log_bytes", 0))]
         except (KeyError, TypeError, ValueError) as e:
-            raise BundleError(f"{rel}: cannot resume: {e}") from None
+            raise BundleError(f"{rel}: cannot {'replay from it' if replay else 'resume'}: {e}") from None
         self.leaves = list(r.written[: r.step + 1])
         self.step_index = r.step
         # The restored state must be the state the bundle committed to at this step.
         if self._state_hash(commit.state_tensors(self.model, self.optimizers)) != self.leaves[r.step][0]:
+            if replay:  # its committed tensors matched: the resume state beside them is not that state
+                raise Divergence(r.step, True, [], f"{rel}: its resume state is not the committed state")
             raise BundleError(f"{rel}: restored state differs from the step commitment")
         return r.step
 
@@ -703,8 +756,9 @@ class Session:
             self.leaves.append((state_hash, batch_hash))
             if step in self.bundle.checkpoint_steps:
                 self._verify_checkpoint(step)
-            if step >= self.bundle.steps:
-                self.stop_requested = True  # the rest of the recording is not durable: stop the loop here
+            if step >= self.stop:  # type: ignore[operator]
+                # the rest of the recording is not durable (or not this segment's): stop the loop here
+                self.stop_requested = True
             return
         if self._resume is not None and step == 0 and self._resume.written:
             if state_hash != self._resume.written[0][0]:
@@ -794,11 +848,12 @@ class Session:
         return where
 
     def verify_checkpoints(self) -> None:
-        """Check that each checkpoint in the replayed bundle holds the committed state of its step (the
-        replay checked those of the steps it reached as it went, resume state included)."""
+        """Check that each checkpoint in the replayed bundle (or segment: steps ``start..stop``) holds the
+        committed state of its step (the replay checked those of the steps it reached as it went, resume
+        state included)."""
         assert self.bundle is not None
         for step in self.bundle.checkpoint_steps:
-            if step not in self._verified:
+            if self.start <= step <= self.stop and step not in self._verified:  # type: ignore[operator]
                 self._verify_checkpoint(step, resume=False)
 
     def _verify_checkpoint(self, step: int, resume: bool = True) -> None:
@@ -807,8 +862,15 @@ class Session:
         switchboard and every part's arrays and metadata, byte for byte. So nothing a resumed recording
         or a replay from the checkpoint starts from is only the trainer's word."""
         assert self.bundle is not None
-        rel = bundle_mod.checkpoint_name(step)
         tensors, meta = self.bundle.load_checkpoint(step)
+        self._check_checkpoint(step, tensors, meta)
+        if resume:
+            self._check_resume_state(step, tensors, meta)
+
+    def _check_checkpoint(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The checkpoint of ``step`` (its ``tensors`` and ``meta``) holds the state committed at ``step``."""
+        assert self.bundle is not None
+        rel = bundle_mod.checkpoint_name(step)
         committed = {k: v for k, v in tensors.items() if not k.startswith(RESUME_PREFIX)}
         try:
             parts = {n: bytes.fromhex(p["digest"]) for n, p in dict(meta.get("parts", {})).items()}
@@ -820,8 +882,10 @@ class Session:
         if meta.get("step") != step:
             raise BundleError(f"{rel}: its metadata names step {str(meta.get('step'))[:20]}, not {step}")
         self._verified.add(step)
-        if not resume:
-            return
+
+    def _check_resume_state(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """The checkpoint of ``step`` holds the resume state this replay holds there."""
+        rel = bundle_mod.checkpoint_name(step)
         arrays, own_parts = self._resume_state()
         theirs = {k: v for k, v in tensors.items() if k.startswith(RESUME_PREFIX)}
         differ = sorted(

@@ -31,7 +31,8 @@ def session_for(
     ``hardware``: the profile to run on (default: the config's). ``data``: the training data's path where
     the task reads one. ``fingerprint``: the data fingerprint when the caller computed it already.
     ``session_type``: a :class:`Session` subclass to build (tests use one that keeps the initial weights).
-    ``overrides``: further :class:`Session` arguments (``resume``, ``force``, ``caps``, ``sources``, ...).
+    ``overrides``: further :class:`Session` arguments (``resume``, ``force``, ``caps``, ``sources``, ...;
+    ``start`` and ``stop`` replay one segment between checkpoints).
     """
     task = get(cfg.task)
     if hardware is None:
