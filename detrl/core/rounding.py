@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 from detrl.core import decompose, islands, kernel, randomness
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import OpKind, classify, op_name
+from detrl.core.optrace import OpTrace
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
 from detrl.formats.roundlog import OpEntries, key32, nearest_with_low16
 
@@ -348,6 +349,9 @@ class RoundingMode(TorchDispatchMode):
         self.random: torch.Generator | None = None
         #: replay: entries are honoured within 2 x max(tau, this) (see :meth:`step_scope`)
         self.honour_floor = 0.0
+        #: per-op digests of the step, when a dispute asks for them (:mod:`detrl.core.optrace`); None (the
+        #: default) costs each op one attribute test
+        self.trace: OpTrace | None = None
 
     @contextlib.contextmanager
     def step_scope(
@@ -381,8 +385,11 @@ class RoundingMode(TorchDispatchMode):
             # (rounded, logged, computed by the profile); the rest is plain IEEE arithmetic: exact outputs.
             steps = decompose.Steps(self._logged_sum, self._logged_exp)
             out = decompose.DECOMPOSITIONS[func](steps, *args, **kwargs)
-            for t in written_tensors(func, args, kwargs, out):
+            written = written_tensors(func, args, kwargs, out)
+            for t in written:
                 self._round_exact(t)
+            if self.trace is not None:
+                self._trace(func, written)
             return out
         split = plan.splits and split_needed(func, kwargs)
         kind = OpKind.EXACT if split else classify(func, kwargs) if plan.alpha else plan.kind
@@ -405,7 +412,17 @@ class RoundingMode(TorchDispatchMode):
                 self._round_exact(t)
             elif t.dtype == torch.float64 and t.numel():
                 self._round_logged(func, t, kind, args)
+        if self.trace is not None:
+            self._trace(func, targets)
         return out
+
+    def _trace(self, func: Any, written: list[torch.Tensor]) -> None:
+        """Add an op's rounded float outputs to the trace (ops inside a decomposition are its own parts:
+        the decomposed op is traced once, for its outputs)."""
+        outputs = [t for t in written if t.is_floating_point()]
+        if outputs and self.step is not None and not self._nested and self.trace is not None:
+            module = self.module_path() if self.module_path is not None else ""
+            self.trace.add(op_name(func), module, outputs)
 
     def _island(self, func, types, args, kwargs, plan, narrow):  # noqa: ANN001, ANN202
         """An op on float32 (or half) tensors: computed in FP64 under the profile and rounded, with the log,
