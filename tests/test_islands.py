@@ -12,6 +12,8 @@ from detrl import Divergence
 from detrl.core import islands, randomness
 from detrl.core.hardware import profile_names
 from detrl.core.islands import UnroundableOp
+from detrl.core.oprules import op_name
+from detrl.core.rounding import RoundingMode
 from detrl.testing import zoo
 
 EMULATED = [p for p in profile_names() if p.startswith("emulated:")]
@@ -173,3 +175,20 @@ def test_attention_dropout_draws_from_the_dropout_stream_and_replicates(tmp_path
     want = weights(rec)
     rep = zoo.replay(s, tmp_path / "run", "emulated:splitk", steps=2)
     assert all(torch.equal(v, want[k]) for k, v in weights(rep).items())
+
+
+def test_an_island_widens_positional_dtype_arguments_so_decompositions_apply(tmp_path, monkeypatch):
+    """``.float().log_softmax`` backward is ``_log_softmax_backward_data(..., input_dtype=float32)``: with the
+    dtype argument widened too, the island runs the op's decomposition (one logged ``exp``, the rest exact),
+    as its FP64 twin does, instead of rounding and logging the whole op as a reduction."""
+    logged: list[str] = []
+    original = RoundingMode._round_logged
+
+    def spy(self, func, x, kind, args=()):  # noqa: ANN001, ANN202
+        logged.append(op_name(func))
+        return original(self, func, x, kind, args)
+
+    monkeypatch.setattr(RoundingMode, "_round_logged", spy)
+    zoo.record(specimen("upcast_mlp"), tmp_path / "run", steps=1)
+    assert "_log_softmax" in logged and "exp" in logged
+    assert "_log_softmax_backward_data" not in logged

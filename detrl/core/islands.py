@@ -72,8 +72,10 @@ def narrow_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
 
 
 def widen(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """``args``/``kwargs`` with every narrow float tensor replaced by an FP64 copy (its twin) and a narrow
-    ``dtype=`` by FP64; and ``id(twin) -> (original, twin)``."""
+    """``args``/``kwargs`` with every narrow float tensor replaced by an FP64 copy (its twin) and every narrow
+    dtype argument by FP64, keyword (``dtype=``) or positional (``_log_softmax_backward_data``'s
+    ``input_dtype``): so the op runs on FP64 throughout, as its FP64 twin would, decompositions included;
+    and ``id(twin) -> (original, twin)``."""
     twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def wide(a: Any) -> Any:
@@ -81,12 +83,11 @@ def widen(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, tuple[torch
             twin = a.to(torch.float64)
             twins[id(twin)] = (a, twin)
             return twin
+        if isinstance(a, torch.dtype) and a in NARROW:
+            return torch.float64
         return a
 
-    wide_kwargs = tree_map(wide, {k: v for k, v in kwargs.items() if k != "dtype"})
-    if "dtype" in kwargs:
-        wide_kwargs["dtype"] = torch.float64 if kwargs["dtype"] in NARROW else kwargs["dtype"]
-    return tree_map(wide, args), wide_kwargs, twins
+    return tree_map(wide, args), tree_map(wide, kwargs), twins
 
 
 def narrow_back(
