@@ -9,6 +9,7 @@ import collections
 import random
 import shutil
 import signal
+import statistics
 import tempfile
 import time
 import traceback
@@ -444,51 +445,382 @@ def bench_hostile(rest: list[str]) -> int:
 )
 def bench_zoo(rest: list[str]) -> int:
     """Record each model of :mod:`detrl.testing.zoo` for ``--steps`` verifiable steps on this machine, then
-    replay the bundle on ``--profile``, with its log and emptied of it: seconds per recorded step and per
-    replayed step, and whether each replay replicates (or the step it diverges at)."""
+    replay the bundle on each of ``--profiles``, with its log and, where that replay corrected elements,
+    emptied of it: seconds per recorded and replayed step, the elements each replay's log corrected (this
+    machine's own nearest rounding differed from the recorder's: without the log its bits differ there),
+    and whether each replay replicates (or the step it diverges at). ``--width/--seq/--batch/--vocab`` size
+    the small models (:class:`detrl.testing.zoo.Size`); the full-size ones have their own."""
     from detrl import Divergence
     from detrl.testing import zoo
-    from detrl.testing.logrewrite import strip_log
 
-    every = {**zoo.SPECIMENS, **zoo.FULL_SIZE}
     p = argparse.ArgumentParser(prog="detrl bench zoo")
-    p.add_argument("--models", default="hf_gpt2_small", help="comma-separated, of: " + ",".join(every))
+    p.add_argument("--models", default="hf_gpt2_small", help="comma-separated, of: " + ",".join(
+        [*zoo.SPECIMENS, *zoo.FULL_SIZE]))  # fmt: skip
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--profile", default="emulated:splitk")
-    p.add_argument("--no-strip", action="store_true", help="skip the replay emptied of its log")
+    p.add_argument(
+        "--profiles", "--profile", default="emulated:splitk", help="comma-separated replay profiles"
+    )
+    p.add_argument("--no-strip", action="store_true", help="skip the replays emptied of their log")
+    p.add_argument("--width", type=int, default=zoo.Size.width, help="hidden size of the small models")
+    p.add_argument("--seq", type=int, default=zoo.Size.seq, help="tokens a sequence")
+    p.add_argument("--batch", type=int, default=zoo.Size.batch, help="sequences or images a batch")
+    p.add_argument("--vocab", type=int, default=zoo.Size.vocab, help="token vocabulary")
+    p.add_argument("--image", type=int, default=zoo.Size.image, help="image side in pixels")
     args = p.parse_args(rest)
+    size = zoo.Size(width=args.width, seq=args.seq, batch=args.batch, vocab=args.vocab, image=args.image)
+    every = {**zoo.specimens(size), **zoo.FULL_SIZE}
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in every]
     if unknown:
         raise ValueError(f"unknown zoo models {unknown}; known: {', '.join(every)}")
-    print(f"{'model':<22} {'record s/step':>13} {'replay s/step':>13}  with log     without log", flush=True)
+    profiles = [h for h in args.profiles.split(",") if h]
+    for h in profiles:
+        get_profile(h)  # an unknown profile is one line before any recording
+    torch.set_num_threads(1)
+    print(machine_line(1))
+    print(f"small models at {size}; {args.steps} steps recorded on native (this machine), step 1 calibrates")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="detrl-zoo-") as tmp:
         for name in names:
             s = every[name]
             if not zoo.available(s):
-                print(f"{name:<22} skipped: transformers has no {s.needs}")
+                print(f"{name}: skipped (transformers has no {s.needs})")
                 continue
-            run = Path(tmp) / name
+            run, nolog = Path(tmp) / name, Path(tmp) / f"{name}-nolog"
+            progress(f"zoo: recording {name}")
             t0 = time.perf_counter()
-            zoo.record(s, run, steps=args.steps)
+            rec = zoo.record(s, run, steps=args.steps)
             t_rec = (time.perf_counter() - t0) / args.steps
-            verdicts, t_rep = [], float("nan")
-            bundles = [run] if args.no_strip else [run, Path(tmp) / f"{name}-nolog"]
-            if not args.no_strip:
-                strip_log(run, bundles[1])
-            for i, b in enumerate(bundles):
+            for hw in profiles:
+                progress(f"zoo: replaying {name} on {hw}")
                 t0 = time.perf_counter()
                 try:
-                    zoo.replay(s, b, args.profile, steps=args.steps)
-                    verdicts.append("replicates")
+                    corrected = str(zoo.replay(s, run, hw, steps=args.steps).totals.corrected)
+                    verdict = "replicates"
                 except Divergence as e:
-                    verdicts.append(f"diverges at {e.step}")
-                if i == 0:
-                    t_rep = (time.perf_counter() - t0) / args.steps
+                    corrected, verdict = "-", f"diverges at {e.step}"
+                t_rep = (time.perf_counter() - t0) / args.steps
+                without = "-"
+                if not args.no_strip and corrected not in ("0", "-"):
+                    if not nolog.exists():
+                        strip_log(run, nolog)
+                    try:
+                        zoo.replay(s, nolog, hw, steps=args.steps)
+                        without = "replicates"
+                    except Divergence as e:
+                        without = f"diverges at {e.step}"
+                rows.append([name, f"{rec.totals.logged:,}", f"{t_rec:.1f}", hw, f"{t_rep:.1f}", verdict,
+                             corrected, without])  # fmt: skip
             shutil.rmtree(run, ignore_errors=True)
-            print(
-                f"{name:<22} {t_rec:>13.1f} {t_rep:>13.1f}  " + "  ".join(f"{v:<12}" for v in verdicts),
-                flush=True,
-            )
-    print(f"({args.steps} steps, replayed on {args.profile}; record on native, this machine)")
+            shutil.rmtree(nolog, ignore_errors=True)
+    headers = ["model", "logged", "record s/step", "profile", "replay s/step", "with log", "corrected",
+               "without log"]  # fmt: skip
+    print(table(headers, rows))
+    print(
+        "without log: replayed only where the log corrected elements ('-': it corrected none, or --no-strip)"
+    )
     return 0
+
+
+@benchmark("islands", "step time of models with float32 islands against their FP64 twins, side by side")
+def bench_islands(rest: list[str]) -> int:
+    """Record each model of :func:`detrl.testing.zoo.fp64_twins` and its FP64 twin (the same model without
+    the float32 upcast) in verifiable precision, interleaved, ``--repeats`` times ``--steps`` steps each; the
+    median step time (the calibration step excluded) of each and their ratio."""
+    from detrl.testing import zoo
+
+    p = argparse.ArgumentParser(prog="detrl bench islands")
+    p.add_argument("--models", default="upcast_mlp,hf_gpt2", help="comma-separated, of: upcast_mlp,hf_gpt2")
+    p.add_argument("--steps", type=int, default=6, help="steps a recording (the first, calibration, untimed)")
+    p.add_argument("--repeats", type=int, default=3, help="recordings of each model, interleaved")
+    p.add_argument("--width", type=int, default=256, help="hidden size (zoo.Size.width)")
+    p.add_argument("--seq", type=int, default=64, help="tokens a sequence")
+    p.add_argument("--batch", type=int, default=8, help="sequences a batch (the MLP: 4x rows)")
+    p.add_argument("--vocab", type=int, default=4096, help="token vocabulary")
+    args = p.parse_args(rest)
+    if args.steps < 2 or args.repeats < 1:
+        raise ValueError("--steps must be at least 2 and --repeats at least 1")
+    size = zoo.Size(width=args.width, seq=args.seq, batch=args.batch, vocab=args.vocab)
+    twins = zoo.fp64_twins(size)
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in twins]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}; known: {', '.join(twins)}")
+    torch.set_num_threads(1)
+    print(machine_line(1))
+    print(f"size: {size}; {args.repeats} x {args.steps} steps each, interleaved, recorded on native")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="detrl-islands-") as tmp:
+        for name in names:
+            pair = twins[name]
+            if not all(zoo.available(s) for s in pair):
+                print(f"{name}: skipped (transformers lacks {pair[0].needs})")
+                continue
+            times: dict[str, list[float]] = {s.name: [] for s in pair}
+            for r in range(args.repeats):
+                for s in pair:
+                    progress(f"islands: {s.name} repeat {r + 1}/{args.repeats}")
+                    run = Path(tmp) / f"{s.name}-{r}"
+                    session = zoo.record(s, run, steps=args.steps)
+                    times[s.name] += session.step_seconds[1:]
+                    shutil.rmtree(run, ignore_errors=True)
+            island, twin = (statistics.median(times[s.name]) * 1e3 for s in pair)
+            rows.append([name, pair[1].name, f"{island:.1f}", f"{twin:.1f}", f"{island / twin:.2f}x"])
+    print(table(["island model", "FP64 twin", "island ms/step", "twin ms/step", "island / twin"], rows))
+    return 0
+
+
+@benchmark(
+    "steering", "how far a trainer that steers every logged rounding moves the model, and what audits see"
+)
+def bench_steering(rest: list[str]) -> int:
+    """Record the digits CNN honestly and with each steering policy (:mod:`detrl.testing.steering`), and two
+    honest runs that differ from the first in one source (one bit of one initial weight; the data order);
+    report per step how far each run's weights and held-out loss and accuracy are from the honest run's,
+    the elements steered per step, and each steered bundle's audit on ``--profile`` (it replicates: the log
+    cannot stop steering) and on its own declared profile (where the corrections flag it)."""
+    import numpy as np
+
+    from detrl.run import config as config_mod
+    from detrl.testing import steering
+
+    p = argparse.ArgumentParser(prog="detrl bench steering", description=bench_steering.__doc__)
+    p.add_argument("--steps", type=int, default=100, help="training steps of every run")
+    p.add_argument("--holdout", type=int, default=297, help="digits held out (the target and the metrics)")
+    p.add_argument(
+        "--policies", default="adversarial,other,random", help="steering policies, comma-separated"
+    )
+    p.add_argument(
+        "--profile", default="emulated:splitk", help="the other profile the steered bundles audit on"
+    )
+    p.add_argument("--points", default="1,10", help="steps reported besides the last, comma-separated")
+    p.add_argument("--out", type=Path, default=None, help="write a PNG of weight distance against step")
+    args = p.parse_args(rest)
+    policies = [q.strip() for q in args.policies.split(",") if q.strip()]
+    for q in policies:
+        if q not in steering.POLICIES or q == "nearest":
+            raise ValueError(f"unknown steering policy {q!r}; known: {', '.join(steering.POLICIES[1:])}")
+    get_profile(args.profile)
+    points = sorted({int(q) for q in args.points.split(",") if q.strip()} | {args.steps})
+    if args.steps < 1 or points[0] < 1:
+        raise ValueError("--steps and every --points must be at least 1")
+    points = [q for q in points if q <= args.steps]
+    base = [f"train.steps={args.steps}", f"data.holdout={args.holdout}", "verify.checkpoint_every=0"]
+    runs: dict[str, tuple[list[str], str]] = {
+        "honest": ([], "nearest"),
+        **{q: ([], q) for q in policies},
+        "ref: one-bit flip": (["sources.bitflip=true"], "nearest"),
+        "ref: data order": (["sources.data_order.seed=1"], "nearest"),
+    }
+    cfg0 = config_mod.load("configs/supervised/digits_cnn.yaml", base)
+    torch.set_num_threads(cfg0.threads)
+    print(machine_line(cfg0.threads))
+    print(
+        f"digits_cnn (configs/supervised/digits_cnn.yaml), {args.holdout} digits held out, {args.steps} steps, "
+        f"recorded on {cfg0.hardware}; distances and deltas against the honest run at the same step"
+    )
+    done: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="detrl-steering-") as tmp:
+        for name, (extra, policy) in runs.items():
+            t0 = time.perf_counter()
+            cfg = config_mod.load("configs/supervised/digits_cnn.yaml", base + extra)
+            done[name] = steering.record_steered(
+                cfg, Path(tmp) / name.replace(" ", "_").replace(":", ""), policy
+            )
+            progress(f"steering: recorded {name} ({time.perf_counter() - t0:.0f} s)")
+        audits = {}
+        for q in policies:
+            for prof in (args.profile, cfg0.hardware):
+                audits[q, prof] = audit(done[q].dir, prof)
+                progress(f"steering: audited {q} on {prof}: {audits[q, prof].verdict}")
+    honest = done["honest"]
+    w_norm = [float(np.linalg.norm(w)) for w in honest.params]
+    distance = {
+        name: [float(np.linalg.norm(a - b)) for a, b in zip(s.params, honest.params, strict=True)]
+        for name, s in done.items()
+    }
+    rows = []
+    for name, s in done.items():
+        for step in points:
+            d, dl = distance[name][step], s.heldout_loss[step] - honest.heldout_loss[step]
+            da = s.heldout_accuracy[step] - honest.heldout_accuracy[step]
+            rows.append([
+                name if step == points[0] else "", str(step), f"{d:.3g}", f"{d / w_norm[step]:.2g}",
+                f"{s.heldout_loss[step]:.6f}", f"{dl:+.2g}", f"{s.heldout_accuracy[step]:.4f}", f"{da:+.4f}",
+            ])  # fmt: skip
+    print(table(
+        ["run", "step", "weight L2", "relative L2", "held-out loss", "d loss", "accuracy", "d acc."], rows
+    ))  # fmt: skip
+    print()
+    rows = []
+    for q in policies:
+        mode, t = done[q].rounding, done[q].totals
+        other, own = audits[q, args.profile], audits[q, cfg0.hardware]
+        rows.append([
+            q, f"{t.logged / args.steps:,.0f}", f"{statistics.mean(mode.steered):,.0f}",
+            f"{t.logged / max(t.rounded_elements, 1):.2e}",
+            f"{other.verdict} ({other.corrected:,} corr.)",
+            f"{own.verdict} ({own.corrected:,} corr.)" + (
+                f", flagged at step {own.steering_first_step}" if own.steering_suspected else ", not flagged"
+            ),
+        ])  # fmt: skip
+    print(table(
+        ["policy", "logged/step", "steered/step", "logged/rounded", f"audit on {args.profile}",
+         f"audit on {cfg0.hardware} (declared)"], rows,
+    ))  # fmt: skip
+    print(
+        f"weight L2: ||w - w_honest|| over all parameters (||w_honest|| = {w_norm[-1]:.3g} at step {args.steps}); "
+        "steered: logged elements rounded to the other FP32 neighbour (one spacing each)"
+    )
+    if args.out is not None:
+        _plot_steering(args.out, distance, args.steps)
+        print(f"plot: {args.out}")
+    return 0
+
+
+def _plot_steering(out: Path, distance: dict[str, list[float]], steps: int) -> None:
+    """Weight distance to the honest run against step (log scale), one line per run, to ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.add_subplot()
+    for name, d in distance.items():
+        if name == "honest":
+            continue
+        ref = name.startswith("ref:")
+        ax.plot(range(1, steps + 1), d[1:], ls="--" if ref else "-", lw=1.5, label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("||w - w_honest||  (L2, all parameters)")
+    ax.set_title("digits CNN: steered runs and honest references against the honest run")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+@benchmark(
+    "dispute", "settle a dispute over a long run with one cheated step: comparisons, bytes, referee time"
+)
+def bench_dispute(rest: list[str]) -> int:
+    """Record the digits CNN (shrunk with ``--set``) for ``--steps`` steps honestly, and again with the loss
+    of ``--cheat-step`` scaled by 1.001 (:func:`detrl.testing.cheats.scaled_loss`), then settle the dispute
+    between them (:mod:`detrl.apps.dispute`; the cheating party re-executes with its cheat when asked):
+    commitment comparisons against their bound, messages and bytes exchanged, the referee's replay time,
+    the parties' re-execution time, and the blamed op. Then the cost of per-op digests: the same steps
+    replayed with every step traced and with none, interleaved."""
+    import contextlib
+
+    from detrl.apps.dispute import Channel, Party, Referee
+    from detrl.run import config as config_mod
+    from detrl.testing.cheats import cheating_reexecute, scaled_loss
+
+    p = argparse.ArgumentParser(prog="detrl bench dispute", description=bench_dispute.__doc__)
+    p.add_argument("--steps", type=int, default=1000, help="steps of both recordings")
+    p.add_argument("--cheat-step", type=int, default=0, help="the cheated step (default: 2/3 of --steps)")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides (model.channels=8)"
+    )
+    p.add_argument("--referee", default="native", help="the referee's profile")
+    p.add_argument(
+        "--digest-steps", type=int, default=20, help="steps replayed for the digest cost (0: skip)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the digest cost replays")
+    args = p.parse_args(rest)
+    args.set = args.set or ["model.channels=8"]  # a shrunk CNN: 1,000 steps record in well under a minute
+    cheat = args.cheat_step or max(1, 2 * args.steps // 3)
+    if not 1 <= cheat <= args.steps:
+        raise ValueError(f"--cheat-step must lie in 1..--steps ({args.steps}), not {cheat}")
+    overrides = [*args.set, f"train.steps={args.steps}", f"verify.checkpoint_every={args.checkpoint_every}"]
+    cfg = config_mod.load("configs/supervised/digits_cnn.yaml", overrides)
+    torch.set_num_threads(1)
+    print(machine_line(1))
+    print(
+        f"digits_cnn ({', '.join(args.set)}), {args.steps} steps, checkpoints every {args.checkpoint_every}; "
+        f"bundle B scales the loss of step {cheat} by 1.001; referee on {args.referee}"
+    )
+    with tempfile.TemporaryDirectory(prefix="detrl-dispute-") as tmp:
+        honest, cheated = Path(tmp) / "A", Path(tmp) / "B"
+        for run, how in ((honest, contextlib.nullcontext()), (cheated, scaled_loss(cheat, 1.001))):
+            t0 = time.perf_counter()
+            with how:
+                record(cfg, run)
+            progress(f"recorded {run.name}: {args.steps} steps in {time.perf_counter() - t0:.0f} s")
+        party_seconds = [0.0]
+        cheater = cheating_reexecute(cheat, 1.001)
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return cheater(*a, **kw)
+            finally:
+                party_seconds[0] += time.perf_counter() - t0
+
+        a, b = Channel("A", Party(honest)), Channel("B", Party(cheated, reexecute=timed))
+        t0 = time.perf_counter()
+        v = Referee(a, b, honest, cheated, args.referee, progress=progress).settle()
+        total = time.perf_counter() - t0
+        digest_rows = _digest_cost(cfg, honest, args.digest_steps, args.repeats)
+    print(table(
+        ["first differing step", "comparisons (bound)", "messages", "bytes exchanged", "replayed from",
+         "referee replay s", "party re-exec s", "total s", "reproduces"],
+        [[str(v.step), f"{v.comparisons} ({v.comparison_bound})", str(v.messages), f"{v.bytes_exchanged:,}",
+          f"step {v.replay_from}", f"{v.replay_seconds:.2f}", f"{party_seconds[0]:.2f}", f"{total:.1f}",
+          str(v.reproduces)]],
+    ))  # fmt: skip
+    for blame in v.blamed:
+        print(f"blamed: {blame.describe()}")
+    if digest_rows:
+        print(table(["per-op digests", "ops/step", "ms/step (median)", "cost/step"], digest_rows))
+    ok = v.step == cheat and v.reproduces == "A" and v.comparisons <= v.comparison_bound
+    return 0 if ok else 1
+
+
+def _digest_cost(cfg: Any, run: Path, steps: int, repeats: int) -> list[list[str]]:
+    """Replay steps 1..``steps`` of ``run`` with every step's per-op digests on, and with them off,
+    interleaved ``repeats`` times: median step time of each (the first step excluded) and the difference."""
+    import contextlib
+
+    from detrl.core.engine import Session
+    from detrl.core.optrace import OpTrace
+    from detrl.run import sessions, tasks
+
+    if steps < 2:
+        return []
+
+    class EveryStep(Session):
+        traced = False
+        ops = 0
+
+        @contextlib.contextmanager
+        def step(self, batch: Any = None, frozen: bool = False) -> Any:
+            trace = self.rounding.trace = OpTrace() if self.traced else None
+            try:
+                with super().step(batch, frozen) as rounding:
+                    yield rounding
+            finally:
+                self.rounding.trace = None
+                self.ops = len(trace.records) if trace is not None else self.ops
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    ops = 0
+    for r in range(repeats):
+        for traced in (False, True):
+            progress(f"digest cost: repeat {r + 1}/{repeats}, {'traced' if traced else 'untraced'}")
+            s = sessions.session_for(cfg, run, "replay", session_type=EveryStep, stop=steps)
+            assert isinstance(s, EveryStep)
+            s.traced = traced
+            with s:
+                tasks.get(cfg.task).run(cfg, s)
+            times[traced] += s.step_seconds[1:]
+            ops = max(ops, s.ops)
+    off, on = (statistics.median(times[k]) * 1e3 for k in (False, True))
+    return [
+        ["off", "", f"{off:.2f}", ""],
+        ["on (every step)", str(ops), f"{on:.2f}", f"+{on - off:.2f} ms ({100 * (on - off) / off:.0f} %)"],
+    ]

@@ -27,13 +27,15 @@ from detrl.core.sources import Sources
 @dataclasses.dataclass(frozen=True)
 class Size:
     """How big the zoo's models are: ``width`` is the hidden size (``2 * width`` the MLP's), each sequence
-    ``seq`` tokens of a ``vocab``-token vocabulary, each batch ``batch`` sequences or images (``4 * batch``
-    feature rows). The tests use the small default; :data:`LOG_MATTERS` the sizes where the log matters."""
+    ``seq`` tokens of a ``vocab``-token vocabulary, each image ``image`` x ``image`` pixels, each batch
+    ``batch`` sequences or images, or ``4 * batch`` rows of ``width // 2`` features. The tests use the small
+    default; ``detrl bench zoo`` takes any (BENCHMARKS.md has the sizes where the log matters)."""
 
     width: int = 32
     seq: int = 12
     batch: int = 4
     vocab: int = 64
+    image: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +57,17 @@ def tokens(size: Size = Size()) -> tuple[torch.Tensor, ...]:
 
 
 def images(size: Size = Size()) -> tuple[torch.Tensor, ...]:
-    """``(batch, 3, 16, 16)`` pixels in [0, 1) and ``(batch,)`` labels of 3 classes."""
+    """``(batch, 3, image, image)`` pixels in [0, 1) and ``(batch,)`` labels of 3 classes."""
     g = torch.Generator().manual_seed(2)
-    return torch.rand(size.batch, 3, 16, 16, generator=g), torch.randint(0, 3, (size.batch,), generator=g)
+    x = torch.rand(size.batch, 3, size.image, size.image, generator=g)
+    return x, torch.randint(0, 3, (size.batch,), generator=g)
 
 
 def features(size: Size = Size()) -> tuple[torch.Tensor, ...]:
-    """``(4 * batch, 16)`` standard-normal features and ``(4 * batch,)`` labels of 5 classes."""
+    """``(4 * batch, width // 2)`` standard-normal features and ``(4 * batch,)`` labels of 5 classes."""
     g = torch.Generator().manual_seed(3)
     n = size.batch * 4
-    return torch.randn(n, 16, generator=g), torch.randint(0, 5, (n,), generator=g)
+    return torch.randn(n, size.width // 2, generator=g), torch.randint(0, 5, (n,), generator=g)
 
 
 def _hf(name: str, config: str, **kw: Any) -> Callable[[], nn.Module]:
@@ -106,10 +109,10 @@ class UpcastMLP(nn.Module):
 
     def __init__(self, width: int = 32, upcast: bool = True) -> None:
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, width), nn.Linear(width, 5)
+        self.fc1, self.fc2 = nn.Linear(width // 2, width), nn.Linear(width, 5)
         self.upcast = upcast  # False: the same MLP in the run's own precision (its FP64 twin)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5) log-probabilities
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, width // 2) -> (N, 5) log-probabilities
         logits = self.fc2(torch.tanh(self.fc1(x)))
         return (logits.float() if self.upcast else logits).log_softmax(-1)
 
@@ -147,11 +150,12 @@ class AutocastCNN(nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         c = max(1, width // 4)
-        self.conv, self.fc = nn.Conv2d(3, c, 3, padding=1), nn.Linear(c, 3)
+        self.conv1, self.conv2 = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, c, 3, padding=1)
+        self.fc = nn.Linear(c, 3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 3)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            h = F.relu(self.conv(x)).mean((2, 3))
+            h = F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3))  # (B, c)
             return self.fc(h)
 
 
@@ -207,7 +211,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
                                max_position_embeddings=pos, num_labels=3), toks, _cls_loss,
                 "BertForSequenceClassification"),
             Specimen(
-                "hf_vit", _hf("ViTForImageClassification", "ViTConfig", image_size=16, patch_size=4,
+                "hf_vit", _hf("ViTForImageClassification", "ViTConfig", image_size=size.image, patch_size=4,
                               hidden_size=w, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * w,
                               num_labels=3), imgs, _vit_loss, "ViTForImageClassification"),
             Specimen(
