@@ -1,10 +1,10 @@
 """``detrl train | audit | profiles | bench``.
 
-Exit codes: 0 success (audit: replicated), 1 diverged, 2 bad input (config, bundle, arguments, a bundle
-another process writes), 3 incomplete recording, 4 log incomplete, 130 interrupted (Ctrl-C). Every error a
-user can cause is one line on stderr, never a traceback (set DETRL_DEBUG=1 to see one); 70 is left for a
-bug in detrl itself. The module imports only the standard library, so even a Ctrl-C during start-up is one
-line.
+Exit codes: 0 success (audit: replicated), 1 diverged (verify-proof: does not verify), 2 bad input (config,
+bundle, proof, arguments, a bundle another process writes), 3 incomplete recording, 4 log incomplete, 130
+interrupted (Ctrl-C). Every error a user can cause is one line on stderr, never a traceback (set
+DETRL_DEBUG=1 to see one); 70 is left for a bug in detrl itself. The module imports only the standard
+library, so even a Ctrl-C during start-up is one line.
 """
 
 from __future__ import annotations
@@ -30,6 +30,17 @@ AUDIT_EPILOG = """exit codes (verdicts):
                      or --init-from
   3  incomplete      the recording did not finish (killed or still running): its durable prefix matched
   4  log incomplete  the log omits near-midpoint elements within its own thresholds, or has refused entries
+"""
+DISPUTE_EPILOG = """exit codes:
+  0  no dispute      both bundles commit to the same leaves (equal Merkle roots)
+  1  settled         the first differing step, the bundle the referee reproduces and the op it blames
+  2  bad input       a malformed bundle, two bundles of different configs or lengths, a party whose
+                     answers do not hash to its own root
+"""
+VERIFY_PROOF_EPILOG = """exit codes:
+  0  verified        the step's leaf and the last leaf hash up to the root (--root, else the proof's own)
+  1  not verified    one line: which hash differs, or that the proof is for another root
+  2  bad input       a malformed proof file (one line naming the problem), or a malformed --root
 """
 
 
@@ -198,6 +209,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
             data=Path(args.data) if args.data else None,
             caps=parse_caps(args.cap),
             init_from=Path(args.init_from) if args.init_from else None,
+            workers=args.workers,
+            ray=args.ray,
         )
     except BundleError as e:
         if args.json:
@@ -222,6 +235,117 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(), indent=1))
     return report.exit_code
+
+
+def cmd_prove(args: argparse.Namespace) -> int:
+    """Write the Merkle inclusion proof of one durable step of a bundle (stdout, or --out)."""
+    from detrl.formats import proof
+    from detrl.formats.bundle import Bundle
+
+    b = Bundle(args.run_dir)  # the manifest, and the commitments against its Merkle root
+    try:
+        leaves, durable = b.leaves, b.manifest.durable
+    finally:
+        b.close()
+    if durable is None or not leaves:
+        raise ValueError(f"{args.run_dir}: no durable steps yet, nothing to prove")
+    if not 0 <= args.step < len(leaves):
+        raise ValueError(
+            f"{args.run_dir}: step {args.step} is out of range: the bundle's durable steps are 0..{len(leaves) - 1}"
+        )
+    p = proof.prove(leaves, args.step)
+    proof.verify(p, bytes.fromhex(durable.merkle_root))  # the proof leads to the manifest's root
+    data = proof.encode(p)
+    if args.out:
+        Path(args.out).write_bytes(data)
+        where = args.out
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        where = "stdout"
+    print(
+        f"proof of step {p.step} of durable steps 0..{p.leaves - 1} under root {p.root}: {where}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_verify_proof(args: argparse.Namespace) -> int:
+    """Check a Merkle inclusion proof against --root, or against the root written in it (and say so)."""
+    import re
+
+    from detrl.formats import proof
+
+    trusted = None
+    if args.root is not None:
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", args.root):
+            raise ValueError(f"--root {args.root[:80]!r}: not a Merkle root (64 hex digits)")
+        trusted = bytes.fromhex(args.root)
+    p = proof.read(args.proof)
+    try:
+        proof.verify(p, trusted, what=args.proof)
+    except proof.ProofMismatch as e:
+        print(f"NOT VERIFIED: {e}")
+        return 1
+    print(f"VERIFIED: step {p.step} is leaf {p.step} of the {p.leaves}-leaf tree with root {p.root}")
+    print(f"  state hash {p.state_hash}, batch hash {p.batch_hash}")
+    if trusted is None:
+        print(
+            "  checked against the root written in the proof itself: compare it with a root you trust (an "
+            "audited bundle's manifest.json durable.merkle_root), or pass --root"
+        )
+    return 0
+
+
+def cmd_dispute(args: argparse.Namespace) -> int:
+    from detrl.apps.audit import parse_caps
+    from detrl.apps.dispute import dispute
+    from detrl.formats.bundle import BundleError
+    from detrl.run.config import ConfigError
+
+    if args.json:  # before the replays: a report nobody can write is refused now
+        parent = Path(args.json).parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ConfigError(
+                f"--json {args.json!r}: {str(parent)!r} is not a directory this user can write to"
+            )
+    say = None if args.quiet else (lambda msg: print(f"[dispute] {msg}", file=sys.stderr, flush=True))
+    try:
+        v = dispute(
+            args.run_a,
+            args.run_b,
+            referee=args.referee,
+            data=Path(args.data) if args.data else None,
+            init_from=Path(args.init_from) if args.init_from else None,
+            caps=parse_caps(args.cap),
+            progress=say,
+        )
+    except BundleError as e:
+        if args.json:
+            msg = str(e).splitlines()[0] if str(e) else "bad input"
+            Path(args.json).write_text(json.dumps({"outcome": "bad input", "exit_code": 2, "message": msg}))
+        raise
+    print(f"{v.outcome.upper()}: {v.message}")
+    if v.step is not None:
+        logs = {
+            None: "",
+            True: "; the two logs' segments of it are identical",
+            False: "; their logs differ there",
+        }
+        print(
+            f"first differing step: {v.step} of {v.leaves - 1} ({v.comparisons} commitment comparisons, at most "
+            f"{v.comparison_bound}){logs[v.logs_identical]}"
+        )
+        print(
+            f"referee on {v.referee}: replayed each bundle from step {v.replay_from} in {v.replay_seconds:.1f} s; "
+            f"reproduces: {v.reproduces}"
+        )
+    for b in v.blamed:
+        print(f"blamed: {b.describe()}")
+    print(f"exchanged: {format_bytes(v.bytes_exchanged)} in {v.messages} messages")
+    if args.json:
+        Path(args.json).write_text(json.dumps(v.to_json(), indent=1))
+    return v.exit_code
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
@@ -346,8 +470,64 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--json", metavar="REPORT", help="write the report as JSON (every anomaly with its kind)")
     a.add_argument("--stats", action="store_true", help="per-step log size against the dense encoding")
+    a.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="replay the segments between checkpoints in N worker processes, 1 torch thread each (default 1: "
+        "one sequential replay); the verdict is the same",
+    )
+    a.add_argument(
+        "--ray",
+        metavar="auto|local|ADDRESS",
+        help="replay the segments on Ray: auto (this machine's cluster, else a local instance), local, or a "
+        "cluster address",
+    )
     a.add_argument("--quiet", action="store_true")
     a.set_defaults(func=cmd_audit)
+    pr = sub.add_parser(
+        "prove",
+        help="write the Merkle inclusion proof of one step (check it with detrl verify-proof)",
+        description="Write the proof that STEP's commitment (state and batch hash) is a leaf under the "
+        "bundle's durable Merkle root, as canonical JSON; a one-line summary goes to stderr. The format: "
+        "docs/verifiable.md, 'Merkle inclusion proofs'.",
+    )
+    pr.add_argument("run_dir", metavar="RUN_DIR")
+    pr.add_argument("step", metavar="STEP", type=int, help="a durable step (0 is the initial state)")
+    pr.add_argument("--out", metavar="PROOF", help="write the proof to this file (default: stdout)")
+    pr.set_defaults(func=cmd_prove)
+    vp = sub.add_parser(
+        "verify-proof",
+        help="check a Merkle inclusion proof, without the bundle (exit codes below)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Recompute the root from the proof's step, state hash, batch hash and paths, without the\n"
+        "bundle. Without --root the proof is checked against the root written in it: compare that root\n"
+        "with one you trust. The format: docs/verifiable.md, 'Merkle inclusion proofs'.",
+        epilog=VERIFY_PROOF_EPILOG,
+    )
+    vp.add_argument("proof", metavar="PROOF", help="the proof file (- reads standard input)")
+    vp.add_argument("--root", metavar="HEX", help="the Merkle root you trust (64 hex digits)")
+    vp.set_defaults(func=cmd_verify_proof)
+    d = sub.add_parser(
+        "dispute",
+        help="two bundles of one config disagree: find the first differing step, replay it, blame an op",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=DISPUTE_EPILOG,
+    )
+    d.add_argument("run_a", metavar="RUN_A")
+    d.add_argument("run_b", metavar="RUN_B")
+    d.add_argument("--referee", default="native", metavar="PROFILE", help="the referee's hardware profile")
+    d.add_argument("--data", metavar="PATH", help="the referee's copy of the data the run trains on")
+    d.add_argument(
+        "--init-from", metavar="PATH", help="the referee's copy of the weights the run starts from"
+    )
+    d.add_argument(
+        "--cap", action="append", default=[], metavar="KEY=N", help="raise a cap on a config value"
+    )
+    d.add_argument("--json", metavar="REPORT", help="write the verdict as JSON")
+    d.add_argument("--quiet", action="store_true", help="no progress lines")
+    d.set_defaults(func=cmd_dispute)
     sub.add_parser("profiles", help="list hardware profiles").set_defaults(func=cmd_profiles)
     ab = sub.add_parser("ablate", help="vary each source of randomness in turn (an ablation sweep)")
     ab.add_argument("config", help="ablation config (e.g. configs/ablate/dqn_tiny.yaml)")
@@ -422,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         from detrl.formats.bundle import BundleError
         from detrl.formats.roundlog import RoundLogError
         from detrl.run.config import ConfigError
+        from detrl.run.executors import JobFailed
 
         if isinstance(
             e, (ConfigError, BundleError, RoundLogError)
@@ -429,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             msg = str(e).replace("\r", "\\r").replace("\n", "\\n")
         else:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if isinstance(e, (ConfigError, BundleError, RoundLogError, OSError, ValueError)):
+        if isinstance(e, (ConfigError, BundleError, RoundLogError, OSError, ValueError, JobFailed)):
             print(f"detrl: error: {msg}", file=sys.stderr)
             return EXIT_BAD_INPUT
         print(f"detrl: internal error: {type(e).__name__}: {msg}", file=sys.stderr)

@@ -18,12 +18,18 @@ log incomplete  4     the replay matched, but the log omits near-midpoint elemen
 ==============  ====  =================================================================================
 
 A diverged verdict outranks a log that is incomplete, which outranks an incomplete recording.
+
+With ``workers > 1`` (``detrl audit --workers N``, or on Ray with ``--ray``) the durable steps are cut at
+checkpoints into segments that replay at once, each from its starting checkpoint (see
+:func:`segments`); their outcomes merge into the verdict, message and exit code the sequential audit gives.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,12 +37,14 @@ from typing import Any
 import torch
 
 from detrl.core.engine import Divergence, Session
+from detrl.core.hardware import get_profile
+from detrl.core.rounding import Anomaly, StepStats
 from detrl.core.sources import Sources
 from detrl.formats import bundle as bundle_mod
 from detrl.formats.bundle import BundleError
-from detrl.formats.roundlog import RoundLogError, dense_reference_bytes
+from detrl.formats.roundlog import RoundLogError, RoundLogReader, dense_reference_bytes
 from detrl.run import config as config_mod
-from detrl.run import sessions, tasks
+from detrl.run import executors, sessions, tasks
 
 EXIT_CODES = {"replicated": 0, "diverged": 1, "bad input": 2, "incomplete": 3, "log incomplete": 4}
 #: The verdict an audit's exit code stands for (the inverse of :data:`EXIT_CODES`).
@@ -54,6 +62,8 @@ class StepSize:
     rounded: int
     logged: int
     log_bytes: int
+    #: logged elements whose logged neighbour differed from this machine's own nearest rounding
+    corrected: int = 0
 
     @property
     def dense_bytes(self) -> int:
@@ -78,6 +88,9 @@ class AuditReport:
     refused: int = 0
     corrected: int = 0
     per_step: list[StepSize] = dataclasses.field(default_factory=list)
+    #: corrections on the recorder's own deterministic profile (see :func:`_flag_steering`); no exit code
+    steering_suspected: bool = False
+    steering_first_step: int | None = None
 
     @property
     def exit_code(self) -> int:
@@ -136,6 +149,8 @@ def audit(
     caps: Mapping[str, float] | None = None,
     require_log: bool = True,
     init_from: Path | None = None,
+    workers: int = 1,
+    ray: str | None = None,
 ) -> AuditReport:
     """Replay ``run_dir`` on ``hardware`` and give a verdict. Bad input raises :class:`BundleError`.
 
@@ -144,12 +159,18 @@ def audit(
     (``model.init_from``). ``caps``: overrides of the task's default caps on config values.
     ``require_log=False`` leaves log compliance out of the verdict (the ``nolog`` benchmark measures
     whether a run replicates with an emptied log).
+
+    ``workers > 1``: replay the segments between checkpoints in that many processes (one torch thread
+    each), or with ``ray`` (``auto``, ``local`` or a cluster address) as Ray tasks; the report is the one
+    the sequential replay (``workers=1``, no ``ray``) gives. ``progress`` then prints a line per segment.
     """
+    if workers < 1:
+        raise config_mod.ConfigError(f"--workers must be at least 1, not {workers}")
     run_dir = Path(run_dir)
     probe = bundle_mod.Bundle(run_dir)  # validate everything before doing any work
     m = probe.manifest
     probe.close()
-    task, cfg = _validated_config(m, run_dir, caps, data, init_from)
+    task, cfg = validated_config(m, run_dir, caps, data, init_from)
     extra = {"init_from": init_from} if init_from is not None else {}
     torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
     report = AuditReport(
@@ -175,11 +196,25 @@ def audit(
             f"incomplete at step 0 of {m.planned_steps}: nothing after the initial state is durable"
         )
         return report
-    session = _replay(cfg, task, run_dir, hardware, ours, report, progress, data, extra)
-    return _verdict(report, session, m, require_log)
+    cuts = segments(probe.steps, probe.checkpoint_steps, SEGMENTS_PER_WORKER * workers)
+    if (workers > 1 and len(cuts) > 1) or ray is not None:  # one segment: no process to start for it
+        # What a replay checks before its first step (the bundle's claims about its log), once here.
+        sessions.session_for(cfg, run_dir, "replay", hardware=hardware, fingerprint=ours).bundle.close()  # type: ignore[union-attr]
+        jobs = [SegmentJob(str(run_dir), hardware, m.config, ours, data, init_from, a, b) for a, b in cuts]
+        replayed = _replay_segments(jobs, workers, ray, progress)
+        if replayed.error is not None:  # bad input found by the first segment that failed
+            kind, line = replayed.error
+            raise _ERRORS.get(kind, BundleError)(line)
+        reader = probe.roundlog  # closed, but its index (each step's segment size) stays readable
+    else:
+        t0 = time.perf_counter()
+        session = _replay(cfg, task, run_dir, hardware, ours, report, progress, data, extra)
+        replayed = _replayed(session, report, 0, probe.steps, time.perf_counter() - t0)
+        reader = session.bundle.roundlog if session.bundle is not None else None
+    return _flag_steering(_verdict(report, replayed, m, require_log, reader), m, cfg.threads)
 
 
-def _validated_config(
+def validated_config(
     m: Any, run_dir: Path, caps: Mapping[str, float] | None, data: Path | None, init_from: Path | None
 ) -> tuple[tasks.Task, Any]:
     """The bundle's task and validated config, after every check that needs no replay: a task config (not
@@ -244,10 +279,16 @@ def _replay(
     progress: bool,
     data: Path | None,
     extra: dict[str, Any],
+    start: int = 0,
+    stop: int | None = None,
 ) -> Session:
-    """Replay the run on ``hardware``; a divergence fills ``report`` (step, message, anomalies, decisive
-    first). A config no recorder could have run is bad input. Returns the finished session."""
-    session = sessions.session_for(cfg, run_dir, "replay", hardware=hardware, fingerprint=fingerprint)
+    """Replay the run (steps ``start+1..stop``, by default all) on ``hardware``; a divergence fills
+    ``report`` (step, message, anomalies, decisive first). A config no recorder could have run is bad
+    input. Returns the finished session."""
+    segment = {"start": start, "stop": stop} if start or stop is not None else {}
+    session = sessions.session_for(
+        cfg, run_dir, "replay", hardware=hardware, fingerprint=fingerprint, **segment
+    )
     try:
         with session:
             task.run(cfg, session, progress=progress, data=data, **extra)
@@ -276,20 +317,23 @@ def _replay(
     return session
 
 
-def _verdict(report: AuditReport, session: Session, m: Any, require_log: bool) -> AuditReport:
-    """The per-step sizes and totals, then the verdict of a replay that did not diverge: log incomplete,
-    incomplete (the recording did not finish), or replicated (stopped or complete)."""
-    reader = session.bundle.roundlog if session.bundle is not None else None
-    for i, st in enumerate(session.step_stats, start=1):
+def _verdict(
+    report: AuditReport, replayed: Replayed, m: Any, require_log: bool, reader: RoundLogReader | None
+) -> AuditReport:
+    """The per-step sizes and totals, then the verdict: diverged, or for a replay that did not diverge,
+    log incomplete, incomplete (the recording did not finish), or replicated (stopped or complete)."""
+    for i, st in enumerate(replayed.step_stats, start=1):
         log_bytes = reader.segment_bytes(i) if reader is not None else 0
-        report.per_step.append(StepSize(i, st.rounded_elements, st.logged, log_bytes))
-    t = session.totals
+        report.per_step.append(StepSize(i, st.rounded_elements, st.logged, log_bytes, st.corrected))
+    t = replayed.totals
     report.unlogged_near, report.refused, report.corrected = t.unlogged_near, t.refused, t.corrected
-    if report.verdict == "diverged":
+    if replayed.diverged_step is not None:
+        report.verdict, report.diverged_step = "diverged", replayed.diverged_step
+        report.message, report.anomalies = replayed.message, replayed.anomalies
         return report
     violations = t.unlogged_near + t.refused
-    if require_log and session.precision.is_verifiable and violations > LOG_TOLERANCE:
-        step, a = session.first_violation  # type: ignore[misc]
+    if require_log and replayed.verifiable and violations > LOG_TOLERANCE:
+        step, a = replayed.first_violation  # type: ignore[misc]
         report.verdict = "log incomplete"
         report.message = (
             f"the commitments match, but the rounding log breaks its own thresholds: {t.unlogged_near} "
@@ -313,3 +357,189 @@ def _verdict(report: AuditReport, session: Session, m: Any, require_log: bool) -
     else:
         report.message = f"replicated: all {n} step commitments and checkpoints match bit for bit"
     return report
+
+
+def _flag_steering(report: AuditReport, m: Any, threads: int) -> AuditReport:
+    """Flag corrections on the recorder's own arithmetic as evidence of steering (docs/verifiable.md, "What
+    the log cannot stop: the steering bound").
+
+    Replaying on the manifest's own deterministic profile, with the recorder's thread count, the auditor
+    computes the recorder's FP64 values, and an honest recorder logged each element's nearest neighbour:
+    its log corrects nothing there. A correction is a logged neighbour that was not the nearest one. The
+    verdict and its exit code stay as they are, deliberately: the commitments matched, a steered run is a
+    run the log's claim allows (either neighbour of a logged element), and a CPU whose FP64 kernels differ
+    from the recorder's under the same profile name (``native``) could, rarely, need an honest correction.
+    So this is evidence to weigh (the count and the first step), not a verdict. ``emulated:atomic`` and
+    ``cuda`` (atomics) recompute sums in another order on every run and are never flagged."""
+    corrected = [s for s in report.per_step if s.corrected]
+    if not corrected or report.hardware != m.hardware or m.precision != "verifiable":
+        return report
+    if report.hardware == "cuda" or threads > (os.cpu_count() or 1):
+        return report  # another summation order (atomics, or fewer threads here) may correct honestly
+    if not get_profile(report.hardware).deterministic:
+        return report
+    report.steering_suspected, report.steering_first_step = True, corrected[0].step
+    report.message += (
+        f"; steering suspected: on the recorder's own profile ({m.hardware}) the log corrected "
+        f"{report.corrected:,} elements of this machine's nearest rounding, first at step {corrected[0].step} "
+        "(an honest recorder logs the nearest neighbour, which this machine computes alike)"
+    )
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- segments
+#: Segments per worker: more than one, so that a worker whose segments replay slower (or that started
+#: later) leaves less of a tail; not many more, since each segment rebuilds the run and loads a checkpoint.
+SEGMENTS_PER_WORKER = 4
+#: The bad-input errors a segment sends back by name, raised again in the parent as the same class.
+_ERRORS: dict[str, type[Exception]] = {
+    "BundleError": BundleError,
+    "RoundLogError": RoundLogError,
+    "ConfigError": config_mod.ConfigError,
+}
+
+
+@dataclasses.dataclass
+class Replayed:
+    """What a replay of steps ``start+1..stop`` found: all the verdict needs, small and picklable (a
+    segment replayed in a worker process or a Ray task sends it back to the parent).
+
+    ``step_stats``: one per step replayed (through the diverging step, if one diverged); ``totals``: their
+    sum; ``first_violation``: ``(step, anomaly)`` of the first log entry that broke its claim.
+    ``diverged_step``, ``message``, ``anomalies``: the divergence, as :class:`AuditReport` carries it.
+    ``error``: bad input, as ``(exception class name, its one line)``. ``seconds``: wall time, for progress.
+    """
+
+    start: int
+    stop: int
+    step_stats: list[StepStats]
+    totals: StepStats
+    first_violation: tuple[int, Anomaly] | None
+    verifiable: bool
+    diverged_step: int | None = None
+    message: str = ""
+    anomalies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    error: tuple[str, str] | None = None
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        """It diverged or found bad input: a sequential replay would have stopped in this segment."""
+        return self.error is not None or self.diverged_step is not None
+
+
+def _replayed(session: Session, report: AuditReport, start: int, stop: int, seconds: float) -> Replayed:
+    """A finished replay's :class:`Replayed` (its divergence, if any, as :func:`_replay` put it in ``report``)."""
+    diverged = report.verdict == "diverged"
+    return Replayed(
+        start,
+        stop,
+        list(session.step_stats),
+        dataclasses.replace(session.totals),
+        session.first_violation,
+        session.precision.is_verifiable,
+        report.diverged_step if diverged else None,
+        report.message if diverged else "",
+        list(report.anomalies) if diverged else [],
+        seconds=seconds,
+    )
+
+
+def segments(steps: int, checkpoints: list[int], most: int) -> list[tuple[int, int]]:
+    """Steps ``1..steps`` cut at checkpoints into at most ``most`` segments, each as ``(start, stop)``: it
+    replays steps ``start+1..stop`` from the checkpoint of ``start`` (0: the initial state the config
+    builds). The checkpoint intervals are shared out as evenly as they go, the longer segments first (a
+    pool takes jobs in order: the short ones fill in at the end). Without checkpoints between, one
+    segment: the whole replay."""
+    bounds = [0, *sorted(c for c in checkpoints if 0 < c < steps), steps]
+    n = len(bounds) - 1  # checkpoint intervals
+    k = max(1, min(n, most))
+    cuts = [0]
+    for i in range(k):  # the first n % k segments take one interval more
+        cuts.append(cuts[-1] + n // k + (i < n % k))
+    return [(bounds[a], bounds[b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentJob:
+    """One segment's replay, as a worker receives it: the bundle, the profile, the bundle's config (already
+    validated by the parent, with everything else a sequential audit checks before replaying), the data
+    fingerprint the parent computed, the auditor's files, and the steps ``start+1..stop``."""
+
+    run_dir: str
+    hardware: str
+    config: dict[str, Any]
+    fingerprint: str | None
+    data: Path | None
+    init_from: Path | None
+    start: int
+    stop: int
+
+
+def replay_segment(job: SegmentJob) -> Replayed:
+    """Replay one segment in this process with one torch thread (a worker's job; see :func:`audit`). Bad
+    input comes back in :attr:`Replayed.error`, so the parent raises it as the one line it is."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    task, cfg = tasks.get(job.config["task"]), config_mod.validate(job.config)
+    extra = {"init_from": job.init_from} if job.init_from is not None else {}
+    report = AuditReport(job.run_dir, job.hardware, "replicated", 0, "")
+    try:
+        session = _replay(
+            cfg, task, Path(job.run_dir), job.hardware, job.fingerprint, report, False, job.data, extra,
+            job.start, job.stop,
+        )  # fmt: skip
+    except (BundleError, RoundLogError, config_mod.ConfigError) as e:
+        error = (type(e).__name__, str(e))
+        seconds = time.perf_counter() - t0
+        return Replayed(job.start, job.stop, [], StepStats(), None, True, error=error, seconds=seconds)
+    return _replayed(session, report, job.start, job.stop, time.perf_counter() - t0)
+
+
+def _replay_segments(jobs: list[SegmentJob], workers: int, ray: str | None, progress: bool) -> Replayed:
+    """Replay ``jobs`` (the segments, in step order) in ``workers`` processes or on Ray, and merge them."""
+    n = len(jobs)
+    names = [f"segment {i + 1}/{n} steps {j.start + 1}..{j.stop}" for i, j in enumerate(jobs)]
+    results: list[Replayed | None] = [None] * n
+    if progress:
+        where = f"on Ray ({ray})" if ray is not None else f"in {min(workers, n)} worker processes"
+        print(f"audit: {jobs[-1].stop} steps in {n} segments between checkpoints, {where}", file=sys.stderr)
+
+    def done(i: int, r: Replayed) -> None:
+        results[i] = r
+        if progress:
+            if r.error is not None:
+                outcome = "bad input"
+            elif r.diverged_step is not None:
+                outcome = f"diverged at step {r.diverged_step}"
+            else:
+                outcome = "replicated"
+                broken = r.totals.unlogged_near + r.totals.refused
+                outcome += f", the log breaks its thresholds {broken} times" if broken else ""
+            print(f"{names[i]} {outcome} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    job_args = [(j,) for j in jobs]
+    if ray is None:
+        executors.run_local(replay_segment, job_args, min(workers, n), done, names)
+    else:
+        executors.run_ray(replay_segment, job_args, ray, workers, done, names)
+    return _merge([r for r in results if r is not None])
+
+
+def _merge(results: list[Replayed]) -> Replayed:
+    """The segments' results (in step order) as the one replay of their steps: the sequential replay stops
+    in the first segment that fails (diverged, or bad input), so that one decides and later ones are
+    ignored; stats are those of the steps up to there."""
+    merged = Replayed(results[0].start, results[-1].stop, [], StepStats(), None, results[0].verifiable)
+    for r in results:
+        merged.step_stats += r.step_stats
+        for f in dataclasses.fields(StepStats):
+            setattr(merged.totals, f.name, getattr(merged.totals, f.name) + getattr(r.totals, f.name))
+        if merged.first_violation is None:
+            merged.first_violation = r.first_violation
+        merged.seconds += r.seconds
+        if r.failed:
+            merged.diverged_step, merged.message, merged.anomalies = r.diverged_step, r.message, r.anomalies
+            merged.error = r.error
+            break
+    return merged

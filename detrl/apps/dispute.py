@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
-from detrl.apps.audit import _validated_config  # the audit's checks of a bundle's config, shared
+from detrl.apps.audit import validated_config
 from detrl.core.engine import Divergence, Session
 from detrl.core.hardware import get_profile, profile_names
 from detrl.core.optrace import OpDigest, OpTrace
@@ -131,7 +131,7 @@ def replay_step(
     probe.close()
     if not 0 <= step <= steps:
         raise BundleError(f"{run_dir}: step {step} is outside the bundle's durable steps 0..{steps}")
-    task, cfg = _validated_config(m, run_dir, caps, data, init_from)
+    task, cfg = validated_config(m, run_dir, caps, data, init_from)
     extra: dict[str, Any] = {"init_from": init_from} if init_from is not None else {}
     torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
     if start is None:

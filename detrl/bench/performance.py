@@ -1,5 +1,6 @@
 """Performance benchmarks: ``overhead`` (step time and peak memory of verifiable precision), ``roundlog``
-(log bytes per step), ``fsync`` (the cost of the durable points) and ``sweep`` (ablation throughput)."""
+(log bytes per step), ``fsync`` (the cost of the durable points), ``sweep`` (ablation throughput) and
+``audit-parallel`` (a segment-parallel audit against the sequential one)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from detrl.apps import ablation
+from detrl.apps import audit as audit_mod
 from detrl.bench.common import (
     BIG_MODELS,
     LOG_GOAL_FACTOR,
@@ -512,4 +514,81 @@ def bench_sweep(rest: list[str]) -> int:
     )
     verdict = "MET" if speedup >= 0.9 * args.workers else "MISSED"
     print(f"goal: at least {0.9 * args.workers:.1f}x -> {verdict}")
+    return 0 if same else 1
+
+
+@benchmark(
+    "audit-parallel", "audit wall time: 1 worker against N segment workers on this machine, side by side"
+)
+def bench_audit_parallel(rest: list[str]) -> int:
+    """Record a digits CNN run with a checkpoint every few steps, then time ``detrl audit`` on it end to end
+    (a fresh process each, as a user runs it) with 1 worker (the sequential replay) and with ``--workers``
+    segment workers (local spawn pool, one torch thread each), interleaved (1, N, N, 1, ...): median wall
+    time of each, the speed-up, and that both write the same JSON report. Also times one process's start
+    (a fresh Python importing what a replay imports: the auditor, the digits data's scikit-learn, torch's
+    dynamo that the optimizer pulls in), which the parallel audit pays again in each worker."""
+    p = argparse.ArgumentParser(prog="detrl bench audit-parallel", description=bench_audit_parallel.__doc__)
+    p.add_argument("--steps", type=int, default=120, help="steps of the recorded run")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="its checkpoint spacing (segment length)")
+    p.add_argument("--channels", type=int, default=64, help="the CNN's channels (the step's cost)")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2, help="workers of the parallel audit")
+    p.add_argument("--repeats", type=int, default=3, help="audits per variant, interleaved")
+    p.add_argument("--hardware", default="native", help="the profile both audits replay on")
+    args = p.parse_args(rest)
+    config = "configs/supervised/digits_cnn.yaml"
+    cfg = config_mod.load(
+        config,
+        [f"train.steps={args.steps}", f"verify.checkpoint_every={args.checkpoint_every}",
+         f"model.channels={args.channels}", f"train.batch_size={args.batch_size}", "name=bench_audit_parallel"],
+    )  # fmt: skip
+    checkpoints = list(range(args.checkpoint_every, args.steps + 1, args.checkpoint_every))
+    cuts = audit_mod.segments(args.steps, checkpoints, audit_mod.SEGMENTS_PER_WORKER * args.workers)
+    print(machine_line(1))
+    print(
+        f"{config} (channels {args.channels}, batch {args.batch_size}): {args.steps} steps, a checkpoint every "
+        f"{args.checkpoint_every}: {len(cuts)} segments; audited on {args.hardware}, 1 torch thread per process; "
+        "each audit is a fresh `detrl audit --quiet` process, its time end to end"
+    )
+    work = Path(tempfile.mkdtemp(prefix="detrl-bench-audit-parallel-"))
+    times: dict[int, list[float]] = {1: [], args.workers: []}
+    reports: dict[int, str] = {}
+    try:
+        run = work / "run"
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        record(cfg, run)
+        progress(f"recorded {args.steps} steps in {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        warm = "import detrl.apps.audit, torch._dynamo; from detrl.supervised import data; data.digits()"
+        subprocess.run([sys.executable, "-c", warm], check=True)
+        start = time.perf_counter() - t0
+        for r in range(args.repeats):
+            for w in (1, args.workers) if r % 2 == 0 else (args.workers, 1):
+                out = work / f"report-{w}.json"
+                cmd = ["-m", "detrl.cli", "audit", str(run), "--quiet", "--hardware", args.hardware]
+                t0 = time.perf_counter()
+                done = subprocess.run(
+                    [sys.executable, *cmd, "--workers", str(w), "--json", str(out)], stdout=subprocess.DEVNULL
+                )
+                times[w].append(time.perf_counter() - t0)
+                reports[w] = out.read_text() if done.returncode == 0 else f"exit {done.returncode}"
+                progress(
+                    f"repeat {r + 1}/{args.repeats}, {w} worker(s): exit {done.returncode}, {times[w][-1]:.1f} s"
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = [
+        [str(w), str(len(ts)), f"{statistics.median(ts):.1f}", f"{min(ts):.1f}"] for w, ts in times.items()
+    ]
+    print(table(["workers", "audits", "median s", "best s"], rows))
+    seq, par = statistics.median(times[1]), statistics.median(times[args.workers])
+    speedup = seq / par
+    same = len(set(reports.values())) == 1
+    print(
+        f"speed-up {args.workers} workers / 1: {speedup:.2f}x; reports identical: {'yes' if same else 'NO'}; "
+        f"one process's start (a fresh python importing torch, detrl, scikit-learn): {start:.1f} s"
+    )
+    goal = 0.9 * args.workers
+    print(f"goal: at least {goal:.1f}x -> {'MET' if speedup >= goal else 'MISSED'}")
     return 0 if same else 1

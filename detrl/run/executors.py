@@ -89,8 +89,9 @@ def run_ray(
         else:
             try:
                 ray.init(address=address, log_to_driver=False)
-            except (ConnectionError, ValueError) as e:
-                raise JobFailed(f"--ray {address}: cannot connect: {_one_line(e)}") from None
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - Ray exits (SystemExit) when no GCS answers
+                why = "no Ray cluster answered there" if isinstance(e, SystemExit) else _one_line(e)
+                raise JobFailed(f"--ray {address}: cannot connect: {why}") from None
     try:
         # One CPU per task: each run uses one torch thread, so Ray packs one run per core.
         remote = ray.remote(num_cpus=1, max_retries=0)(fn)
