@@ -24,7 +24,7 @@ def test_forged_bundles_audited_by_the_real_command_never_crash() -> None:
             "--path",
             "audit",
             "--cases",
-            "60",
+            "40",
             "--seed",
             "7",
         ],

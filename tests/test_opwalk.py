@@ -83,7 +83,13 @@ def _recipe_available(path: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("path", list(RECIPES))
+#: Walks of several seconds (a DQN's thousands of acting steps before its first update): slow.
+SLOW_WALKS = {"dqn/breakout", "dqn/cartpole"}
+
+
+@pytest.mark.parametrize(
+    "path", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_WALKS else p for p in RECIPES]
+)
 def test_no_float_result_of_a_recipe_escapes_rounding(tmp_path, path):
     if not _recipe_available(path):
         pytest.skip(f"{path} needs an optional dependency")

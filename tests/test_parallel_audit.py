@@ -242,9 +242,8 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return rc, out, err
 
 
-@pytest.mark.parametrize(
-    "case", [pytest.param("honest", marks=pytest.mark.slow), "commitment at 5"]
-)  # starting the two worker processes takes seconds: one case in the fast suite
+@pytest.mark.slow  # starting the two worker processes takes seconds; the merge is tested in-process above
+@pytest.mark.parametrize("case", ["honest", "commitment at 5"])
 def test_cli_workers_in_a_process_pool(
     case: str, bundle: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
