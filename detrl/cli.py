@@ -1,8 +1,8 @@
-"""``detrl train | audit | profiles | bench``.
+"""``detrl train | audit | prove | verify-proof | dispute | ablate | report | profiles | bench``.
 
-Exit codes: 0 success (audit: replicated), 1 diverged (verify-proof: does not verify), 2 bad input (config,
-bundle, proof, arguments, a bundle another process writes), 3 incomplete recording, 4 log incomplete, 130
-interrupted (Ctrl-C). Every error a user can cause is one line on stderr, never a traceback (set
+Exit codes: 0 success (audit: replicated), 1 diverged (verify-proof: does not verify; dispute: settled), 2
+bad input (config, bundle, proof, arguments, a bundle another process writes), 3 incomplete recording, 4 log
+incomplete, 130 interrupted (Ctrl-C). Every error a user can cause is one line on stderr, never a traceback (set
 DETRL_DEBUG=1 to see one); 70 is left for a bug in detrl itself. The module imports only the standard
 library, so even a Ctrl-C during start-up is one line.
 """
