@@ -26,11 +26,12 @@ checkpoints into segments that replay at once, each from its starting checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +270,22 @@ def validated_config(
     return task, cfg
 
 
+@contextlib.contextmanager
+def config_failures_are_bad_input() -> Iterator[None]:
+    """Around a replay of a bundle's config: a config no recorder could have run (a CNN fed text, a batch
+    larger than the data) fails in the task's code or in torch, and that is bad input naming the manifest
+    (:class:`BundleError`), not exit 70 or a line naming nothing. The bundle's own errors pass through."""
+    try:
+        yield
+    except (BundleError, RoundLogError):
+        raise
+    except (RuntimeError, TypeError, IndexError, ValueError) as e:
+        msg = " ".join(str(e).split())[:200] or type(e).__name__
+        raise BundleError(
+            f"{bundle_mod.MANIFEST}: config: its run fails to replay ({type(e).__name__}: {msg})"
+        ) from e
+
+
 def _replay(
     cfg: Any,
     task: tasks.Task,
@@ -290,18 +307,9 @@ def _replay(
         cfg, run_dir, "replay", hardware=hardware, fingerprint=fingerprint, **segment
     )
     try:
-        with session:
+        with config_failures_are_bad_input(), session:
             task.run(cfg, session, progress=progress, data=data, **extra)
             session.verify_checkpoints()
-    except (BundleError, RoundLogError):
-        raise
-    except (RuntimeError, TypeError, IndexError, ValueError) as e:
-        # A config no recorder could have run (a CNN fed text, a batch larger than the data) fails in the
-        # task's code or in torch: bad input naming the manifest, not exit 70 or a line naming nothing.
-        msg = " ".join(str(e).split())[:200] or type(e).__name__
-        raise BundleError(
-            f"{bundle_mod.MANIFEST}: config: its run fails to replay ({type(e).__name__}: {msg})"
-        ) from e
     except Divergence as d:
         report.verdict = "diverged"
         report.diverged_step = d.step

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
-from detrl.apps.audit import validated_config
+from detrl.apps.audit import config_failures_are_bad_input, validated_config
 from detrl.core.engine import Divergence, Session
 from detrl.core.hardware import get_profile, profile_names
 from detrl.core.optrace import OpDigest, OpTrace
@@ -151,19 +151,12 @@ def replay_step(
     session.traced_step, session.trace = step, trace
     diverged, message = None, f"reproduced every commitment through step {step}"
     try:
-        with session:
+        with config_failures_are_bad_input(), session:
             task.run(cfg, session, data=data, **extra)
     except _Reached:
         pass
-    except (BundleError, RoundLogError):
-        raise
     except Divergence as d:
         diverged, message = d.step, d.describe()
-    except (RuntimeError, TypeError, IndexError, ValueError) as e:
-        msg = " ".join(str(e).split())[:200] or type(e).__name__
-        raise BundleError(
-            f"{bundle_mod.MANIFEST}: config: its run fails to replay ({type(e).__name__}: {msg})"
-        ) from e
     ran_step = diverged is None or diverged >= step
     return StepReplay(
         step,
