@@ -272,7 +272,7 @@ class Party:
         self.manifest, self.checkpoints = b.manifest, list(b.checkpoint_steps)
         self.leaves = [commit.leaf(i, s, h) for i, (s, h) in enumerate(b.leaves)]
         self.state_batch = list(b.leaves)
-        self.levels = _tree(self.leaves)
+        self.levels = commit.merkle_levels(self.leaves or [commit.merkle_root([])])
         self._replays: dict[tuple[int, Any], StepReplay] = {}
 
     def handle(self, request: bytes) -> bytes:
@@ -353,18 +353,6 @@ class Party:
         if kept is None:
             raise BundleError(f"step {step} has no op at position {position} (or its output is too large)")
         return {"step": step, "position": position, "outputs": [_tensor_message(t) for t in kept]}
-
-
-def _tree(leaves: list[bytes]) -> list[list[bytes]]:
-    """Every level of the Merkle tree of :func:`commit.merkle_root`, leaves first, the root last."""
-    levels = [list(leaves) or [commit.merkle_root([])]]
-    while len(levels[-1]) > 1:
-        level = levels[-1]
-        up = [commit.node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
-        if len(level) % 2:
-            up.append(level[-1])  # an odd node is carried up unchanged
-        levels.append(up)
-    return levels
 
 
 _DTYPES = {

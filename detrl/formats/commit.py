@@ -287,18 +287,26 @@ def node(left: bytes, right: bytes) -> bytes:
     return _hasher(NODE_TAG + left + right).digest()
 
 
+def merkle_levels(leaves: list[bytes]) -> list[list[bytes]]:
+    """Every level of the Merkle tree over ``leaves`` (at least one), leaves first, the root alone last: each
+    level pairs its nodes left to right with :func:`node`, and an odd last node is carried up unchanged.
+    Inclusion proofs (detrl/formats/proof.py) and disputes (detrl/apps/dispute.py) walk these levels."""
+    levels = [list(leaves)]
+    while len(levels[-1]) > 1:
+        level = levels[-1]
+        up = [node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            up.append(level[-1])
+        levels.append(up)
+    return levels
+
+
 def merkle_root(leaves: list[bytes]) -> bytes:
-    """Merkle root (BLAKE3, leaves and nodes domain-separated; an odd node is carried up unchanged).
-    Empty -> hash of the node tag. Inclusion proofs of one leaf: detrl/formats/proof.py."""
+    """Merkle root (BLAKE3, leaves and nodes domain-separated; the tree of :func:`merkle_levels`).
+    Empty -> hash of the node tag."""
     if not leaves:
         return _hasher(NODE_TAG).digest()
-    level = list(leaves)
-    while len(level) > 1:
-        nxt = [node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
-        if len(level) % 2:
-            nxt.append(level[-1])
-        level = nxt
-    return level[0]
+    return merkle_levels(leaves)[-1][0]
 
 
 def hash_batch(*tensors: Any) -> bytes:

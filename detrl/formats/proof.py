@@ -128,18 +128,6 @@ def path_sides(leaves: int, index: int) -> list[Side]:
     return sides
 
 
-def _levels(leaf_hashes: list[bytes]) -> list[list[bytes]]:
-    """Every level of the tree ``commit.merkle_root`` builds, leaves first, root last."""
-    levels = [leaf_hashes]
-    while len(levels[-1]) > 1:
-        level = levels[-1]
-        nxt = [commit.node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
-        if len(level) % 2:
-            nxt.append(level[-1])
-        levels.append(nxt)
-    return levels
-
-
 def _path(levels: list[list[bytes]], index: int) -> list[Sibling]:
     path = []
     for level in levels[:-1]:
@@ -175,7 +163,7 @@ def prove(leaves: Sequence[tuple[bytes, bytes]], step: int) -> MerkleProof:
     for i, (s, b) in enumerate(leaves):
         if len(s) != commit.DIGEST_BYTES or len(b) != commit.DIGEST_BYTES:
             raise ValueError(f"leaf {i}: state and batch hashes must be {commit.DIGEST_BYTES} bytes")
-    levels = _levels([commit.leaf(i, s, b) for i, (s, b) in enumerate(leaves)])
+    levels = commit.merkle_levels([commit.leaf(i, s, b) for i, (s, b) in enumerate(leaves)])
     last = None
     if step != n - 1:
         s, b = leaves[n - 1]
