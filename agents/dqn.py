@@ -37,6 +37,7 @@ from torch.nn import functional as F
 import envs
 from agents.buffers import FrameReplayBuffer, ReplayBuffer
 from agents.networks import QNetworks, build_q_network
+from agents.optim import LeanAdam
 from detrl.core.engine import Session
 from detrl.core.sources import Sources
 from detrl.run.config import RunBase, Strict, VerifyConfig
@@ -255,12 +256,14 @@ def run(
         lambda: QNetworks(build_q_network(a.network, obs_shape, n_actions, a.hidden))
     )
     q, target = qnets.online, qnets.target
-    # Fused Adam (one kernel for all parameters) is much faster on small networks; verifiable precision
-    # needs the per-tensor form, whose elementwise steps the rounding mode splits into exact IEEE ops.
-    fused = not precision.is_verifiable
-    optimizer = session.track(
-        torch.optim.Adam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps, fused=fused)
-    )
+    # Fused Adam (one kernel for all parameters, called without torch's per-step Python: LeanAdam) is much
+    # faster on small networks; verifiable precision needs the per-tensor form, whose elementwise steps the
+    # rounding mode splits into exact IEEE ops.
+    if precision.is_verifiable:
+        optimizer = torch.optim.Adam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
+    else:
+        optimizer = LeanAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
+    session.track(optimizer)
     frames = a.network == "nature_cnn"
     chain = session.mode != "off"  # the buffer's hash chain is committed: not needed without a bundle
     # Observations are stored in the env's own dtype: float32 vectors, uint8 MinAtar boards (a quarter of

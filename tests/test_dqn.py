@@ -463,3 +463,32 @@ def test_sb3_bridge_maps_every_hyperparameter_and_refuses_what_sb3_lacks():
     assert kw["learning_rate"](1.0) == a.learning_rate and kw["learning_rate"](0.0) == a.final_learning_rate
     with pytest.raises(ValueError, match="Double DQN"):
         sb3_dqn(cfg, gym.make("CartPole-v1"), seed=0)
+
+
+def test_lean_adam_is_torch_fused_adam_bit_for_bit():
+    """LeanAdam's fast path (the fused kernel on kept tensor lists) moves weights and state exactly as
+    ``torch.optim.Adam(fused=True)``, through an lr schedule and a checkpoint reload."""
+    import copy
+
+    from agents.optim import LeanAdam
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    theirs = copy.deepcopy(ours)
+    opt_ours = LeanAdam(ours.parameters(), lr=1e-3, eps=1e-6)
+    opt_theirs = torch.optim.Adam(theirs.parameters(), lr=1e-3, eps=1e-6, fused=True)
+    for i in range(12):
+        x = torch.randn(32, 4)
+        for net, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+            opt.step()
+            if i == 4:
+                opt.param_groups[0]["lr"] = 3e-4
+        if i == 7:
+            opt_ours.load_state_dict(copy.deepcopy(opt_ours.state_dict()))
+    assert opt_ours._lists is not None  # the fast path ran
+    for p, r in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(p, r)
+    for s, r in zip(opt_ours.state.values(), opt_theirs.state.values()):
+        assert all(torch.equal(s[k], r[k]) for k in ("step", "exp_avg", "exp_avg_sq"))

@@ -17,21 +17,35 @@ ops in the same order. Two composite torch functions choose a fused kernel by de
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+#: SDPA's backend switches: (read, write) pairs of torch's global flags, math last. torch's own
+#: ``sdpa_kernel`` context looks each one up by name and builds backend lists on every entry (about 20 µs,
+#: a tenth of a CartPole DQN step); these are resolved once. Backends older torch builds lack are skipped.
+_SDPA_SWITCHES = [
+    (getattr(torch._C, f"_get_{name}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{name}"))
+    for name in ("cudnn", "flash", "mem_efficient", "overrideable", "math")
+    if hasattr(torch._C, f"_get_{name}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{name}")
+]
 
 
-@contextlib.contextmanager
-def portable_kernels() -> Iterator[None]:
-    """Within: SDPA is its math decomposition and the multi-head-attention fast path is off (restored on
-    exit)."""
-    fast = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
+class portable_kernels:  # noqa: N801 - used as a context manager, like torch's own lower-case contexts
+    """Within: SDPA is its math decomposition and the multi-head-attention fast path is off (both restored
+    on exit). Re-entrant: each entry saves and restores the flags it found."""
+
+    __slots__ = ("_saved",)
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[bool, list[bool]]] = []
+
+    def __enter__(self) -> None:
+        self._saved.append((torch.backends.mha.get_fastpath_enabled(), [get() for get, _ in _SDPA_SWITCHES]))
+        torch.backends.mha.set_fastpath_enabled(False)
+        for k, (_, set_) in enumerate(_SDPA_SWITCHES):
+            set_(k == len(_SDPA_SWITCHES) - 1)  # math only
+
+    def __exit__(self, *exc: object) -> None:
+        fast, enabled = self._saved.pop()
+        for (_, set_), on in zip(_SDPA_SWITCHES, enabled):
+            set_(on)
         torch.backends.mha.set_fastpath_enabled(fast)
