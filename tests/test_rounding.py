@@ -297,3 +297,14 @@ def test_log_entries_for_elements_far_from_a_midpoint_are_refused():
         out = torch.mm(x, eye)
     assert torch.equal(out, x)  # not moved to the next float
     assert step.anomalies[0].kind == "logged-not-near"
+
+
+def test_detrl_dispatch_modes_are_called_without_torch_dynamo_wrappers():
+    """Each op under a detrl mode calls its ``__torch_dispatch__`` directly (torch wraps other modes' in
+    ``torch._disable_dynamo``, two frames and two eval-frame swaps an op)."""
+    from detrl.core.hardware.profiles import HardwareMode
+    from detrl.core.randomness import StreamRandomMode
+    from detrl.core.rounding import RoundingMode
+
+    for mode in (RoundingMode, HardwareMode, StreamRandomMode):
+        assert not hasattr(mode.__dict__["__torch_dispatch__"], "__wrapped__"), mode.__name__

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from detrl.core.dispatch import EagerDispatchMode
 
 aten = torch.ops.aten
 _HANDLERS: dict[Any, Callable[..., Any]] = {}
@@ -123,7 +124,7 @@ def draws_now(func: Any, args: tuple, kwargs: dict) -> bool:
     return True
 
 
-class StreamRandomMode(TorchDispatchMode):
+class StreamRandomMode(EagerDispatchMode):
     """Route seeded random aten ops to the CPU generator ``generator`` (a switchboard stream).
 
     In verifiable precision the rounding mode routes them itself (:class:`detrl.core.rounding.RoundingMode`'s

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from detrl.core import decompose, islands, kernel, randomness
+from detrl.core.dispatch import EagerDispatchMode
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import OpKind, classify, op_name
 from detrl.core.optrace import OpTrace
@@ -320,7 +320,7 @@ class StepRounding:
             self.anomalies.append(anomaly)
 
 
-class RoundingMode(TorchDispatchMode):
+class RoundingMode(EagerDispatchMode):
     """Verifiable precision: compute each op under ``profile`` and round every FP64 result to FP32.
 
     Args:

@@ -13,7 +13,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 from torch._ops import OpOverload
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from detrl.core.dispatch import EagerDispatchMode
 
 aten = torch.ops.aten
 
@@ -178,7 +179,7 @@ def get_profile(name: str, seed: int | None = None) -> Profile:
     return factories[name]()
 
 
-class HardwareMode(TorchDispatchMode):
+class HardwareMode(EagerDispatchMode):
     """Run every aten op under ``profile`` (forward and, via autograd, backward ops alike)."""
 
     def __init__(self, profile: Profile) -> None:
