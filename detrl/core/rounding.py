@@ -731,12 +731,19 @@ def snapshot(func: Any, args: tuple) -> tuple:
 def written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
     """The tensors an op produced: its mutated arguments if it has any, else its outputs."""
     written: list[torch.Tensor] = []
-    if _schema_writes(func):
-        for i in _schema_writes(func):
+    writes = _schema_writes(func)
+    if writes:
+        for i in writes:
             value = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+            if isinstance(value, torch.Tensor):  # the usual case, without a pytree walk (every op pays it)
+                written.append(value)
+                continue
             flat, _ = tree_flatten(value)
             written.extend(t for t in flat if isinstance(t, torch.Tensor))
         return written
-    flat, _ = tree_flatten(out)
-    outs = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return outs + _hidden_writes(func, args)
+    if isinstance(out, torch.Tensor):
+        outs = [out] if out.is_floating_point() else []
+    else:
+        flat, _ = tree_flatten(out)
+        outs = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return outs + _hidden_writes(func, args) if func in HIDDEN_WRITES else outs
