@@ -578,7 +578,25 @@ def _caused_by_ctrl_c(e: BaseException) -> bool:
     return False
 
 
+#: Set once the user pressed Ctrl-C in this ``detrl`` process (see :func:`_note_ctrl_c`).
+_ctrl_c_pressed = False
+
+
+def _note_ctrl_c(signum: int, frame: object) -> None:
+    """Python's own Ctrl-C behaviour (raise KeyboardInterrupt), remembered: an interrupt that lands inside
+    an import can surface later as another error (a RecursionError from a half-imported module was seen),
+    which is the interrupt's doing, not a defect to report."""
+    global _ctrl_c_pressed
+    _ctrl_c_pressed = True
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the `detrl` process itself (a test calling main() keeps its own handlers)
+        import signal
+
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _note_ctrl_c)
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # the command as typed, for reports
@@ -592,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # so the exit's flush cannot fail again
         return 0
     except Exception as e:  # noqa: BLE001 - the user sees one line; DETRL_DEBUG=1 shows the traceback
-        if _caused_by_ctrl_c(
+        if _ctrl_c_pressed or _caused_by_ctrl_c(
             e
         ):  # a C extension's import interrupted: SystemError "... with an exception set"
             print("detrl: interrupted", file=sys.stderr)
