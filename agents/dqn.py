@@ -257,10 +257,10 @@ def run(
     )
     q, target = qnets.online, qnets.target
     # Fused Adam (one kernel for all parameters, called without torch's per-step Python: LeanAdam) is much
-    # faster on small networks; verifiable precision needs the per-tensor form, whose elementwise steps the
-    # rounding mode splits into exact IEEE ops.
+    # faster on small networks. Verifiable precision rounds each op, which a fused kernel does not offer:
+    # it takes the list ops (foreach), one rounded op per step of Adam for all tensors, not one per tensor.
     if precision.is_verifiable:
-        optimizer = torch.optim.Adam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
+        optimizer = torch.optim.Adam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps, foreach=True)
     else:
         optimizer = LeanAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
     session.track(optimizer)

@@ -308,3 +308,21 @@ def test_detrl_dispatch_modes_are_called_without_torch_dynamo_wrappers():
 
     for mode in (RoundingMode, HardwareMode, StreamRandomMode):
         assert not hasattr(mode.__dict__["__torch_dispatch__"], "__wrapped__"), mode.__name__
+
+
+def test_verifiable_sessions_pin_optimizers_to_one_op_sequence_on_every_device(tmp_path):
+    """torch picks foreach ops on a GPU and a per-tensor loop on a CPU when ``foreach`` is left None: a
+    verifiable Session pins the loop (explicit choices stay), refuses fused, and leaves FP32 runs alone."""
+    from detrl import Session, Sources
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with Session(tmp_path / "v", mode="off", sources=Sources(seed=0)) as s:
+        auto = s.track(torch.optim.AdamW(params))
+        chosen = s.track(torch.optim.Adam(params, foreach=True))
+        with pytest.raises(ValueError, match="fused=True"):
+            s.track(torch.optim.Adam(params, fused=True))
+    assert auto.param_groups[0]["foreach"] is False and chosen.param_groups[0]["foreach"] is True
+    with Session(tmp_path / "f", mode="off", precision="fp32", sources=Sources(seed=0)) as s:
+        plain = s.track(torch.optim.AdamW(params))
+        s.track(torch.optim.Adam(params, fused=True))
+    assert plain.param_groups[0]["foreach"] is None

@@ -570,7 +570,23 @@ class Session:
         return model
 
     def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Include ``optimizer``'s state in commitments and checkpoints; returns it."""
+        """Include ``optimizer``'s state in commitments and checkpoints; returns it.
+
+        In verifiable precision an optimizer left to pick its implementation (``foreach=None``, torch's
+        default) is pinned to the per-tensor loop: torch picks the ``_foreach`` ops on a GPU and the loop on
+        a CPU, two op sequences, and a replay must dispatch the recorder's ops in the recorder's order (an
+        explicit ``foreach=True`` is the same on every device, and stays). A fused optimizer (one kernel for
+        the whole update, nothing to round op by op) is refused with a ValueError.
+        """
+        if self.precision.is_verifiable:
+            for group in optimizer.param_groups:
+                if group.get("fused"):
+                    raise ValueError(
+                        f"{type(optimizer).__name__}(fused=True) updates in one kernel that verifiable precision "
+                        "cannot round op by op: use fused=False"
+                    )
+                if "foreach" in group and group["foreach"] is None:
+                    group["foreach"] = False
         self.optimizers.append(optimizer)
         return optimizer
 
