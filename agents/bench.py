@@ -147,7 +147,12 @@ def part_speed(args: argparse.Namespace) -> dict[str, Any]:
     )
     title = f"CartPole-v1, CleanRL hyperparameters, {args.steps} env steps"
     ratio = _compare(
-        title, "detrl DQN (all sources seeded)", ours, "Stable-Baselines3 DQN", theirs, "goal >= 1.5x"
+        title,
+        "detrl DQN (all sources seeded)",
+        ours,
+        "Stable-Baselines3 DQN",
+        theirs,
+        f"goal >= {SPEED_GOAL:g}x",
     )
     return {"detrl_sps": ours, "sb3_sps": theirs, "ratio": ratio}
 
@@ -199,8 +204,10 @@ def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
     return {**res, "slowdown": a / b}
 
 
+#: detrl's DQN should take at least this many env steps per second for each of Stable-Baselines3's.
+SPEED_GOAL = 3.0
 #: A verifiable DQN may run this many times slower than the same run in FP32.
-VERIFIABLE_GOAL = 3.0
+VERIFIABLE_GOAL = 2.0
 
 
 def part_learning(args: argparse.Namespace) -> dict[str, Any]:

@@ -526,7 +526,9 @@ def bench_audit_parallel(rest: list[str]) -> int:
     segment workers (local spawn pool, one torch thread each), interleaved (1, N, N, 1, ...): median wall
     time of each, the speed-up, and that both write the same JSON report. Also times one process's start
     (a fresh Python importing what a replay imports: the auditor, the digits data's scikit-learn, torch's
-    dynamo that the optimizer pulls in), which the parallel audit pays again in each worker."""
+    dynamo that the optimizer pulls in), which the parallel audit pays again in each worker. Between repeats
+    it measures the machine's own ceiling (:func:`machine_ceiling`): the same number of fixed CPU-bound jobs
+    side by side against one after another."""
     p = argparse.ArgumentParser(prog="detrl bench audit-parallel", description=bench_audit_parallel.__doc__)
     p.add_argument("--steps", type=int, default=120, help="steps of the recorded run")
     p.add_argument("--checkpoint-every", type=int, default=10, help="its checkpoint spacing (segment length)")
@@ -553,6 +555,7 @@ def bench_audit_parallel(rest: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="detrl-bench-audit-parallel-"))
     times: dict[int, list[float]] = {1: [], args.workers: []}
     reports: dict[int, str] = {}
+    ceilings: list[float] = []
     try:
         run = work / "run"
         torch.set_num_threads(1)
@@ -576,6 +579,8 @@ def bench_audit_parallel(rest: list[str]) -> int:
                 progress(
                     f"repeat {r + 1}/{args.repeats}, {w} worker(s): exit {done.returncode}, {times[w][-1]:.1f} s"
                 )
+            ceilings.append(machine_ceiling(args.workers))
+            progress(f"repeat {r + 1}/{args.repeats}: the machine's ceiling {ceilings[-1]:.2f}x")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = [
@@ -589,6 +594,34 @@ def bench_audit_parallel(rest: list[str]) -> int:
         f"speed-up {args.workers} workers / 1: {speedup:.2f}x; reports identical: {'yes' if same else 'NO'}; "
         f"one process's start (a fresh python importing torch, detrl, scikit-learn): {start:.1f} s"
     )
+    ceiling = statistics.median(ceilings)
+    print(
+        f"this machine's ceiling, measured between the audits: {args.workers} CPU-bound torch processes "
+        f"(FP64 matrix products, 1 thread each) side by side finish {ceiling:.2f}x faster than one after "
+        f"another; the audit reaches {speedup / ceiling:.0%} of it"
+    )
     goal = 0.9 * args.workers
     print(f"goal: at least {goal:.1f}x -> {'MET' if speedup >= goal else 'MISSED'}")
     return 0 if same else 1
+
+
+#: A fixed CPU-bound job in a fresh process: FP64 matrix products on one torch thread (about 4 s here).
+_CEILING_JOB = (
+    "import torch; torch.set_num_threads(1); a = torch.rand(384, 384, dtype=torch.float64)\n"
+    "for _ in range(300): a = (a @ a).clamp_(0, 1)"
+)
+
+
+def machine_ceiling(workers: int) -> float:
+    """How much faster ``workers`` copies of a CPU-bound job finish side by side than one after another on
+    this machine, now: the speed-up no parallel audit can beat (a shared VM's cores are not all ours)."""
+    cmd = [sys.executable, "-c", _CEILING_JOB]
+    t0 = time.perf_counter()
+    for _ in range(workers):
+        subprocess.run(cmd, check=True)
+    one_by_one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jobs = [subprocess.Popen(cmd) for _ in range(workers)]
+    if any(job.wait() != 0 for job in jobs):
+        raise RuntimeError("the ceiling's reference job failed")
+    return one_by_one / (time.perf_counter() - t0)
