@@ -22,6 +22,7 @@ kind opens a new class and is measured before it is rounded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -178,19 +179,30 @@ class Calibrator:
             self.classes[key] = seen + 1
         self.calibrated_calls += 1
         worst = self.worst.get(name, 0.0)
-        # each result's unit once, not once per profile: the same for every alternative it is compared with
-        units = [
-            _unit(func, before, a, kind) if a.dtype == torch.float64 and a.numel() else None for a in produced
-        ]
-        for prof in self.profiles:
-            fresh = snapshot(func, before)  # in-place ops must not touch the snapshot
-            alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
-            for a, b, unit in zip(produced, alt, units):
-                if unit is not None and b.dtype == torch.float64 and a.shape == b.shape:
-                    worst = max(worst, _disagreement(a, b, unit))
+        if self._reruns_can_differ(func, produced):
+            # each result's unit once, not once per profile: the same for every alternative it is compared with
+            units = [
+                _unit(func, before, a, kind) if a.dtype == torch.float64 and a.numel() else None
+                for a in produced
+            ]
+            for prof in self.profiles:
+                fresh = snapshot(func, before)  # in-place ops must not touch the snapshot
+                alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
+                for a, b, unit in zip(produced, alt, units):
+                    if unit is not None and b.dtype == torch.float64 and a.shape == b.shape:
+                        worst = max(worst, _disagreement(a, b, unit))
         self.worst[name] = worst
         floor = TAU_FLOOR_MEASURED if kind is OpKind.REDUCTION and worst > 0 else TAU_FLOOR
         self.thresholds.per_op[name] = min(TAU_CAP, max(floor, self.margin * worst))
+
+    def _reruns_can_differ(self, func: Any, produced: list[torch.Tensor]) -> bool:
+        """Whether rerunning ``func`` under the profiles can give other bits than ``produced``. Not when
+        none of them reorders it and it ran on the CPU: then every profile, the recorder's too, calls the same
+        native kernel on the same inputs, and a CPU kernel gives the same bits each time (its disagreement
+        is 0, measured or not). A CUDA kernel need not (atomics): there the reruns are measured."""
+        if any(prof.reorders(func) for prof in self.profiles):
+            return True
+        return any(t.device.type != "cpu" for t in produced)
 
 
 def _unit(func: Any, args: tuple, a: torch.Tensor, kind: OpKind) -> tuple[tuple[int, ...], torch.Tensor]:
@@ -206,6 +218,13 @@ def _unit(func: Any, args: tuple, a: torch.Tensor, kind: OpKind) -> tuple[tuple[
 def _disagreement(a: torch.Tensor, b: torch.Tensor, unit: tuple[tuple[int, ...], torch.Tensor]) -> float:
     """Largest ``|a - b|`` in the units ``unit`` (:func:`_unit` of ``a``)."""
     shape, spacing = unit
-    rel = (a - b).abs().reshape(shape) / spacing
+    rel = (a - b).abs_().reshape(shape).div_(spacing)
+    if not rel.numel():
+        return 0.0
+    # Most results are finite everywhere: then the largest is the answer, with no mask to build. A NaN or
+    # an infinity (an inf in either result, an infinite unit) makes it non-finite: then only finite ones count.
+    largest = float(rel.max())
+    if math.isfinite(largest):
+        return largest
     rel = rel[torch.isfinite(rel)]
     return float(rel.max()) if rel.numel() else 0.0
