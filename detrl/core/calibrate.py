@@ -18,6 +18,11 @@ and again, with disagreements alike, so measuring every one of them (the old rul
 ten times a later step's time for ResNet-50. A call that is not measured is logged with
 its op kind's threshold so far, which always includes a measurement of that op kind: the first call of a
 kind opens a new class and is measured before it is rounded.
+
+A measured call is rerun only where a profile can change its bits (an op no emulated profile reorders,
+on the CPU, disagrees by 0), and a call too large to rerun whole (GPT-2's 50,257-wide logits and their
+gradients, ResNet's convolutions) on evenly spread rows of its result (:func:`_sample`), measured in the
+units of the whole result: the calibration step of GPT-2 small had cost 5.4 later steps.
 """
 
 from __future__ import annotations
