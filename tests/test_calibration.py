@@ -39,16 +39,33 @@ class Stack(nn.Module):
         return self.out(x)
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
+class Convs(nn.Module):
+    """Two 3x3 convolutions (3 -> 12 -> 12 channels, more than calibration samples: 8) with tanh, a
+    spatial mean and a linear readout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 12, 3, padding=1), nn.Conv2d(12, 12, 3, padding=1)
+        self.out = nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 3, 6, 6)
+        x = torch.tanh(self.conv2(torch.tanh(self.conv1(x))))  # (B, 12, 6, 6)
+        return self.out(x.mean(dim=(2, 3)))
+
+
+def _data(model: type[nn.Module] = Stack) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(128, 16, generator=g), torch.randint(0, 4, (128,), generator=g)
+    shape = (128, 3, 6, 6) if model is Convs else (128, 16)
+    return torch.randn(*shape, generator=g), torch.randint(0, 4, (128,), generator=g)
 
 
-def train(session: Session, steps: int, stop_after: int | None = None) -> None:
+def train(
+    session: Session, steps: int, stop_after: int | None = None, model: type[nn.Module] = Stack
+) -> None:
     """SGD with momentum on a fixed random classification set; ``stop_after``: stop after that step."""
-    net = session.init(Stack)
+    net = session.init(model)
     opt = session.track(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
-    loader = session.loader(_data(), batch_size=16, steps=steps)
+    loader = session.loader(_data(model), batch_size=16, steps=steps)
     session.restore()
     for batch in loader:
         with session.step():
@@ -61,8 +78,10 @@ def train(session: Session, steps: int, stop_after: int | None = None) -> None:
 
 
 def record(run_dir: Path, steps: int, calibration_steps: int = 1, **kw: Any) -> Session:
-    """Record :func:`train` for ``steps`` steps; ``kw``: ``stop_after``, or more Session arguments."""
+    """Record :func:`train` for ``steps`` steps; ``kw``: ``stop_after``, ``model``, or more Session
+    arguments."""
     stop_after = kw.pop("stop_after", None)
+    model = kw.pop("model", Stack)
     with Session(
         run_dir,
         mode="record",
@@ -72,7 +91,7 @@ def record(run_dir: Path, steps: int, calibration_steps: int = 1, **kw: Any) -> 
         planned_steps=steps,
         **kw,
     ) as s:
-        train(s, steps, stop_after)
+        train(s, steps, stop_after, model)
     return s
 
 
@@ -183,11 +202,12 @@ def test_shape_class_keys_structure_not_values():
     assert shape_class("add", (a, a[:1].expand(4, 3)), {}) != shape_class("add", (a, a), {})  # broadcast
 
 
-def test_sampled_calibration_replicates_on_every_profile_and_is_deterministic(tmp_path, monkeypatch):
-    """Calls larger than ``sample_elements`` are measured on evenly spread rows: here every call of the
-    stack (``sample_elements`` 16: its 16 x 16 products, the softmax and its gradient), so every op kind's
-    threshold rests on sampled rows. The recording still replays on every profile, and records the same
-    bytes twice."""
+@pytest.mark.parametrize("model", [Stack, Convs])
+def test_sampled_calibration_replicates_on_every_profile_and_is_deterministic(tmp_path, monkeypatch, model):
+    """Calls larger than ``sample_elements`` are measured on evenly spread rows: here (``sample_elements``
+    16) the stack's 16 x 16 products, the softmax and its gradient, and the convolutions (by output
+    channel) and their gradients (by input channel, past the 3-channel input), so the op kinds' thresholds
+    rest on sampled rows. The recording still replays on every profile, and records the same bytes twice."""
     init = Calibrator.__init__
 
     def sampled(self: Calibrator, *a: Any, **k: Any) -> None:
@@ -206,18 +226,19 @@ def test_sampled_calibration_replicates_on_every_profile_and_is_deterministic(tm
 
     monkeypatch.setattr(calibrate, "_sample", counting)
     steps = 3
-    rec = record(tmp_path / "run", steps, calibration_steps=2)
-    assert {"mm", "addmm", "_log_softmax", "nll_loss_backward"} <= set(samples), samples
+    rec = record(tmp_path / "run", steps, calibration_steps=2, model=model)
+    expected = {"convolution", "convolution_backward"} if model is Convs else {"mm", "addmm", "_log_softmax"}
+    assert expected | {"nll_loss_backward"} <= set(samples), samples
     assert rec.totals.logged > 0
     params = {n: p.detach().clone() for n, p in rec.model.named_parameters()}
     for hw in PROFILES:
         with Session(tmp_path / "run", mode="replay", hardware=hw) as rep:
-            train(rep, steps)
+            train(rep, steps, model=model)
             rep.verify_checkpoints()
         assert rep.step_index == steps and rep.totals.unlogged_near == 0 and rep.totals.refused == 0, hw
         for n, p in rep.model.named_parameters():
             assert torch.equal(p, params[n]), (hw, n)
-    record(tmp_path / "again", steps, calibration_steps=2)
+    record(tmp_path / "again", steps, calibration_steps=2, model=model)
     for name in ("commitments", "roundlog"):
         assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
 
