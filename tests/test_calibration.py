@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from detrl import Session, Sources
-from detrl.core.calibrate import CLASSES_KEY, DEFAULT_MAX_PER_CLASS, Calibrator, shape_class
+from detrl.core import calibrate
+from detrl.core.calibrate import CLASSES_KEY, DEFAULT_MAX_PER_CLASS, MIN_SAMPLED_ROWS, Calibrator, shape_class
 from detrl.core.oprules import op_name
 from detrl.core.rounding import Thresholds
 
@@ -38,16 +39,33 @@ class Stack(nn.Module):
         return self.out(x)
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
+class Convs(nn.Module):
+    """Two 3x3 convolutions (3 -> 12 -> 12 channels, more than calibration samples: 8) with tanh, a
+    spatial mean and a linear readout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 12, 3, padding=1), nn.Conv2d(12, 12, 3, padding=1)
+        self.out = nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, 3, 6, 6)
+        x = torch.tanh(self.conv2(torch.tanh(self.conv1(x))))  # (B, 12, 6, 6)
+        return self.out(x.mean(dim=(2, 3)))
+
+
+def _data(model: type[nn.Module] = Stack) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randn(128, 16, generator=g), torch.randint(0, 4, (128,), generator=g)
+    shape = (128, 3, 6, 6) if model is Convs else (128, 16)
+    return torch.randn(*shape, generator=g), torch.randint(0, 4, (128,), generator=g)
 
 
-def train(session: Session, steps: int, stop_after: int | None = None) -> None:
+def train(
+    session: Session, steps: int, stop_after: int | None = None, model: type[nn.Module] = Stack
+) -> None:
     """SGD with momentum on a fixed random classification set; ``stop_after``: stop after that step."""
-    net = session.init(Stack)
+    net = session.init(model)
     opt = session.track(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
-    loader = session.loader(_data(), batch_size=16, steps=steps)
+    loader = session.loader(_data(model), batch_size=16, steps=steps)
     session.restore()
     for batch in loader:
         with session.step():
@@ -60,8 +78,10 @@ def train(session: Session, steps: int, stop_after: int | None = None) -> None:
 
 
 def record(run_dir: Path, steps: int, calibration_steps: int = 1, **kw: Any) -> Session:
-    """Record :func:`train` for ``steps`` steps; ``kw``: ``stop_after``, or more Session arguments."""
+    """Record :func:`train` for ``steps`` steps; ``kw``: ``stop_after``, ``model``, or more Session
+    arguments."""
     stop_after = kw.pop("stop_after", None)
+    model = kw.pop("model", Stack)
     with Session(
         run_dir,
         mode="record",
@@ -71,7 +91,7 @@ def record(run_dir: Path, steps: int, calibration_steps: int = 1, **kw: Any) -> 
         planned_steps=steps,
         **kw,
     ) as s:
-        train(s, steps, stop_after)
+        train(s, steps, stop_after, model)
     return s
 
 
@@ -180,3 +200,88 @@ def test_shape_class_keys_structure_not_values():
     assert shape_class("sum", (a, [0]), {}) == shape_class("sum", (big, [0]), {})  # sizes do not count
     assert shape_class("sum", (a, [0]), {}) != shape_class("sum", (big[0], [0]), {})  # ranks do
     assert shape_class("add", (a, a[:1].expand(4, 3)), {}) != shape_class("add", (a, a), {})  # broadcast
+
+
+@pytest.mark.parametrize("model", [Stack, Convs])
+def test_sampled_calibration_replicates_on_every_profile_and_is_deterministic(tmp_path, monkeypatch, model):
+    """Calls larger than ``sample_elements`` are measured on evenly spread rows: here (``sample_elements``
+    16) the stack's 16 x 16 products, the softmax and its gradient, and the convolutions (by output
+    channel) and their gradients (by input channel, past the 3-channel input), so the op kinds' thresholds
+    rest on sampled rows. The recording still replays on every profile, and records the same bytes twice."""
+    init = Calibrator.__init__
+
+    def sampled(self: Calibrator, *a: Any, **k: Any) -> None:
+        init(self, *a, **{**k, "sample_elements": 16})
+
+    monkeypatch.setattr(Calibrator, "__init__", sampled)
+    samples: collections.Counter[str] = collections.Counter()
+    real_sample = calibrate._sample
+
+    def counting(func: Any, args: tuple, produced: list, budget: int | None) -> Any:
+        out = real_sample(func, args, produced, budget)
+        if out is not None:
+            assert len(out.rows) == MIN_SAMPLED_ROWS  # 8 of 16 rows (at least 8: the budget asks for 1)
+            samples[op_name(func)] += 1
+        return out
+
+    monkeypatch.setattr(calibrate, "_sample", counting)
+    steps = 3
+    rec = record(tmp_path / "run", steps, calibration_steps=2, model=model)
+    expected = {"convolution", "convolution_backward"} if model is Convs else {"mm", "addmm", "_log_softmax"}
+    assert expected | {"nll_loss_backward"} <= set(samples), samples
+    assert rec.totals.logged > 0
+    params = {n: p.detach().clone() for n, p in rec.model.named_parameters()}
+    for hw in PROFILES:
+        with Session(tmp_path / "run", mode="replay", hardware=hw) as rep:
+            train(rep, steps, model=model)
+            rep.verify_checkpoints()
+        assert rep.step_index == steps and rep.totals.unlogged_near == 0 and rep.totals.refused == 0, hw
+        for n, p in rep.model.named_parameters():
+            assert torch.equal(p, params[n]), (hw, n)
+    record(tmp_path / "again", steps, calibration_steps=2, model=model)
+    for name in ("commitments", "roundlog"):
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "again" / name).read_bytes(), name
+
+
+def _slicing_cases() -> list[tuple[Any, tuple]]:
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    aten = torch.ops.aten
+    x, w, go = r(4, 20, 5, 5), r(12, 20, 3, 3), r(4, 12, 3, 3)
+    conv = (x, w, r(12), [1], [0], [1], False, [0], 1)
+    return [
+        (aten.mm.default, (r(40, 30), r(30, 20))),
+        (aten.addmm.default, (r(20), r(40, 30), r(30, 20))),
+        (aten.addmm.default, (r(40, 20), r(40, 30), r(30, 20))),
+        (aten.bmm.default, (r(2, 40, 30), r(2, 30, 20))),
+        (aten._log_softmax.default, (r(40, 30), 1, False)),
+        (aten.sum.dim_IntList, (r(40, 30), [1])),
+        (aten.exp.default, (r(40, 30),)),
+        (aten.nll_loss_backward.default, (r(()), r(40, 30), torch.randint(0, 30, (40,), generator=g), None, 1, -100, r(()).abs())),
+        (aten.embedding_dense_backward.default, (r(40, 30), torch.randint(0, 12, (40,), generator=g), 12, -1, False)),
+        (aten.convolution.default, conv),
+        (aten.convolution_backward.default, (go, x, w, [12], [1], [0], [1], False, [0], 1, [True, True, True])),
+        (aten.convolution_backward.default, (go, x, w, [12], [1], [0], [1], False, [0], 1, [False, True, False])),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_sampled_rows_are_the_whole_calls_rows(case):
+    """Each op the calibrator samples: the cut call's results are the whole call's rows (to rounding: the
+    native kernels may block fewer rows otherwise), under an emulated profile that splits its sums."""
+    from detrl.core.hardware import get_profile
+    from detrl.core.rounding import written_tensors
+
+    func, args = _slicing_cases()[case]
+    prof = get_profile("emulated:pairwise")
+    whole = written_tensors(func, args, {}, prof(func, args, {}))
+    sample = calibrate._sample(func, args, whole, budget=64)
+    assert sample is not None and 0 < len(sample.rows) < max(t.numel() for t in whole)
+    cut = written_tensors(func, sample.args, {}, prof(func, sample.args, {}))
+    assert len(cut) == len(whole) == len(sample.dims)
+    for a, b, d in zip(whole, cut, sample.dims, strict=True):
+        expected = a if d is None else a.index_select(d, sample.rows)
+        assert expected.shape == b.shape and torch.allclose(expected, b, rtol=1e-12, atol=1e-12), (func, d)

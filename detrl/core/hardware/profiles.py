@@ -41,6 +41,11 @@ class Profile:
         """Compute aten op ``func(*args, **kwargs)`` under this profile; returns what ``func`` returns."""
         return func(*args, **kwargs)
 
+    def reorders(self, func: OpOverload) -> bool:
+        """Whether this profile may compute ``func`` other than the native kernel does (the native profile
+        never does)."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
@@ -101,6 +106,11 @@ class EmulatedProfile(Profile):
         if handler is None:
             return func(*args, **kwargs)
         return handler(self, func, args, kwargs)
+
+    def reorders(self, func: OpOverload) -> bool:
+        """Whether ``func`` has an emulation (every emulated profile shares the registry: an op without one
+        runs the native kernel under all of them)."""
+        return func in _HANDLERS
 
     def plan(self, n: int, unit: Unit, device: torch.device) -> Plan | None:
         """Plan a reduction over ``n`` terms counted in ``unit``; None if it is too short to split."""
