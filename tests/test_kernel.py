@@ -169,6 +169,19 @@ def test_matrix_scale_follows_the_rows_a_channel_scale_does_not() -> None:
     assert reduction_scale(torch.ops.aten.addmm.default, (out, a, b), out) is None  # only mm
 
 
+def test_matrix_scale_grows_with_the_square_root_of_the_sum_length() -> None:
+    """mm's unit grows like sqrt(K) (2**floor(log2(K) / 2)), not like K: a 4x longer sum, a 2x unit."""
+    g = torch.Generator().manual_seed(5)
+    cols = []
+    for k in (1, 3, 4, 512, 2048, 50257):
+        a = torch.ones(2, k, dtype=torch.float64)
+        b = torch.ones(k, 3, dtype=torch.float64)
+        scale = reduction_scale(_MM, (a, b), torch.randn(2, 3, dtype=torch.float64, generator=g))
+        assert scale is not None and scale.row is not None
+        cols.append(float(scale.col[0]) / 2.0**-23)
+    assert cols == [1.0, 1.0, 2.0, 16.0, 32.0, 128.0]
+
+
 @needs_kernel
 def test_random_op_outputs_at_many_scales() -> None:
     g = torch.Generator().manual_seed(2)

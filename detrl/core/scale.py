@@ -77,18 +77,33 @@ class Scale:
         return (self.row[idx // (self.inner * self.channels)] * self.col[c]).clamp_(min=2.0**-149)
 
 
+def terms_factor(k: int) -> float:
+    """How an ``mm``'s disagreement grows with its sum length ``k`` (>= 1), as a power of two:
+    ``2**floor(log2(k) / 2)``, about ``sqrt(k)``.
+
+    Two summation orders of ``k`` terms differ by rounding errors of the partial sums, which add up like a
+    random walk: ``sqrt(k)`` of them, not ``k``. With ``k`` itself (the bound for errors that all share a
+    sign), one threshold per op kind, set by its worst-measured shape, over-covered the long sums by
+    ``sqrt(k)``: GPT-2 small's input gradient of the output embedding (``k`` = 50,257) logged 29k entries a
+    step, against 10k with this factor. Calibration measures each shape class in this unit and its
+    margin covers the rest; replays on every emulated profile at full size check it (docs/roundlog.md).
+    """
+    return 2.0 ** (math.floor(math.log2(k)) // 2)
+
+
 def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
     """The unit of a matrix product's output ``out = a @ b`` (``aten.mm``; ``a: (M, K)``, ``b: (K, N)``),
-    from its inputs: FP32 spacing of ``max_k |a[i, k]| * max_k |b[k, j]| * 2**floor(log2 K)``, as row and
-    column factors. None for every other op: they are measured at their output's channel scale
-    (:func:`scale_spacing`).
+    from its inputs: FP32 spacing of ``max_k |a[i, k]| * max_k |b[k, j]| * terms_factor(K)`` (about
+    ``sqrt(K)``), as row and column factors. None for every other op: they are measured at their output's
+    channel scale (:func:`scale_spacing`).
 
     Each term of ``out[i, j]`` is at most ``max|a[i]| max|b[:, j]|``, and a different summation order moves
-    the sum by a few FP64 ulps of the partial sums, which grow with K. An output column's largest magnitude,
-    the channel scale, is dominated by its largest rows: a weight gradient's rows (an LSTM's gates, GPT-2's
-    output-embedding rows for tokens absent from the batch) differ by orders of magnitude, and the small
-    rows' elements then all sat within the threshold and were logged, pinned, though no machine disagreed
-    on them. The inputs are the same bits on every machine, so recorder and replayer compute the same unit.
+    the sum by a few FP64 ulps of the partial sums, which add up like a random walk over K terms
+    (:func:`terms_factor`). An output column's largest magnitude, the channel scale, is dominated by its
+    largest rows: a weight gradient's rows (an LSTM's gates, GPT-2's output-embedding rows for tokens
+    absent from the batch) differ by orders of magnitude, and the small rows' elements then all sat within
+    the threshold and were logged, pinned, though no machine disagreed on them. The inputs are the same
+    bits on every machine, so recorder and replayer compute the same unit.
     """
     if func is not _MM or len(args) < 2:
         return None
@@ -100,11 +115,7 @@ def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
     if out.shape != (m, n) or k == 0 or out.numel() == 0:
         return None
     row = _power_of_two(a.abs().amax(dim=1)).clamp_(min=2.0**-149)
-    col = (
-        _power_of_two(b.abs().amax(dim=0))
-        .clamp_(min=2.0**-149)
-        .mul_(2.0**-23 * 2.0 ** math.floor(math.log2(k)))
-    )
+    col = _power_of_two(b.abs().amax(dim=0)).clamp_(min=2.0**-149).mul_(2.0**-23 * terms_factor(k))
     return Scale(outer=m, channels=n, inner=1, col=col, row=row)
 
 
