@@ -169,6 +169,41 @@ def test_matrix_scale_follows_the_rows_a_channel_scale_does_not() -> None:
     assert reduction_scale(torch.ops.aten.addmm.default, (out, a, b), out) is None  # only mm
 
 
+def test_matrix_scale_grows_with_the_square_root_of_the_sum_length() -> None:
+    """mm's unit grows like sqrt(K) (2**floor(log2(K) / 2)), not like K: a 4x longer sum, a 2x unit."""
+    g = torch.Generator().manual_seed(5)
+    cols = []
+    for k in (1, 3, 4, 512, 2048, 50257):
+        a = torch.ones(2, k, dtype=torch.float64)
+        b = torch.ones(k, 3, dtype=torch.float64)
+        scale = reduction_scale(_MM, (a, b), torch.randn(2, 3, dtype=torch.float64, generator=g))
+        assert scale is not None and scale.row is not None
+        cols.append(float(scale.col[0]) / 2.0**-23)
+    assert cols == [1.0, 1.0, 2.0, 16.0, 32.0, 128.0]
+
+
+@needs_kernel
+def test_convolution_input_gradient_scale_per_sample_and_channel() -> None:
+    """A convolution's input gradient is measured per (sample, channel): a quiet sample's elements get its
+    own small unit (the channel scale would give them the loud sample's), kernel and reference agree; its
+    weight gradient keeps the channel scale."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 4, 6, 6, dtype=torch.float64, generator=g).float().double()
+    w = torch.randn(5, 4, 3, 3, dtype=torch.float64, generator=g).float().double()
+    grad_out = torch.randn(3, 5, 4, 4, dtype=torch.float64, generator=g).float().double()
+    grad_out[1] *= 1e-9  # a well-classified sample: a tiny gradient
+    conv_backward = torch.ops.aten.convolution_backward.default
+    args = (grad_out, x, w, [5], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True])
+    grad_in, grad_w, _ = conv_backward(*args)
+    scale = reduction_scale(conv_backward, args, grad_in)
+    assert scale is not None and scale.row is not None and (scale.outer, scale.inner) == (12, 36)
+    assert reduction_scale(conv_backward, args, grad_w) is None
+    quiet = near_midpoint(grad_in, 2.0**-20, scale)[1]
+    assert near_midpoint(grad_in, 2.0**-20, True)[1].all() and not quiet.any()
+    for tau in (2.0**-20, 2.0**-8):
+        _assert_same(grad_in, tau, scale)
+
+
 @needs_kernel
 def test_random_op_outputs_at_many_scales() -> None:
     g = torch.Generator().manual_seed(2)

@@ -201,9 +201,9 @@ def test_calibration_sets_thresholds_as_it_goes_and_keeps_the_first_step_small(t
 @pytest.mark.parametrize("native", [True, False], ids=["kernel", "reference"])
 @pytest.mark.parametrize(
     ("tau", "short"),
-    # T = tau * mm's unit (2**-22 here) against the result's spacing 2**-47: 2**5 spacings (at most 2**12:
-    # the value is stored short, 16 key bits) or 2**13 (the full FP32 value)
-    [(2.0**-20, True), (2.0**-12, False)],
+    # T = tau * mm's unit (2**-23 here: terms of 1, K = 2) against the result's spacing 2**-47: 2**4
+    # spacings (at most 2**12: the value is stored short, 16 key bits) or 2**13 (the full FP32 value)
+    [(2.0**-20, True), (2.0**-11, False)],
     ids=["short", "full"],
 )
 def test_cancellation_results_are_pinned_and_replayed_by_value(tau: float, short: bool, native: bool):

@@ -1,6 +1,7 @@
 """The units in which verifiable precision measures how far two machines' FP64 results of one op can be
 apart: FP32 spacings at the element (elementwise ops), at an output channel's largest magnitude
-(reductions), or at a matrix product's row and column scales (``mm``).
+(reductions), at a matrix product's row and column scales (``mm``), or at a sample's and channel's largest
+magnitude (a convolution's input gradient).
 
 Recorder, replayer, calibrator and the native kernel all take their units from here, so that the same
 inputs give the same thresholds, bit for bit, wherever they are computed.
@@ -77,19 +78,37 @@ class Scale:
         return (self.row[idx // (self.inner * self.channels)] * self.col[c]).clamp_(min=2.0**-149)
 
 
+def terms_factor(k: int) -> float:
+    """How an ``mm``'s disagreement grows with its sum length ``k`` (>= 1), as a power of two:
+    ``2**floor(log2(k) / 2)``, about ``sqrt(k)``.
+
+    Two summation orders of ``k`` terms differ by rounding errors of the partial sums, which add up like a
+    random walk: ``sqrt(k)`` of them, not ``k``. With ``k`` itself (the bound for errors that all share a
+    sign), one threshold per op kind, set by its worst-measured shape, over-covered the long sums by
+    ``sqrt(k)``: GPT-2 small's input gradient of the output embedding (``k`` = 50,257) logged 29k entries a
+    step, against 10k with this factor. Calibration measures each shape class in this unit and its
+    margin covers the rest; replays on every emulated profile at full size check it (docs/roundlog.md).
+    """
+    return 2.0 ** (math.floor(math.log2(k)) // 2)
+
+
 def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
     """The unit of a matrix product's output ``out = a @ b`` (``aten.mm``; ``a: (M, K)``, ``b: (K, N)``),
-    from its inputs: FP32 spacing of ``max_k |a[i, k]| * max_k |b[k, j]| * 2**floor(log2 K)``, as row and
-    column factors. None for every other op: they are measured at their output's channel scale
-    (:func:`scale_spacing`).
+    from its inputs: FP32 spacing of ``max_k |a[i, k]| * max_k |b[k, j]| * terms_factor(K)`` (about
+    ``sqrt(K)``), as row and column factors. A convolution's input gradient: per sample and channel
+    (:func:`_sample_channel_scale`). None for every other op: they are measured at their output's channel
+    scale (:func:`scale_spacing`).
 
     Each term of ``out[i, j]`` is at most ``max|a[i]| max|b[:, j]|``, and a different summation order moves
-    the sum by a few FP64 ulps of the partial sums, which grow with K. An output column's largest magnitude,
-    the channel scale, is dominated by its largest rows: a weight gradient's rows (an LSTM's gates, GPT-2's
-    output-embedding rows for tokens absent from the batch) differ by orders of magnitude, and the small
-    rows' elements then all sat within the threshold and were logged, pinned, though no machine disagreed
-    on them. The inputs are the same bits on every machine, so recorder and replayer compute the same unit.
+    the sum by a few FP64 ulps of the partial sums, which add up like a random walk over K terms
+    (:func:`terms_factor`). An output column's largest magnitude, the channel scale, is dominated by its
+    largest rows: a weight gradient's rows (an LSTM's gates, GPT-2's output-embedding rows for tokens
+    absent from the batch) differ by orders of magnitude, and the small rows' elements then all sat within
+    the threshold and were logged, pinned, though no machine disagreed on them. The inputs are the same
+    bits on every machine, so recorder and replayer compute the same unit.
     """
+    if func is _CONV_BACKWARD:
+        return _sample_channel_scale(args, out)
     if func is not _MM or len(args) < 2:
         return None
     a, b = args[0], args[1]
@@ -100,12 +119,32 @@ def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
     if out.shape != (m, n) or k == 0 or out.numel() == 0:
         return None
     row = _power_of_two(a.abs().amax(dim=1)).clamp_(min=2.0**-149)
-    col = (
-        _power_of_two(b.abs().amax(dim=0))
-        .clamp_(min=2.0**-149)
-        .mul_(2.0**-23 * 2.0 ** math.floor(math.log2(k)))
-    )
+    col = _power_of_two(b.abs().amax(dim=0)).clamp_(min=2.0**-149).mul_(2.0**-23 * terms_factor(k))
     return Scale(outer=m, channels=n, inner=1, col=col, row=row)
+
+
+def _sample_channel_scale(args: tuple, out: torch.Tensor) -> Scale | None:
+    """The unit of a convolution's input gradient ``out`` (``(N, C, *spatial)``, the shape of
+    ``convolution_backward``'s ``input`` argument): FP32 spacing at its largest magnitude per sample and
+    channel, ``(N * C,)`` row factors. None for its weight and bias gradients (channel scale).
+
+    A sample's input gradient sums that sample's output gradient alone, and those differ between samples by
+    orders of magnitude (a well-classified image's loss barely moves): at the channel's scale, set by the
+    batch's largest sample, every element of a small sample sat near a midpoint. Computed from the output,
+    as the channel scale is (:func:`scale_spacing`), with the same caveat: where a largest magnitude sits
+    at a binade edge, two machines' units can be 2x apart.
+    """
+    if len(args) < 3 or not isinstance(args[1], torch.Tensor) or not isinstance(args[2], torch.Tensor):
+        return None
+    if out.dim() < 3 or out.shape != args[1].shape or out.shape == args[2].shape or out.numel() == 0:
+        return None
+    n, c = out.shape[0], out.shape[1]
+    flat = out.reshape(n * c, -1)
+    amax = torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg_())
+    row = _power_of_two(amax).mul_(2.0**-23).clamp_(min=2.0**-149)
+    return Scale(
+        outer=n * c, channels=1, inner=flat.shape[1], col=torch.ones(1, dtype=torch.float64), row=row
+    )
 
 
 def channel_scale(rounded: torch.Tensor) -> Scale:
@@ -117,3 +156,4 @@ def channel_scale(rounded: torch.Tensor) -> Scale:
 
 
 _MM = torch.ops.aten.mm.default
+_CONV_BACKWARD = torch.ops.aten.convolution_backward.default
