@@ -191,6 +191,10 @@ def _print_trained(
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    if args.workers > 1 and args.ray is None:  # the workers' imports overlap this process's, not follow them
+        from detrl.run import executors
+
+        executors.prestart()
     from detrl.apps.audit import audit, parse_caps
     from detrl.formats.bundle import BundleError
     from detrl.run.config import ConfigError
@@ -367,6 +371,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
+    if (args.workers is None or args.workers > 1) and args.ray is None:  # workers import beside this process
+        from detrl.run import executors
+
+        executors.prestart()
     from detrl.apps import ablation
 
     sources = ablation.parse_sources(args.sources) if args.sources is not None else None

@@ -5,7 +5,7 @@ copy of it (a commitment, a log entry, a checkpoint, the commitments file, a kil
 and compares the parallel audit's verdict, diverged step, message, exit code and per-step stats with the
 sequential audit's. Most cases replay the segments in this process through the same code path, in
 reverse order (the merge must not depend on which segment finishes first), so they stay fast; one test
-goes through the spawn pool and the CLI, and a slow one through a local Ray instance.
+goes through the process pool and the CLI, and a slow one through a local Ray instance.
 """
 
 from __future__ import annotations
@@ -254,6 +254,34 @@ def test_cli_workers_in_a_process_pool(
     assert json.loads((tmp_path / "2.json").read_text()) == json.loads((tmp_path / "1.json").read_text())
     assert "audit: 8 steps in 4 segments between checkpoints, in 2 worker processes" in err2
     assert "segment 3/4 steps 5..6 diverged at step 5 (" in err2 or case == "honest", err2
+
+
+@pytest.mark.slow  # a fresh `detrl audit --workers 2` for each moment, a few seconds each
+@pytest.mark.parametrize("moment", ["workers importing", "segments submitted"])
+def test_ctrl_c_to_a_parallel_audit_is_one_line(moment: str, honest: Path) -> None:
+    """A terminal's Ctrl-C reaches the whole process group: the parent, the process the workers fork from
+    (still importing torch a second in) and the workers. One line, exit 130, no traceback from anyone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "detrl.cli", "audit", str(honest), "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    if moment == "workers importing":
+        time.sleep(1.0)
+        early = ""
+    else:  # the parent has checked the bundle and handed the segments to the pool
+        early = proc.stderr.readline()
+        assert early.startswith("audit: 8 steps in 4 segments"), early
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, early + err)
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "detrl: interrupted", err
 
 
 def test_workers_below_one_is_a_usage_error(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:

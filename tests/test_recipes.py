@@ -135,6 +135,17 @@ def test_warmup_linear_schedule() -> None:
 # --- data ---------------------------------------------------------------------------------------------
 
 
+def test_digits_read_from_the_file_are_scikit_learns() -> None:
+    """The CSV read straight from scikit-learn's package holds what ``load_digits`` gives, to the bit."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x, y = datasets.digits()
+    assert x.shape == (1797, 1, 8, 8) and y.dtype == torch.int64
+    assert np.array_equal(x[:, 0].numpy(), d.images.astype(np.float32) / 16.0)
+    assert np.array_equal(y.numpy(), d.target.astype(np.int64))
+
+
 def test_digits32_is_digits_upscaled() -> None:
     x, y = datasets.digits32()
     small, y8 = datasets.digits()

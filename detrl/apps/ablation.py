@@ -281,7 +281,7 @@ def _log_mean_softmax(logits: np.ndarray) -> np.ndarray:
 def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int) -> dict[str, Any]:
     """Record run ``k`` of ``condition`` in ``OUT/runs/<condition>/<k>/`` and write its result files.
 
-    Takes the spec and the base config as JSON (read by the driver), so that a ``spawn`` worker or a Ray
+    Takes the spec and the base config as JSON (read by the driver), so that a local worker or a Ray
     worker on another machine needs neither the driver's working directory nor its config files. Runs with
     one torch thread.
     """

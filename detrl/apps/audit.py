@@ -167,6 +167,8 @@ def audit(
     """
     if workers < 1:
         raise config_mod.ConfigError(f"--workers must be at least 1, not {workers}")
+    if workers > 1 and ray is None:
+        executors.prestart()  # the workers' parent imports while this process checks the bundle
     run_dir = Path(run_dir)
     probe = bundle_mod.Bundle(run_dir)  # validate everything before doing any work
     m = probe.manifest

@@ -539,10 +539,11 @@ def bench_sweep(rest: list[str]) -> int:
 def bench_audit_parallel(rest: list[str]) -> int:
     """Record a digits CNN run with a checkpoint every few steps, then time ``detrl audit`` on it end to end
     (a fresh process each, as a user runs it) with 1 worker (the sequential replay) and with ``--workers``
-    segment workers (local spawn pool, one torch thread each), interleaved (1, N, N, 1, ...): median wall
+    segment workers (the local process pool, one torch thread each), interleaved (1, N, N, 1, ...): median wall
     time of each, the speed-up, and that both write the same JSON report. Also times one process's start
-    (a fresh Python importing what a replay imports: the auditor, the digits data's scikit-learn, torch's
-    dynamo that the optimizer pulls in), which the parallel audit pays again in each worker. Between repeats
+    (a fresh Python importing what a replay imports: the auditor, the digits, torch's dynamo that the
+    optimizer pulls in): the parallel audit's workers fork from a process that imports it beside the
+    auditor's own start, instead of after it. Between repeats
     it measures the machine's own ceiling (:func:`machine_ceiling`): the same number of fixed CPU-bound jobs
     side by side against one after another."""
     p = argparse.ArgumentParser(prog="detrl bench audit-parallel", description=bench_audit_parallel.__doc__)
@@ -608,7 +609,7 @@ def bench_audit_parallel(rest: list[str]) -> int:
     same = len(set(reports.values())) == 1
     print(
         f"speed-up {args.workers} workers / 1: {speedup:.2f}x; reports identical: {'yes' if same else 'NO'}; "
-        f"one process's start (a fresh python importing torch, detrl, scikit-learn): {start:.1f} s"
+        f"one process's start (a fresh python importing torch, detrl, dynamo, the digits): {start:.1f} s"
     )
     ceiling = statistics.median(ceilings)
     print(

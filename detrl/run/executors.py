@@ -14,8 +14,28 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import multiprocessing.forkserver
 from collections.abc import Callable, Sequence
 from typing import Any
+
+#: What every job here imports: a session (torch, the engine) and torch's dynamo, which each torch optimizer
+#: imports when it is built (1.3 s of a fresh process here). The local workers' parent imports them once,
+#: after :mod:`detrl.run.worker_signals` (a Ctrl-C while it imports ends it quietly).
+PRELOAD = ("detrl.run.worker_signals", "detrl.run.sessions", "torch._dynamo")
+
+
+def _start_method() -> str:
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def prestart() -> None:
+    """Start the process local workers fork from (a fresh Python importing :data:`PRELOAD`), now, so that it
+    imports while this process goes on with its own imports and checks; :func:`run_local` then forks workers
+    that start with torch and the engine imported. Calling it again does nothing; :func:`run_local` calls it
+    when nobody did. Where ``forkserver`` does not exist (Windows), workers are spawned and each imports."""
+    if _start_method() == "forkserver":
+        multiprocessing.set_forkserver_preload(list(PRELOAD))
+        multiprocessing.forkserver.ensure_running()
 
 
 class JobFailed(RuntimeError):
@@ -34,10 +54,15 @@ def run_local(
     on_done: Callable[[int, Any], None],
     names: Sequence[str] | None = None,
 ) -> None:
-    """Run ``fn(*jobs[i])`` for every ``i`` in a pool of ``workers`` processes (``spawn``: no state inherited
-    from this process, such as torch's thread pool or an RNG) and call ``on_done(i, result)`` in this process
-    as each finishes. The first failure cancels what has not started and raises :class:`JobFailed`."""
-    ctx = multiprocessing.get_context("spawn")
+    """Run ``fn(*jobs[i])`` for every ``i`` in a pool of ``workers`` processes and call ``on_done(i, result)``
+    in this process as each finishes. The first failure cancels what has not started and raises
+    :class:`JobFailed`.
+
+    The workers are forked from a fresh process that only imported modules (:func:`prestart`): none inherits
+    state from this one, such as torch's thread pool or an RNG, as with ``spawn``, but none pays the imports.
+    """
+    prestart()
+    ctx = multiprocessing.get_context(_start_method())
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
         try:

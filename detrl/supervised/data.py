@@ -27,12 +27,37 @@ from torch.nn import functional as F
 
 @functools.lru_cache(maxsize=1)  # a run reads its training and its test split: parse the CSV once
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    table = _digits_table()
+    x = table[:, :64].reshape(-1, 8, 8).astype(np.float32) / 16.0
+    y = table[:, 64].astype(np.int64)
+    x.flags.writeable = y.flags.writeable = False
+    return x, y
+
+
+#: scikit-learn's digits file, inside its installed package: 1797 rows of 64 pixel values (0..16) and a label.
+_DIGITS_CSV = ("datasets", "data", "digits.csv.gz")
+
+
+def _digits_table() -> np.ndarray:
+    """The digits as scikit-learn ships them, ``(1797, 65)`` float64: the CSV read straight from the installed
+    package, as ``load_digits`` reads it. Why not call ``load_digits``: importing any part of scikit-learn
+    imports scipy, 1.3 s of every process that trains or audits on the digits (a parallel audit's workers
+    each paid it). Where the file is not where this version keeps it, ``load_digits`` it is."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")  # locates the package without importing it
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(root).joinpath(*_DIGITS_CSV)
+        if path.is_file():
+            with gzip.open(path, "rt") as f:
+                table = np.loadtxt(f, delimiter=",")
+            if table.shape == (1797, 65):
+                return table
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    x, y = d.images.astype(np.float32) / 16.0, d.target.astype(np.int64)
-    x.flags.writeable = y.flags.writeable = False
-    return x, y
+    return np.concatenate([d.data, d.target[:, None].astype(np.float64)], axis=1)
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
