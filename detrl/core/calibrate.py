@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from detrl.core.dispatch import registrar
 from detrl.core.oprules import OpKind, op_name
 from detrl.core.rounding import TAU_FLOOR, TAU_FLOOR_MEASURED, Thresholds, snapshot, written_tensors
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
@@ -306,15 +307,7 @@ _Slicing = Callable[[tuple], _Cut | None]
 _SLICINGS: dict[Any, _Slicing] = {}
 
 
-def _slices(*ops: Any) -> Callable[[_Slicing], _Slicing]:
-    def register(fn: _Slicing) -> _Slicing:
-        for op in ops:
-            if op in _SLICINGS:
-                raise RuntimeError(f"calibration sampling for {op} registered twice")
-            _SLICINGS[op] = fn
-        return fn
-
-    return register
+_slices = registrar(_SLICINGS, "calibration sampling")
 
 
 def _tensors(args: tuple, n: int) -> bool:

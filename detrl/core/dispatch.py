@@ -1,4 +1,5 @@
-"""The base of detrl's dispatch modes: torch's ``TorchDispatchMode`` without its per-op dynamo guard.
+"""The base of detrl's dispatch modes (torch's ``TorchDispatchMode`` without its per-op dynamo guard), and
+the decorator that fills their per-op tables (:func:`registrar`).
 
 torch wraps every subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo`` (so that a
 ``torch.compile`` inside a mode does not trace into it): two extra Python frames and two eval-frame swaps
@@ -8,7 +9,12 @@ steps only, so they opt out through torch's own class hook (``_should_skip_dynam
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from torch.utils._python_dispatch import TorchDispatchMode
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class EagerDispatchMode(TorchDispatchMode):
@@ -17,3 +23,21 @@ class EagerDispatchMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+
+def registrar(table: dict[Any, F], what: str) -> Callable[..., Callable[[F], F]]:
+    """The decorator that fills ``table``, a mode's per-op table: ``@handles(op, ...)`` above a function makes
+    it the entry of each op. ``what`` names an entry in the error an op registered twice raises at import
+    (a bug in detrl: the later rule would silently replace the earlier)."""
+
+    def handles(*ops: Any) -> Callable[[F], F]:
+        def register(fn: F) -> F:
+            for op in ops:
+                if op in table:
+                    raise RuntimeError(f"{what} for {op} registered twice")
+                table[op] = fn
+            return fn
+
+        return register
+
+    return handles

@@ -20,20 +20,14 @@ from typing import Any
 
 import torch
 
+from detrl.core.dispatch import registrar
+
 aten = torch.ops.aten
 Rule = Callable[[tuple, dict], torch.Tensor]
 SPLIT: dict[Any, Rule] = {}
 
 
-def _split(*ops: Any) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        for op in ops:
-            if op in SPLIT:
-                raise RuntimeError(f"duplicate split rule for {op}")
-            SPLIT[op] = fn
-        return fn
-
-    return register
+_split = registrar(SPLIT, "split rule")
 
 
 def _scaled(t: torch.Tensor, factor: Any) -> torch.Tensor:

@@ -14,21 +14,13 @@ from typing import Any
 
 import torch
 
-from detrl.core.dispatch import EagerDispatchMode
+from detrl.core.dispatch import EagerDispatchMode, registrar
 
 aten = torch.ops.aten
 _HANDLERS: dict[Any, Callable[..., Any]] = {}
 
 
-def _handles(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        for op in ops:
-            if op in _HANDLERS:
-                raise RuntimeError(f"duplicate random-op handler for {op}")
-            _HANDLERS[op] = fn
-        return fn
-
-    return register
+_handles = registrar(_HANDLERS, "random-op handler")
 
 
 @_handles(aten.native_dropout.default)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
-from detrl.core.dispatch import EagerDispatchMode
+from detrl.core.dispatch import EagerDispatchMode, registrar
 
 aten = torch.ops.aten
 
@@ -205,14 +205,4 @@ Handler = Callable[[EmulatedProfile, OpOverload, tuple, dict], Any]
 _HANDLERS: dict[OpOverload, Handler] = {}
 
 
-def _register(*ops: OpOverload) -> Callable[[Handler], Handler]:
-    """Register the decorated function as the emulation of ``ops`` (each op at most once)."""
-
-    def decorate(handler: Handler) -> Handler:
-        for op in ops:
-            if op in _HANDLERS:
-                raise RuntimeError(f"hardware handler for {op} registered twice")
-            _HANDLERS[op] = handler
-        return handler
-
-    return decorate
+_register = registrar(_HANDLERS, "hardware handler")  # @_register(ops): the emulation of ops
