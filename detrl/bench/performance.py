@@ -547,7 +547,7 @@ def bench_audit_parallel(rest: list[str]) -> int:
     it measures the machine's own ceiling (:func:`machine_ceiling`): the same number of fixed CPU-bound jobs
     side by side against one after another."""
     p = argparse.ArgumentParser(prog="detrl bench audit-parallel", description=bench_audit_parallel.__doc__)
-    p.add_argument("--steps", type=int, default=120, help="steps of the recorded run")
+    p.add_argument("--steps", type=int, default=240, help="steps of the recorded run (its audit: 80 s here)")
     p.add_argument("--checkpoint-every", type=int, default=10, help="its checkpoint spacing (segment length)")
     p.add_argument("--channels", type=int, default=64, help="the CNN's channels (the step's cost)")
     p.add_argument("--batch-size", type=int, default=128)
