@@ -398,9 +398,11 @@ def _flag_steering(report: AuditReport, m: Any, threads: int) -> AuditReport:
 
 
 # ---------------------------------------------------------------------------------------------- segments
-#: Segments per worker: more than one, so that a worker whose segments replay slower (or that started
-#: later) leaves less of a tail; not many more, since each segment rebuilds the run and loads a checkpoint.
-SEGMENTS_PER_WORKER = 4
+#: Segments per worker: many, so that a worker whose segments replay slower (a shared machine's second core
+#: comes and goes) leaves at most a short segment's tail while the other idles; not unboundedly many, since
+#: each segment rebuilds the run and loads a checkpoint (for the digits CNN that costs nothing measurable:
+#: steps 101..120 replayed as one segment or as two took the same time, within 0.2 s, three times).
+SEGMENTS_PER_WORKER = 8
 #: The bad-input errors a segment sends back by name, raised again in the parent as the same class.
 _ERRORS: dict[str, type[Exception]] = {
     "BundleError": BundleError,
