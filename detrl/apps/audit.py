@@ -170,12 +170,9 @@ def audit(
     if workers > 1 and ray is None:
         executors.prestart()  # the workers' parent imports while this process checks the bundle
     run_dir = Path(run_dir)
-    probe = bundle_mod.Bundle(run_dir)  # validate everything before doing any work
-    m = probe.manifest
-    probe.close()
-    task, cfg = validated_config(m, run_dir, caps, data, init_from)
-    extra = {"init_from": init_from} if init_from is not None else {}
-    torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
+    plan = prepare_replay(run_dir, caps, data, init_from)
+    probe, m = plan.bundle, plan.bundle.manifest
+    task, cfg, extra, ours = plan.task, plan.cfg, plan.extra, plan.ours
     report = AuditReport(
         str(run_dir),
         hardware,
@@ -186,8 +183,7 @@ def audit(
         status=m.status,
         precision=m.precision,
     )
-    ours = task.fingerprint(cfg, data, **extra)
-    if m.data_fingerprint != ours:  # a bundle that drops its fingerprint claims other data than ours
+    if not plan.same_data:  # a bundle that drops its fingerprint claims other data than ours
         report.verdict, report.diverged_step, report.steps = "diverged", 0, 0
         report.message = "the bundle's data fingerprint differs from the auditor's copy of the data" + (
             " or of the init weights (--init-from)" if init_from is not None else ""
@@ -215,6 +211,41 @@ def audit(
         replayed = _replayed(session, report, 0, probe.steps, time.perf_counter() - t0)
         reader = session.bundle.roundlog if session.bundle is not None else None
     return _flag_steering(_verdict(report, replayed, m, require_log, reader), m, cfg.threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayPlan:
+    """What a replay of a bundle needs before its first step, every check that needs no replay done.
+
+    ``bundle``: the bundle as validated, closed (its manifest, durable steps, checkpoint steps and the log's
+    index stay readable). ``task``, ``cfg``: its task and validated config. ``extra``: the task's keyword
+    arguments for the auditor's own files (``init_from``). ``ours``: the data fingerprint of the auditor's
+    copy of the data, which the bundle's must equal (:attr:`same_data`) for a replay to mean anything.
+    """
+
+    bundle: bundle_mod.Bundle
+    task: tasks.Task
+    cfg: Any
+    extra: dict[str, Any]
+    ours: str | None
+
+    @property
+    def same_data(self) -> bool:
+        return self.bundle.manifest.data_fingerprint == self.ours
+
+
+def prepare_replay(
+    run_dir: Path, caps: Mapping[str, float] | None, data: Path | None, init_from: Path | None
+) -> ReplayPlan:
+    """Validate the bundle in ``run_dir`` and its config (:func:`validated_config`), set this process's torch
+    threads to the run's, and fingerprint the auditor's data: the prologue of an audit and of a referee's
+    replay of one step. Raises :class:`BundleError` for bad input."""
+    probe = bundle_mod.Bundle(run_dir)  # validate everything before doing any work
+    probe.close()
+    task, cfg = validated_config(probe.manifest, run_dir, caps, data, init_from)
+    extra: dict[str, Any] = {"init_from": init_from} if init_from is not None else {}
+    torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
+    return ReplayPlan(probe, task, cfg, extra, task.fingerprint(cfg, data, **extra))
 
 
 def validated_config(

@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -40,7 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
-from detrl.apps.audit import config_failures_are_bad_input, validated_config
+from detrl.apps.audit import config_failures_are_bad_input, prepare_replay
 from detrl.core.engine import Divergence, Session
 from detrl.core.hardware import get_profile, profile_names
 from detrl.core.optrace import OpDigest, OpTrace
@@ -126,19 +125,16 @@ def replay_step(
     ``init_from``: the replayer's own copies). Bad input raises :class:`BundleError`.
     """
     run_dir = Path(run_dir)
-    probe = bundle_mod.Bundle(run_dir)
-    m, checkpoints, steps = probe.manifest, probe.checkpoint_steps, probe.steps
-    probe.close()
-    if not 0 <= step <= steps:
-        raise BundleError(f"{run_dir}: step {step} is outside the bundle's durable steps 0..{steps}")
-    task, cfg = validated_config(m, run_dir, caps, data, init_from)
-    extra: dict[str, Any] = {"init_from": init_from} if init_from is not None else {}
-    torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
-    if start is None:
-        start = max([0, *(c for c in checkpoints if c < step)])
     t0 = time.perf_counter()
-    fingerprint = task.fingerprint(cfg, data, **extra)
-    if m.data_fingerprint != fingerprint:
+    plan = prepare_replay(run_dir, caps, data, init_from)
+    task, cfg, extra, fingerprint = plan.task, plan.cfg, plan.extra, plan.ours
+    if not 0 <= step <= plan.bundle.steps:
+        raise BundleError(
+            f"{run_dir}: step {step} is outside the bundle's durable steps 0..{plan.bundle.steps}"
+        )
+    if start is None:
+        start = max([0, *(c for c in plan.bundle.checkpoint_steps if c < step)])
+    if not plan.same_data:
         return StepReplay(
             step, start, False, 0, "the data fingerprint differs from the replayer's data", None, 0.0
         )
