@@ -217,6 +217,42 @@ def test_random_op_outputs_at_many_scales() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("length", [7, 8, 31, 32, 33, 63, 64, 65, 100])
+def test_vector_blocks_at_their_edges(length: int) -> None:
+    """The kernel tests a block of elements at a time in vector lanes and takes the scalar path only for a
+    block holding a near element: rows of every length around the block and vector sizes, with adversarial
+    values planted at the first, last and a random element of a block, under each form of threshold (per
+    element, per channel along the inner axis, a matrix product's row x column along the channels, a
+    per-(sample, channel) unit), give the reference's entries; a NaN or an infinity in a channel too."""
+    g = torch.Generator().manual_seed(length)
+    adversarial = _adversarial()
+    planted = adversarial[torch.randperm(len(adversarial), generator=g)]
+    for shape in ((3, 4, length), (5, length)):
+        x = torch.randn(shape, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(
+            -3, 3, shape[:-1] + (1,), generator=g
+        )
+        flat = x.view(-1)
+        spots = torch.cat([torch.arange(0, flat.numel(), 32), torch.arange(31, flat.numel(), 32)])
+        spots = torch.cat([spots, torch.randint(0, flat.numel(), (4,), generator=g)])
+        flat[spots] = planted[: len(spots)]
+        finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=torch.float64))
+        for values in (x, finite):
+            for tau in (2.0**-16, 2.0**-6):
+                _assert_same(values, tau, False)
+                _assert_same(values, tau, True)
+                if values.dim() == 2:  # (m, n): a matrix product's unit along its n channels
+                    a, b = _matrix_inputs(values.shape[0], 9, values.shape[1], seed=length)
+                    _assert_same(values, tau, reduction_scale(_MM, (a, b), values))
+                    _assert_same(values, tau, channel_scale(values))  # per channel, inner == 1
+                else:  # (samples, channels, length): a unit per (sample, channel), as a convolution's input gradient
+                    row = torch.tensor([2.0**k for k in range(12)], dtype=torch.float64) * 2.0**-30
+                    unit = Scale(
+                        outer=12, channels=1, inner=length, col=torch.ones(1, dtype=torch.float64), row=row
+                    )
+                    _assert_same(values, tau, unit)
+
+
+@needs_kernel
 @pytest.mark.parametrize("tau", [2.0**-16, 0.5])
 def test_quiet_channels_at_the_floor_spacing(tau: float) -> None:
     """Channels whose largest magnitude is zero, FP32-subnormal or below FP32's range: their threshold is

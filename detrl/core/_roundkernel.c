@@ -34,17 +34,98 @@ static double channel_threshold(float amax, int has_nan, double tau) {
 }
 
 /* T at one element, unscaled: clamp(|x| * tau 2**-23, tau 2**-149, tau 2**104). A NaN fails both
- * comparisons and stays NaN, as torch.clamp keeps it. */
+ * comparisons and stays NaN, as torch.clamp keeps it. (Conditional moves, not branches: the loops below
+ * that call it vectorise.) */
 static inline double element_threshold(double x, double c1, double lo, double hi) {
     double t = fabs(x) * c1;
-    if (t < lo) return lo;
-    if (t > hi) return hi;
-    return t;
+    t = t < lo ? lo : t;
+    return t > hi ? hi : t;
 }
 
 static inline int near_midpoint(double x, double t) {
     float rounded = (float)x;
     return ((float)(x - t) != (float)(x + t)) && (rounded != 0.0f);
+}
+
+/* near_midpoint without the short circuit, so that a loop of it vectorises: the same value, since neither
+ * side has an effect. */
+static inline int near_flag(double x, double t) {
+    return ((float)(x - t) != (float)(x + t)) & ((float)x != 0.0f);
+}
+
+/* Vector builds of the hot loops. The elements are independent, so a vector unit computes each exactly as
+ * the scalar code does: the same IEEE double and float operations, rounded to nearest (no fast-math, no
+ * FMA contraction). On x86-64 with GCC or clang the loader picks an AVX2 clone where the CPU has it. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* The elements are checked a block at a time: blocks with no element near a midpoint, nearly all of them,
+ * cost one vectorised pass; only a block with one takes the scalar path that writes entries. Each search
+ * runs from j0 to the first block [j, j + BLOCK) holding a near element and returns j (n if none). */
+#define BLOCK 32
+
+VECTOR_CLONES static Py_ssize_t first_near_at(const double *x, Py_ssize_t j0, Py_ssize_t n, double t) {
+    for (Py_ssize_t j = j0; j < n; j += BLOCK) {
+        Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
+        int any = 0;
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], t);
+        if (any) return j;
+    }
+    return n;
+}
+
+VECTOR_CLONES static Py_ssize_t first_near_each(const double *x, Py_ssize_t j0, Py_ssize_t n, double c1, double lo,
+                                                double hi) {
+    for (Py_ssize_t j = j0; j < n; j += BLOCK) {
+        Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
+        int any = 0;
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], element_threshold(x[i], c1, lo, hi));
+        if (any) return j;
+    }
+    return n;
+}
+
+/* Thresholds per column of one row (inner == 1: a matrix product's output, or channels of one element):
+ * with a row factor, T = max(row * col, 2**-149) * tau, as rounding.Scale.dense; without, col is T. */
+static inline double column_threshold(const double *cols, Py_ssize_t c, int has_row, double row, double tau) {
+    if (!has_row) return cols[c];
+    double t = row * cols[c];
+    t = t < 0x1p-149 ? 0x1p-149 : t;
+    return t * tau;
+}
+
+VECTOR_CLONES static Py_ssize_t first_near_columns(const double *x, Py_ssize_t j0, Py_ssize_t n, const double *cols,
+                                                   int has_row, double row, double tau) {
+    for (Py_ssize_t j = j0; j < n; j += BLOCK) {
+        Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
+        int any = 0;
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], column_threshold(cols, i, has_row, row, tau));
+        if (any) return j;
+    }
+    return n;
+}
+
+VECTOR_CLONES static void round_block(double *x, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) x[j] = (double)(float)x[j];
+}
+
+/* max |x| over n elements as a double, or NaN where one of them is NaN or infinite (both make the channel's
+ * threshold infinite, see channel_threshold). Rounding to FP32 is monotone and symmetric, so (float) of this
+ * max is the max of |(float)x|, the reference's FP32 amax, without a cast per element. The max of finite
+ * values is exact in any order, and so is a sum of zeros and NaNs (x - x is 0 for a finite x, NaN
+ * otherwise): the reductions may run in vector lanes (-fopenmp-simd; the OpenMP runtime is not used). */
+VECTOR_CLONES static double abs_max(const double *x, Py_ssize_t n, double amax) {
+    double bad = 0.0;
+#pragma omp simd reduction(max : amax) reduction(+ : bad)
+    for (Py_ssize_t j = 0; j < n; j++) {
+        double r = fabs(x[j]);
+        bad += r - r;
+        amax = r > amax ? r : amax;
+    }
+    return bad != bad ? (double)NAN : amax;
 }
 
 /* round_inplace(address, n): x[i] = (double)(float)x[i]. */
@@ -54,7 +135,7 @@ static PyObject *round_inplace(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Kn", &address, &n)) return NULL;
     double *x = (double *)(uintptr_t)address;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) x[i] = (double)(float)x[i];
+    round_block(x, n);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -70,17 +151,10 @@ static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
     double *out = (double *)(uintptr_t)out_address;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t c = 0; c < channels; c++) {
-        float amax = 0.0f;
-        int has_nan = 0;
-        for (Py_ssize_t o = 0; o < outer; o++) {
-            const double *row = x + (o * channels + c) * inner;
-            for (Py_ssize_t j = 0; j < inner; j++) {
-                float r = fabsf((float)row[j]);
-                if (r != r) has_nan = 1;
-                else if (r > amax) amax = r;
-            }
-        }
-        out[c] = channel_threshold(amax, has_nan, tau);
+        double amax = 0.0;
+        for (Py_ssize_t o = 0; o < outer && amax == amax; o++)
+            amax = abs_max(x + (o * channels + c) * inner, inner, amax);
+        out[c] = channel_threshold((float)amax, amax != amax, tau);
     }
     Py_END_ALLOW_THREADS
     return Py_BuildValue("");
@@ -107,39 +181,57 @@ static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize
                       Py_ssize_t *n_kept, Py_ssize_t *n_pinned, int64_t *kept, uint8_t *up, int64_t *pinned,
                       float *pinned_values) {
     Py_ssize_t max_kept = *n_kept, max_pinned = *n_pinned, k = 0, p = 0;
-    for (Py_ssize_t o = 0; o < outer; o++) {
-        for (Py_ssize_t c = 0; c < channels; c++) {
-            Py_ssize_t base = (o * channels + c) * inner;
-            double *row = x + base;
-            double tc = 0.0;
-            if (rows) { /* rounding.Scale.dense: max(row * col, 2**-149), then times tau */
-                tc = rows[o] * thresholds[c];
-                if (tc < 0x1p-149) tc = 0x1p-149;
-                tc *= tau;
-            } else if (thresholds) {
-                tc = thresholds[c];
-            }
-            for (Py_ssize_t j = 0; j < inner; j++) {
+    /* Blocks run along the innermost axis; with inner == 1 and thresholds per channel (a matrix product's
+     * unit) they run along the channels of an outer row instead, with T per element. Shorter blocks than a
+     * vector's few elements skip the vector test. */
+    int along_channels = inner == 1 && thresholds;
+    Py_ssize_t rows_n = along_channels ? outer : outer * channels, length = along_channels ? channels : inner;
+    for (Py_ssize_t r = 0; r < rows_n; r++) {
+        Py_ssize_t o = along_channels ? r : r / channels, c = along_channels ? 0 : r % channels;
+        Py_ssize_t base = r * length;
+        double *row = x + base;
+        double tc = 0.0;
+        if (!along_channels && rows) { /* rounding.Scale.dense: max(row * col, 2**-149), then times tau */
+            tc = rows[o] * thresholds[c];
+            if (tc < 0x1p-149) tc = 0x1p-149;
+            tc *= tau;
+        } else if (!along_channels && thresholds) {
+            tc = thresholds[c];
+        }
+        double row_factor = rows ? rows[o] : 0.0;
+        Py_ssize_t j0 = 0;
+        while (j0 < length) {
+            /* the next block with a near element (rows shorter than a vector's few elements: this one) */
+            Py_ssize_t hit = length < 8       ? j0
+                             : along_channels ? first_near_columns(row, j0, length, thresholds, rows != NULL,
+                                                                   row_factor, tau)
+                             : thresholds     ? first_near_at(row, j0, length, tc)
+                                              : first_near_each(row, j0, length, c1, lo, hi);
+            if (kept) round_block(row + j0, hit - j0);
+            if (hit == length) break;
+            Py_ssize_t end = length - hit < BLOCK ? length : hit + BLOCK;
+            for (Py_ssize_t j = hit; j < end; j++) {
                 double v = row[j];
-                double t = thresholds ? tc : element_threshold(v, c1, lo, hi);
-                float r = (float)v;
-                if (near_midpoint(v, t)) {
-                    if (is_pinned(v, t)) {
-                        if (kept && p < max_pinned) {
-                            pinned[p] = (int64_t)(base + j);
-                            pinned_values[p] = r;
-                        }
-                        p++;
-                    } else {
-                        if (kept && k < max_kept) {
-                            kept[k] = (int64_t)(base + j);
-                            up[k] = fabs((double)r) > fabs(v);
-                        }
-                        k++;
+                double t = along_channels ? column_threshold(thresholds, j, rows != NULL, row_factor, tau)
+                           : thresholds   ? tc
+                                          : element_threshold(v, c1, lo, hi);
+                if (!near_midpoint(v, t)) continue;
+                if (is_pinned(v, t)) {
+                    if (kept && p < max_pinned) {
+                        pinned[p] = (int64_t)(base + j);
+                        pinned_values[p] = (float)v;
                     }
+                    p++;
+                } else {
+                    if (kept && k < max_kept) {
+                        kept[k] = (int64_t)(base + j);
+                        up[k] = fabs((double)(float)v) > fabs(v);
+                    }
+                    k++;
                 }
-                if (kept) row[j] = (double)r;
             }
+            if (kept) round_block(row + hit, end - hit);
+            j0 = end;
         }
     }
     *n_kept = k;
