@@ -94,7 +94,11 @@ def _adversarial() -> torch.Tensor:
 @needs_kernel
 @pytest.mark.parametrize("tau", TAUS)
 @pytest.mark.parametrize("scaled", [False, True])
-def test_adversarial_values_flat(tau: float, scaled: bool) -> None:
+@pytest.mark.parametrize("room", [kernel.FIRST_ROOM, 1])
+def test_adversarial_values_flat(
+    tau: float, scaled: bool, room: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kernel, "FIRST_ROOM", room)
     x = _adversarial()
     _assert_same(x, tau, scaled)
     _assert_same(x[torch.isfinite(x)], tau, scaled)  # one channel without inf or NaN: a finite scale
@@ -217,13 +221,17 @@ def test_random_op_outputs_at_many_scales() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("room", [kernel.FIRST_ROOM, 0, 5])
 @pytest.mark.parametrize("length", [7, 8, 31, 32, 33, 63, 64, 65, 100])
-def test_vector_blocks_at_their_edges(length: int) -> None:
+def test_vector_blocks_at_their_edges(length: int, room: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel tests a block of elements at a time in vector lanes and takes the scalar path only for a
     block holding a near element: rows of every length around the block and vector sizes, with adversarial
     values planted at the first, last and a random element of a block, under each form of threshold (per
     element, per channel along the inner axis, a matrix product's row x column along the channels, a
-    per-(sample, channel) unit), give the reference's entries; a NaN or an infinity in a channel too."""
+    per-(sample, channel) unit), give the reference's entries; a NaN or an infinity in a channel too. With
+    less room for entries than an output has (``room``), the first pass stops at the block that overflowed
+    and a second one takes the rest: the same entries and bits."""
+    monkeypatch.setattr(kernel, "FIRST_ROOM", room)
     g = torch.Generator().manual_seed(length)
     adversarial = _adversarial()
     planted = adversarial[torch.randperm(len(adversarial), generator=g)]

@@ -174,19 +174,24 @@ static inline double spacing32(double r) {
  * uncertainty reaches a quarter of the element's own spacing, else the direction of its nearest rounding. */
 static inline int is_pinned(double x, double t) { return 4.0 * t >= spacing32((double)(float)x); }
 
-/* The near-midpoint pass. With kept == NULL it only counts (directions and pinned values apart); else it
- * writes the entries, at most the counts given, and rounds every element in place. */
-static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
-                      const double *thresholds, const double *rows, double tau, double c1, double lo, double hi,
-                      Py_ssize_t *n_kept, Py_ssize_t *n_pinned, int64_t *kept, uint8_t *up, int64_t *pinned,
-                      float *pinned_values) {
+/* The near-midpoint pass over the elements from flat index start (the start of a row or of a block in it;
+ * 0 or a stop this pass returned). With kept == NULL it only counts (directions and pinned values apart)
+ * and returns the element count. Else it writes the entries and rounds every element it passes in place,
+ * until a block holds more entries than the buffers have room left for: it returns that block's first
+ * index, leaving the block unrounded and the counts at the entries written, so that a caller can resume
+ * there with larger buffers. */
+static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
+                            const double *thresholds, const double *rows, double tau, double c1, double lo,
+                            double hi, Py_ssize_t start, Py_ssize_t *n_kept, Py_ssize_t *n_pinned, int64_t *kept,
+                            uint8_t *up, int64_t *pinned, float *pinned_values) {
     Py_ssize_t max_kept = *n_kept, max_pinned = *n_pinned, k = 0, p = 0;
     /* Blocks run along the innermost axis; with inner == 1 and thresholds per channel (a matrix product's
-     * unit) they run along the channels of an outer row instead, with T per element. Shorter blocks than a
-     * vector's few elements skip the vector test. */
+     * unit) they run along the channels of an outer row instead, with T per element. Rows shorter than a
+     * vector's few elements skip the vector search. */
     int along_channels = inner == 1 && thresholds;
     Py_ssize_t rows_n = along_channels ? outer : outer * channels, length = along_channels ? channels : inner;
-    for (Py_ssize_t r = 0; r < rows_n; r++) {
+    Py_ssize_t total = rows_n * length;
+    for (Py_ssize_t r = length ? start / length : rows_n; r < rows_n; r++) {
         Py_ssize_t o = along_channels ? r : r / channels, c = along_channels ? 0 : r % channels;
         Py_ssize_t base = r * length;
         double *row = x + base;
@@ -199,7 +204,7 @@ static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize
             tc = thresholds[c];
         }
         double row_factor = rows ? rows[o] : 0.0;
-        Py_ssize_t j0 = 0;
+        Py_ssize_t j0 = base < start ? start - base : 0;
         while (j0 < length) {
             /* the next block with a near element (rows shorter than a vector's few elements: this one) */
             Py_ssize_t hit = length < 8       ? j0
@@ -209,7 +214,7 @@ static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize
                                               : first_near_each(row, j0, length, c1, lo, hi);
             if (kept) round_block(row + j0, hit - j0);
             if (hit == length) break;
-            Py_ssize_t end = length - hit < BLOCK ? length : hit + BLOCK;
+            Py_ssize_t end = length - hit < BLOCK ? length : hit + BLOCK, k_block = k, p_block = p;
             for (Py_ssize_t j = hit; j < end; j++) {
                 double v = row[j];
                 double t = along_channels ? column_threshold(thresholds, j, rows != NULL, row_factor, tau)
@@ -217,13 +222,15 @@ static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize
                                           : element_threshold(v, c1, lo, hi);
                 if (!near_midpoint(v, t)) continue;
                 if (is_pinned(v, t)) {
-                    if (kept && p < max_pinned) {
+                    if (kept && p == max_pinned) goto full;
+                    if (kept) {
                         pinned[p] = (int64_t)(base + j);
                         pinned_values[p] = (float)v;
                     }
                     p++;
                 } else {
-                    if (kept && k < max_kept) {
+                    if (kept && k == max_kept) goto full;
+                    if (kept) {
                         kept[k] = (int64_t)(base + j);
                         up[k] = fabs((double)(float)v) > fabs(v);
                     }
@@ -232,20 +239,27 @@ static void near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize
             }
             if (kept) round_block(row + hit, end - hit);
             j0 = end;
+            continue;
+        full: /* this block's entries do not fit: give them back and stop before it, unrounded */
+            *n_kept = k_block;
+            *n_pinned = p_block;
+            return base + hit;
         }
     }
     *n_kept = k;
     *n_pinned = p;
+    return total;
 }
 
-/* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi) -> (directions,
- * pinned): how many near elements get each kind of entry. With rows, thresholds are column factors. */
+/* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, start) ->
+ * (directions, pinned): how many near elements from flat index start get each kind of entry. With rows,
+ * thresholds are column factors. */
 static PyObject *count_near(PyObject *self, PyObject *args) {
     unsigned long long address, thresholds, rows;
-    Py_ssize_t outer, channels, inner, n_kept = 0, n_pinned = 0;
+    Py_ssize_t outer, channels, inner, start, n_kept = 0, n_pinned = 0;
     double tau, c1, lo, hi;
-    if (!PyArg_ParseTuple(args, "KnnnKKdddd", &address, &outer, &channels, &inner, &thresholds, &rows, &tau, &c1,
-                          &lo, &hi))
+    if (!PyArg_ParseTuple(args, "KnnnKKddddn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau, &c1,
+                          &lo, &hi, &start))
         return NULL;
     if (rows && !thresholds) {
         PyErr_SetString(PyExc_ValueError, "count_near: row factors need column factors");
@@ -253,20 +267,22 @@ static PyObject *count_near(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
-              (const double *)(uintptr_t)rows, tau, c1, lo, hi, &n_kept, &n_pinned, NULL, NULL, NULL, NULL);
+              (const double *)(uintptr_t)rows, tau, c1, lo, hi, start, &n_kept, &n_pinned, NULL, NULL, NULL, NULL);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("nn", n_kept, n_pinned);
 }
 
-/* take_entries(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, indices, up, n,
- * pinned_indices, pinned_values, n_pinned) -> (directions, pinned) found: writes up to the given counts of
- * each (row-major indices; up as 0/1 bytes; pinned values as FP32) and rounds the tensor in place. */
+/* take_entries(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, start, indices,
+ * up, n, pinned_indices, pinned_values, n_pinned) -> (directions, pinned, stop): from flat index start,
+ * writes the entries into buffers with room for n directions and n_pinned pinned values (row-major
+ * indices; up as 0/1 bytes; pinned values as FP32) and rounds in place, up to stop: the number of elements
+ * when all fit, else the first index of the block whose entries did not (near_pass). */
 static PyObject *take_entries(PyObject *self, PyObject *args) {
     unsigned long long address, thresholds, rows, kept, up, pinned, pinned_values;
-    Py_ssize_t outer, channels, inner, n_kept, n_pinned;
+    Py_ssize_t outer, channels, inner, start, n_kept, n_pinned;
     double tau, c1, lo, hi;
-    if (!PyArg_ParseTuple(args, "KnnnKKddddKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau,
-                          &c1, &lo, &hi, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned))
+    if (!PyArg_ParseTuple(args, "KnnnKKddddnKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau,
+                          &c1, &lo, &hi, &start, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned))
         return NULL;
     if (rows && !thresholds) {
         PyErr_SetString(PyExc_ValueError, "take_entries: row factors need column factors");
@@ -278,13 +294,14 @@ static PyObject *take_entries(PyObject *self, PyObject *args) {
     }
     /* a non-NULL marker for "write": buffers of zero entries may have any address, NULL included */
     static int64_t none;
+    Py_ssize_t stop;
     Py_BEGIN_ALLOW_THREADS
-    near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
-              (const double *)(uintptr_t)rows, tau, c1, lo, hi, &n_kept, &n_pinned,
-              kept ? (int64_t *)(uintptr_t)kept : &none, (uint8_t *)(uintptr_t)up,
-              (int64_t *)(uintptr_t)pinned, (float *)(uintptr_t)pinned_values);
+    stop = near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
+                     (const double *)(uintptr_t)rows, tau, c1, lo, hi, start, &n_kept, &n_pinned,
+                     kept ? (int64_t *)(uintptr_t)kept : &none, (uint8_t *)(uintptr_t)up,
+                     (int64_t *)(uintptr_t)pinned, (float *)(uintptr_t)pinned_values);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("nn", n_kept, n_pinned);
+    return Py_BuildValue("nnn", n_kept, n_pinned, stop);
 }
 
 static PyMethodDef methods[] = {
@@ -292,7 +309,7 @@ static PyMethodDef methods[] = {
     {"channel_thresholds", channel_thresholds, METH_VARARGS,
      "channel_thresholds(address, outer, channels, inner, tau, out): T per channel at the output's scale"},
     {"count_near", count_near, METH_VARARGS, "count_near(...): (directions, pinned) entries an op needs"},
-    {"take_entries", take_entries, METH_VARARGS, "take_entries(...): write an op's entries, round in place"},
+    {"take_entries", take_entries, METH_VARARGS, "take_entries(...): write an op's entries while they fit, round in place"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,7 +3,8 @@
 Verifiable precision rounds every op's FP64 output to FP32 and, for ops that need a log, finds the elements
 within T of an FP32 midpoint. The pure-torch reference in :mod:`detrl.core.rounding` does that in about a dozen
 torch calls, each a pass over the output with its own dispatch; the kernel does it in one pass (two for
-outputs measured at their channel's scale, one more to count before allocating the entries). It is a plain
+outputs measured at their channel's scale, which first find each channel's largest magnitude), testing
+blocks of elements in vector lanes and writing entries only from the rare block that holds one. It is a plain
 C extension, built at install time with the machine's C compiler; where it is missing (no compiler, an
 unusual platform) everything runs on the reference, with identical results (``tests/test_kernel.py``).
 
@@ -124,26 +125,60 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -
         tau * 2.0**-149,
         tau * 2.0**104,
     )
-    n_kept, n_pinned = _native.count_near(*args)
-    if n_kept == 0 and n_pinned == 0:  # the usual case: nothing to log, only the rounding
-        _native.round_inplace(address, n)
-        return None
-    entries = OpEntries(
-        op=seq,
-        indices=np.empty(n_kept, dtype=np.int64),
-        up=np.empty(n_kept, dtype=np.bool_),
-        pinned_indices=np.empty(n_pinned, dtype=np.int64),
-        pinned_values=np.empty(n_pinned, dtype=np.float32),
-    )
-    found = _native.take_entries(
-        *args,
-        entries.indices.ctypes.data,
-        entries.up.ctypes.data,
-        n_kept,
-        entries.pinned_indices.ctypes.data,
-        entries.pinned_values.ctypes.data,
-        n_pinned,
-    )
-    assert found == (n_kept, n_pinned)
+    # One pass in the usual case: entries go to buffers of a guessed size while the output is rounded. A
+    # rare output with more entries stops at the block that overflowed; the rest is counted, and taken into
+    # buffers of the exact size from there.
+    room = min(n, FIRST_ROOM)
+    found = _Found(room, room)
+    n_kept, n_pinned, stop = _native.take_entries(*args, 0, *found.buffers(0, 0, room, room))
+    if stop < n:
+        more_kept, more_pinned = _native.count_near(*args, stop)
+        found = found.grown(n_kept, n_pinned, more_kept, more_pinned)
+        rest = _native.take_entries(*args, stop, *found.buffers(n_kept, n_pinned, more_kept, more_pinned))
+        assert rest == (more_kept, more_pinned, n)
+        n_kept, n_pinned = n_kept + more_kept, n_pinned + more_pinned
     del keep_alive
-    return entries
+    if n_kept == 0 and n_pinned == 0:  # the usual case: nothing to log, only the rounding
+        return None
+    return OpEntries(
+        op=seq,
+        indices=found.indices[:n_kept].copy(),
+        up=found.up[:n_kept].copy(),
+        pinned_indices=found.pinned_indices[:n_pinned].copy(),
+        pinned_values=found.pinned_values[:n_pinned].copy(),
+    )
+
+
+#: Entries of each kind an op's first pass has room for (an output with more takes a second, shorter pass).
+FIRST_ROOM = 4096
+
+
+class _Found:
+    """Buffers the kernel writes an op's entries into: directions (index, up) and pinned (index, value)."""
+
+    def __init__(self, kept: int, pinned: int) -> None:
+        self.indices = np.empty(kept, dtype=np.int64)
+        self.up = np.empty(kept, dtype=np.bool_)
+        self.pinned_indices = np.empty(pinned, dtype=np.int64)
+        self.pinned_values = np.empty(pinned, dtype=np.float32)
+
+    def buffers(self, kept_from: int, pinned_from: int, kept: int, pinned: int) -> tuple[int, ...]:
+        """The kernel's buffer arguments: addresses from entry ``kept_from`` / ``pinned_from``, with room for
+        ``kept`` / ``pinned`` more (bounds checked here, since the kernel writes by address)."""
+        assert kept_from + kept <= len(self.indices) and pinned_from + pinned <= len(self.pinned_indices)
+        return (
+            self.indices.ctypes.data + 8 * kept_from,
+            self.up.ctypes.data + kept_from,
+            kept,
+            self.pinned_indices.ctypes.data + 8 * pinned_from,
+            self.pinned_values.ctypes.data + 4 * pinned_from,
+            pinned,
+        )
+
+    def grown(self, kept: int, pinned: int, more_kept: int, more_pinned: int) -> _Found:
+        """A copy with the first ``kept`` / ``pinned`` entries and room for exactly ``more_`` of each after."""
+        grown = _Found(kept + more_kept, pinned + more_pinned)
+        grown.indices[:kept], grown.up[:kept] = self.indices[:kept], self.up[:kept]
+        grown.pinned_indices[:pinned] = self.pinned_indices[:pinned]
+        grown.pinned_values[:pinned] = self.pinned_values[:pinned]
+        return grown
