@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from detrl.core import kernel
-from detrl.core.rounding import _take, _uncertainty, entries_for, near_midpoint
+from detrl.core.rounding import _take, _uncertainty, entries_for, near_midpoint, split_short
 from detrl.core.scale import Scale, channel_scale, reduction_scale
 from detrl.formats.roundlog import OpEntries
 
@@ -40,6 +40,8 @@ def _reference(x: torch.Tensor, tau: float, scaled: bool | Scale):  # noqa: ANN2
     if idx.numel():
         entries = entries_for(7, idx, _take(x, idx), _uncertainty(x, rounded, idx, tau, scaled))
     x.copy_(rounded)
+    if entries is not None:
+        entries = split_short(entries, x, tau, scaled)
     return x, entries
 
 
@@ -51,7 +53,7 @@ def _assert_same(x: torch.Tensor, tau: float, scaled: bool | Scale) -> OpEntries
     assert (got is None) == (want is None)
     if got is not None:
         assert got.op == want.op == 7
-        for field in ("indices", "up", "pinned_indices"):
+        for field in ("indices", "up", "pinned_indices", "short_indices", "short_bits"):
             a, b = getattr(got, field), getattr(want, field)
             assert a.dtype == b.dtype and np.array_equal(a, b), field
         assert np.array_equal(got.pinned_values.view(np.int32), want.pinned_values.view(np.int32))
@@ -283,7 +285,7 @@ def test_quiet_channels_at_the_floor_spacing(tau: float) -> None:
     # channels 1 and 3 (subnormal ties) have entries at the floor threshold
     entries = _assert_same(x, tau, True)
     assert entries is not None
-    channels = (np.concatenate([entries.indices, entries.pinned_indices]) // 6) % 5
+    channels = (np.concatenate([entries.indices, entries.pinned_indices, entries.short_indices]) // 6) % 5
     assert {1, 3} <= set(channels.tolist())
 
 

@@ -174,17 +174,40 @@ static inline double spacing32(double r) {
  * uncertainty reaches a quarter of the element's own spacing, else the direction of its nearest rounding. */
 static inline int is_pinned(double x, double t) { return 4.0 * t >= spacing32((double)(float)x); }
 
+/* rounding.split_short's test for a pinned FP32 value r whose uncertainty, computed from r as the replayer
+ * would (t_r), is at most 2**12 of its spacings: it is stored as the low 16 bits of its key. */
+static inline int is_short(float r, double t_r) { return isfinite(r) && t_r <= 0x1p12 * spacing32((double)r); }
+
+/* roundlog.key32(r) & 0xFFFF: order-preserving key of an FP32 value, its low 16 bits. */
+static inline uint16_t low16_key(float r) {
+    uint32_t bits;
+    memcpy(&bits, &r, sizeof bits);
+    uint32_t key = (bits & 0x80000000u) ? ~bits : bits ^ 0x80000000u;
+    return (uint16_t)(key & 0xFFFFu);
+}
+
+/* Where a pass writes an op's entries, with room for max_ of each kind; n_ counts them. */
+typedef struct {
+    int64_t *kept;
+    uint8_t *up;
+    int64_t *pinned;
+    float *pinned_values;
+    int64_t *short_indices;
+    uint16_t *short_bits;
+    Py_ssize_t max_kept, max_pinned, max_short, n_kept, n_pinned, n_short;
+} Entries;
+
 /* The near-midpoint pass over the elements from flat index start (the start of a row or of a block in it;
- * 0 or a stop this pass returned). With kept == NULL it only counts (directions and pinned values apart)
- * and returns the element count. Else it writes the entries and rounds every element it passes in place,
- * until a block holds more entries than the buffers have room left for: it returns that block's first
- * index, leaving the block unrounded and the counts at the entries written, so that a caller can resume
- * there with larger buffers. */
+ * 0 or a stop this pass returned). With out == NULL it only counts (into *counts: directions, pinned and
+ * short pinned values apart) and returns the element count. Else it writes the entries and rounds every
+ * element it passes in place, until a block holds more entries than out has room left for: it returns
+ * that block's first index, leaving the block unrounded and the counts at the entries written, so that a
+ * caller can resume there with larger buffers. */
 static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
                             const double *thresholds, const double *rows, double tau, double c1, double lo,
-                            double hi, Py_ssize_t start, Py_ssize_t *n_kept, Py_ssize_t *n_pinned, int64_t *kept,
-                            uint8_t *up, int64_t *pinned, float *pinned_values) {
-    Py_ssize_t max_kept = *n_kept, max_pinned = *n_pinned, k = 0, p = 0;
+                            double hi, Py_ssize_t start, Entries *out, Entries *counts) {
+    Entries *e = out ? out : counts;
+    e->n_kept = e->n_pinned = e->n_short = 0;
     /* Blocks run along the innermost axis; with inner == 1 and thresholds per channel (a matrix product's
      * unit) they run along the channels of an outer row instead, with T per element. Rows shorter than a
      * vector's few elements skip the vector search. */
@@ -212,51 +235,61 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
                                                                    row_factor, tau)
                              : thresholds     ? first_near_at(row, j0, length, tc)
                                               : first_near_each(row, j0, length, c1, lo, hi);
-            if (kept) round_block(row + j0, hit - j0);
+            if (out) round_block(row + j0, hit - j0);
             if (hit == length) break;
-            Py_ssize_t end = length - hit < BLOCK ? length : hit + BLOCK, k_block = k, p_block = p;
+            Py_ssize_t end = length - hit < BLOCK ? length : hit + BLOCK;
+            Py_ssize_t k_block = e->n_kept, p_block = e->n_pinned, s_block = e->n_short;
             for (Py_ssize_t j = hit; j < end; j++) {
                 double v = row[j];
                 double t = along_channels ? column_threshold(thresholds, j, rows != NULL, row_factor, tau)
                            : thresholds   ? tc
                                           : element_threshold(v, c1, lo, hi);
                 if (!near_midpoint(v, t)) continue;
-                if (is_pinned(v, t)) {
-                    if (kept && p == max_pinned) goto full;
-                    if (kept) {
-                        pinned[p] = (int64_t)(base + j);
-                        pinned_values[p] = (float)v;
+                float rv = (float)v;
+                if (!is_pinned(v, t)) {
+                    if (out && e->n_kept == e->max_kept) goto full;
+                    if (out) {
+                        e->kept[e->n_kept] = (int64_t)(base + j);
+                        e->up[e->n_kept] = fabs((double)rv) > fabs(v);
                     }
-                    p++;
+                    e->n_kept++;
+                } else if (is_short(rv, thresholds ? t : element_threshold((double)rv, c1, lo, hi))) {
+                    /* a reduction's T does not depend on the element; an elementwise op's is taken at the
+                     * value, as the replayer will (rounding.split_short) */
+                    if (out && e->n_short == e->max_short) goto full;
+                    if (out) {
+                        e->short_indices[e->n_short] = (int64_t)(base + j);
+                        e->short_bits[e->n_short] = low16_key(rv);
+                    }
+                    e->n_short++;
                 } else {
-                    if (kept && k == max_kept) goto full;
-                    if (kept) {
-                        kept[k] = (int64_t)(base + j);
-                        up[k] = fabs((double)(float)v) > fabs(v);
+                    if (out && e->n_pinned == e->max_pinned) goto full;
+                    if (out) {
+                        e->pinned[e->n_pinned] = (int64_t)(base + j);
+                        e->pinned_values[e->n_pinned] = rv;
                     }
-                    k++;
+                    e->n_pinned++;
                 }
             }
-            if (kept) round_block(row + hit, end - hit);
+            if (out) round_block(row + hit, end - hit);
             j0 = end;
             continue;
         full: /* this block's entries do not fit: give them back and stop before it, unrounded */
-            *n_kept = k_block;
-            *n_pinned = p_block;
+            e->n_kept = k_block;
+            e->n_pinned = p_block;
+            e->n_short = s_block;
             return base + hit;
         }
     }
-    *n_kept = k;
-    *n_pinned = p;
     return total;
 }
 
 /* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, start) ->
- * (directions, pinned): how many near elements from flat index start get each kind of entry. With rows,
- * thresholds are column factors. */
+ * (directions, pinned, short): how many near elements from flat index start get each kind of entry. With
+ * rows, thresholds are column factors. */
 static PyObject *count_near(PyObject *self, PyObject *args) {
     unsigned long long address, thresholds, rows;
-    Py_ssize_t outer, channels, inner, start, n_kept = 0, n_pinned = 0;
+    Py_ssize_t outer, channels, inner, start;
     double tau, c1, lo, hi;
     if (!PyArg_ParseTuple(args, "KnnnKKddddn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau, &c1,
                           &lo, &hi, &start))
@@ -265,43 +298,46 @@ static PyObject *count_near(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "count_near: row factors need column factors");
         return NULL;
     }
+    Entries counts;
     Py_BEGIN_ALLOW_THREADS
     near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
-              (const double *)(uintptr_t)rows, tau, c1, lo, hi, start, &n_kept, &n_pinned, NULL, NULL, NULL, NULL);
+              (const double *)(uintptr_t)rows, tau, c1, lo, hi, start, NULL, &counts);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("nn", n_kept, n_pinned);
+    return Py_BuildValue("nnn", counts.n_kept, counts.n_pinned, counts.n_short);
 }
 
 /* take_entries(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, start, indices,
- * up, n, pinned_indices, pinned_values, n_pinned) -> (directions, pinned, stop): from flat index start,
- * writes the entries into buffers with room for n directions and n_pinned pinned values (row-major
- * indices; up as 0/1 bytes; pinned values as FP32) and rounds in place, up to stop: the number of elements
- * when all fit, else the first index of the block whose entries did not (near_pass). */
+ * up, n, pinned_indices, pinned_values, n_pinned, short_indices, short_bits, n_short) -> (directions,
+ * pinned, short, stop): from flat index start, writes the entries into buffers with room for n directions
+ * (row-major indices; up as 0/1 bytes), n_pinned pinned values (FP32) and n_short short ones (low 16 key
+ * bits), and rounds in place, up to stop: the number of elements when all fit, else the first index of the
+ * block whose entries did not (near_pass). */
 static PyObject *take_entries(PyObject *self, PyObject *args) {
-    unsigned long long address, thresholds, rows, kept, up, pinned, pinned_values;
-    Py_ssize_t outer, channels, inner, start, n_kept, n_pinned;
+    unsigned long long address, thresholds, rows, kept, up, pinned, pinned_values, short_indices, short_bits;
+    Py_ssize_t outer, channels, inner, start, n_kept, n_pinned, n_short;
     double tau, c1, lo, hi;
-    if (!PyArg_ParseTuple(args, "KnnnKKddddnKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau,
-                          &c1, &lo, &hi, &start, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned))
+    if (!PyArg_ParseTuple(args, "KnnnKKddddnKKnKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows,
+                          &tau, &c1, &lo, &hi, &start, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned,
+                          &short_indices, &short_bits, &n_short))
         return NULL;
     if (rows && !thresholds) {
         PyErr_SetString(PyExc_ValueError, "take_entries: row factors need column factors");
         return NULL;
     }
-    if (n_kept < 0 || n_pinned < 0 || (n_kept && (!kept || !up)) || (n_pinned && (!pinned || !pinned_values))) {
+    if (n_kept < 0 || n_pinned < 0 || n_short < 0 || (n_kept && (!kept || !up)) ||
+        (n_pinned && (!pinned || !pinned_values)) || (n_short && (!short_indices || !short_bits))) {
         PyErr_SetString(PyExc_ValueError, "take_entries needs an output buffer for every entry it may write");
         return NULL;
     }
-    /* a non-NULL marker for "write": buffers of zero entries may have any address, NULL included */
-    static int64_t none;
+    Entries out = {(int64_t *)(uintptr_t)kept, (uint8_t *)(uintptr_t)up, (int64_t *)(uintptr_t)pinned,
+                   (float *)(uintptr_t)pinned_values, (int64_t *)(uintptr_t)short_indices,
+                   (uint16_t *)(uintptr_t)short_bits, n_kept, n_pinned, n_short, 0, 0, 0};
     Py_ssize_t stop;
     Py_BEGIN_ALLOW_THREADS
     stop = near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
-                     (const double *)(uintptr_t)rows, tau, c1, lo, hi, start, &n_kept, &n_pinned,
-                     kept ? (int64_t *)(uintptr_t)kept : &none, (uint8_t *)(uintptr_t)up,
-                     (int64_t *)(uintptr_t)pinned, (float *)(uintptr_t)pinned_values);
+                     (const double *)(uintptr_t)rows, tau, c1, lo, hi, start, &out, NULL);
     Py_END_ALLOW_THREADS
-    return Py_BuildValue("nnn", n_kept, n_pinned, stop);
+    return Py_BuildValue("nnnn", out.n_kept, out.n_pinned, out.n_short, stop);
 }
 
 static PyMethodDef methods[] = {

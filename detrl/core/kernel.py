@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -129,16 +129,17 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -
     # rare output with more entries stops at the block that overflowed; the rest is counted, and taken into
     # buffers of the exact size from there.
     room = min(n, FIRST_ROOM)
-    found = _Found(room, room)
-    n_kept, n_pinned, stop = _native.take_entries(*args, 0, *found.buffers(0, 0, room, room))
+    found = _Found((room, room, room))
+    *counts, stop = _native.take_entries(*args, 0, *found.buffers((0, 0, 0), (room, room, room)))
     if stop < n:
-        more_kept, more_pinned = _native.count_near(*args, stop)
-        found = found.grown(n_kept, n_pinned, more_kept, more_pinned)
-        rest = _native.take_entries(*args, stop, *found.buffers(n_kept, n_pinned, more_kept, more_pinned))
-        assert rest == (more_kept, more_pinned, n)
-        n_kept, n_pinned = n_kept + more_kept, n_pinned + more_pinned
+        more = _native.count_near(*args, stop)
+        found = found.grown(counts, more)
+        *rest, end = _native.take_entries(*args, stop, *found.buffers(counts, more))
+        assert (*rest, end) == (*more, n)
+        counts = [a + b for a, b in zip(counts, more)]
     del keep_alive
-    if n_kept == 0 and n_pinned == 0:  # the usual case: nothing to log, only the rounding
+    n_kept, n_pinned, n_short = counts
+    if n_kept == 0 and n_pinned == 0 and n_short == 0:  # the usual case: nothing to log, only the rounding
         return None
     return OpEntries(
         op=seq,
@@ -146,6 +147,8 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -
         up=found.up[:n_kept].copy(),
         pinned_indices=found.pinned_indices[:n_pinned].copy(),
         pinned_values=found.pinned_values[:n_pinned].copy(),
+        short_indices=found.short_indices[:n_short].copy(),
+        short_bits=found.short_bits[:n_short].copy(),
     )
 
 
@@ -154,31 +157,42 @@ FIRST_ROOM = 4096
 
 
 class _Found:
-    """Buffers the kernel writes an op's entries into: directions (index, up) and pinned (index, value)."""
+    """Buffers the kernel writes an op's entries into, of three kinds: directions (index, up), pinned values
+    (index, FP32 value) and short pinned values (index, low 16 key bits: :func:`detrl.core.rounding.split_short`'s
+    decision, taken in the kernel)."""
 
-    def __init__(self, kept: int, pinned: int) -> None:
+    def __init__(self, room: tuple[int, int, int]) -> None:
+        kept, pinned, short = room
         self.indices = np.empty(kept, dtype=np.int64)
         self.up = np.empty(kept, dtype=np.bool_)
         self.pinned_indices = np.empty(pinned, dtype=np.int64)
         self.pinned_values = np.empty(pinned, dtype=np.float32)
+        self.short_indices = np.empty(short, dtype=np.int64)
+        self.short_bits = np.empty(short, dtype=np.uint16)
 
-    def buffers(self, kept_from: int, pinned_from: int, kept: int, pinned: int) -> tuple[int, ...]:
-        """The kernel's buffer arguments: addresses from entry ``kept_from`` / ``pinned_from``, with room for
-        ``kept`` / ``pinned`` more (bounds checked here, since the kernel writes by address)."""
-        assert kept_from + kept <= len(self.indices) and pinned_from + pinned <= len(self.pinned_indices)
+    def buffers(self, start: Sequence[int], room: Sequence[int]) -> tuple[int, ...]:
+        """The kernel's buffer arguments: addresses from entry ``start[kind]`` of each kind, with room for
+        ``room[kind]`` more (bounds checked here, since the kernel writes by address)."""
+        (k0, p0, s0), (k, p, s) = start, room
+        assert k0 + k <= len(self.indices) and p0 + p <= len(self.pinned_indices)
+        assert s0 + s <= len(self.short_indices)
         return (
-            self.indices.ctypes.data + 8 * kept_from,
-            self.up.ctypes.data + kept_from,
-            kept,
-            self.pinned_indices.ctypes.data + 8 * pinned_from,
-            self.pinned_values.ctypes.data + 4 * pinned_from,
-            pinned,
+            self.indices.ctypes.data + 8 * k0,
+            self.up.ctypes.data + k0,
+            k,
+            self.pinned_indices.ctypes.data + 8 * p0,
+            self.pinned_values.ctypes.data + 4 * p0,
+            p,
+            self.short_indices.ctypes.data + 8 * s0,
+            self.short_bits.ctypes.data + 2 * s0,
+            s,
         )
 
-    def grown(self, kept: int, pinned: int, more_kept: int, more_pinned: int) -> _Found:
-        """A copy with the first ``kept`` / ``pinned`` entries and room for exactly ``more_`` of each after."""
-        grown = _Found(kept + more_kept, pinned + more_pinned)
-        grown.indices[:kept], grown.up[:kept] = self.indices[:kept], self.up[:kept]
-        grown.pinned_indices[:pinned] = self.pinned_indices[:pinned]
-        grown.pinned_values[:pinned] = self.pinned_values[:pinned]
+    def grown(self, have: Sequence[int], more: Sequence[int]) -> _Found:
+        """A copy with the first ``have[kind]`` entries of each kind and room for exactly ``more[kind]`` after."""
+        k, p, s = have
+        grown = _Found(tuple(a + b for a, b in zip(have, more)))  # type: ignore[arg-type]
+        grown.indices[:k], grown.up[:k] = self.indices[:k], self.up[:k]
+        grown.pinned_indices[:p], grown.pinned_values[:p] = self.pinned_indices[:p], self.pinned_values[:p]
+        grown.short_indices[:s], grown.short_bits[:s] = self.short_indices[:s], self.short_bits[:s]
         return grown

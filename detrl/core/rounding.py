@@ -168,8 +168,9 @@ SHORT_PINNED_SPACINGS = 2.0**12
 def split_short(entries: OpEntries, x: torch.Tensor, tau: float, scaled: bool | Scale) -> OpEntries:
     """``entries`` with the pinned values that the replayer's own rounding names up to their low 16 key
     bits (:func:`detrl.formats.roundlog.key32`) moved to ``short_indices``/``short_bits``; ``x`` is the op's output
-    already rounded to FP32 (in FP64). Both recording paths (native kernel and reference) call this after
-    rounding, with nothing but the rounded values and the op's unit, so they decide bit-identically.
+    already rounded to FP32 (in FP64). The reference recording path calls this after rounding, with nothing
+    but the rounded values and the op's unit; the native kernel takes the same decision per entry (its
+    ``is_short``), and ``tests/test_kernel.py`` holds the two to the same entries.
 
     A value ``v`` is stored short when it is finite and its uncertainty ``T <= 2**12 s`` (``s``: spacing32
     of ``v``). Why the replayer's rounded value ``r'`` then lies within 2**15 keys of ``v``: the replayer
@@ -481,7 +482,7 @@ class RoundingMode(EagerDispatchMode):
         if scaled:
             scaled = reduction_scale(func, args, x) or True
         if step.replay is None:
-            if kernel.applies(x):  # native: test, compact and round in place, in one pass
+            if kernel.applies(x):  # native: test, compact (short pinned values apart) and round, in one pass
                 entries = kernel.take_entries_(x, tau, scaled, seq)
             else:
                 rounded = x.to(torch.float32)
@@ -491,8 +492,9 @@ class RoundingMode(EagerDispatchMode):
                 if idx.numel():
                     entries = entries_for(seq, idx, _take(x, idx), _uncertainty(x, rounded, idx, tau, scaled))
                 x.copy_(rounded)
+                if entries is not None:
+                    entries = split_short(entries, x, tau, scaled)  # x is rounded now
             if entries is not None:
-                entries = split_short(entries, x, tau, scaled)  # x is rounded now, on both paths
                 step.recorded.append(entries)
                 step.stats.logged += (
                     len(entries.indices) + len(entries.pinned_indices) + len(entries.short_indices)
