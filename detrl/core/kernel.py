@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -93,25 +94,25 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -
         return None
     address = x.data_ptr()
     thresholds, rows = 0, 0
-    keep_alive: list[np.ndarray] = []  # factor arrays the kernel reads by address
+    keep_alive: list[torch.Tensor] = []  # factor tensors the kernel reads by address
     if isinstance(scaled, Scale):
         outer, channels, inner = scaled.outer, scaled.channels, scaled.inner
-        cols = np.ascontiguousarray(scaled.col.cpu().numpy(), dtype=np.float64)
+        cols = _float64(scaled.col)
         if scaled.row is None:
             cols = cols * tau  # T per channel, the reference's product
         else:
-            factors = np.ascontiguousarray(scaled.row.cpu().numpy(), dtype=np.float64)
+            factors = _float64(scaled.row)
             keep_alive.append(factors)
-            rows = factors.ctypes.data
+            rows = factors.data_ptr()
         keep_alive.append(cols)
-        thresholds = cols.ctypes.data
+        thresholds = cols.data_ptr()
     else:
         outer, channels, inner = _layout(x, scaled)
         if scaled:
-            per_channel = np.empty(channels, dtype=np.float64)
-            _native.channel_thresholds(address, outer, channels, inner, tau, per_channel.ctypes.data)
+            per_channel = torch.empty(channels, dtype=torch.float64)
+            _native.channel_thresholds(address, outer, channels, inner, tau, per_channel.data_ptr())
             keep_alive.append(per_channel)
-            thresholds = per_channel.ctypes.data
+            thresholds = per_channel.data_ptr()
     # the reference's constants, computed in the same Python doubles
     args = (
         address,
@@ -125,11 +126,11 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -
         tau * 2.0**-149,
         tau * 2.0**104,
     )
-    # One pass in the usual case: entries go to buffers of a guessed size while the output is rounded. A
-    # rare output with more entries stops at the block that overflowed; the rest is counted, and taken into
-    # buffers of the exact size from there.
-    room = min(n, FIRST_ROOM)
-    found = _Found((room, room, room))
+    # One pass in the usual case: entries go to this thread's buffers while the output is rounded. A rare
+    # output with more entries than they hold stops at the block that overflowed; the rest is counted, and
+    # taken into buffers of the exact size from there.
+    found = _first_buffers()
+    room = min(n, len(found.indices))
     *counts, stop = _native.take_entries(*args, 0, *found.buffers((0, 0, 0), (room, room, room)))
     if stop < n:
         more = _native.count_near(*args, stop)
@@ -156,6 +157,23 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -
 FIRST_ROOM = 4096
 
 
+def _float64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous FP64 CPU tensor, the kernel's operand (itself when it is one already)."""
+    return t.to(device="cpu", dtype=torch.float64).contiguous()
+
+
+_threads = threading.local()
+
+
+def _first_buffers() -> _Found:
+    """This thread's buffers for an op's first pass (:data:`FIRST_ROOM` entries of each kind), made once: the
+    entries found are copied out of them."""
+    found = getattr(_threads, "found", None)
+    if found is None or len(found.indices) != FIRST_ROOM:
+        found = _threads.found = _Found((FIRST_ROOM,) * 3)
+    return found
+
+
 class _Found:
     """Buffers the kernel writes an op's entries into, of three kinds: directions (index, up), pinned values
     (index, FP32 value) and short pinned values (index, low 16 key bits: :func:`detrl.core.rounding.split_short`'s
@@ -169,6 +187,17 @@ class _Found:
         self.pinned_values = np.empty(pinned, dtype=np.float32)
         self.short_indices = np.empty(short, dtype=np.int64)
         self.short_bits = np.empty(short, dtype=np.uint16)
+        self.addresses = tuple(  # ndarray.ctypes is slow to reach (a Python object per call): read once
+            a.ctypes.data
+            for a in (
+                self.indices,
+                self.up,
+                self.pinned_indices,
+                self.pinned_values,
+                self.short_indices,
+                self.short_bits,
+            )
+        )
 
     def buffers(self, start: Sequence[int], room: Sequence[int]) -> tuple[int, ...]:
         """The kernel's buffer arguments: addresses from entry ``start[kind]`` of each kind, with room for
@@ -176,15 +205,16 @@ class _Found:
         (k0, p0, s0), (k, p, s) = start, room
         assert k0 + k <= len(self.indices) and p0 + p <= len(self.pinned_indices)
         assert s0 + s <= len(self.short_indices)
+        indices, up, pinned, values, short, bits = self.addresses
         return (
-            self.indices.ctypes.data + 8 * k0,
-            self.up.ctypes.data + k0,
+            indices + 8 * k0,
+            up + k0,
             k,
-            self.pinned_indices.ctypes.data + 8 * p0,
-            self.pinned_values.ctypes.data + 4 * p0,
+            pinned + 8 * p0,
+            values + 4 * p0,
             p,
-            self.short_indices.ctypes.data + 8 * s0,
-            self.short_bits.ctypes.data + 2 * s0,
+            short + 8 * s0,
+            bits + 2 * s0,
             s,
         )
 
