@@ -180,11 +180,13 @@ def batch_norm(steps: Steps, x, weight, bias, running_mean, running_var, trainin
     centred = x - mean.view(shape)
     var = channel_sum(centred * centred, dims) / n
     invstd = 1.0 / (var + eps).sqrt()  # not rsqrt: sqrt and division are correctly rounded everywhere
-    out = centred * invstd.view(shape)
+    # In place from here: the same operations in the same order (so the same bits), without a new
+    # activation-sized tensor for each.
+    out = centred.mul_(invstd.view(shape))
     if weight is not None:
-        out = out * weight.view(shape)
+        out.mul_(weight.view(shape))
     if bias is not None:
-        out = out + bias.view(shape)
+        out.add_(bias.view(shape))
     if running_mean is not None and running_var is not None:
         running_mean.mul_(1 - momentum).add_(mean * momentum)
         running_var.mul_(1 - momentum).add_(var * (n / max(n - 1, 1)) * momentum)
@@ -208,13 +210,15 @@ def batch_norm_backward(  # noqa: ANN201
     """Gradients of :func:`batch_norm`: ``(grad_x, grad_weight, grad_bias)``, None where masked."""
     channel_sum = steps.sum
     dims, shape, n = channels(x)
-    xhat = (x - save_mean.view(shape)) * save_invstd.view(shape)
+    xhat = (x - save_mean.view(shape)).mul_(save_invstd.view(shape))
     sum_g = channel_sum(grad_out, dims)
     sum_gx = channel_sum(grad_out * xhat, dims)
     grad_x = None
     if output_mask[0]:
         scale = save_invstd if weight is None else save_invstd * weight
-        grad_x = (grad_out - (sum_g / n).view(shape) - xhat * (sum_gx / n).view(shape)) * scale.view(shape)
+        # (grad_out - sum_g / n - xhat * sum_gx / n) * scale, in place: the same operations in the same order
+        grad_x = (grad_out - (sum_g / n).view(shape)).sub_(xhat.mul_((sum_gx / n).view(shape)))
+        grad_x.mul_(scale.view(shape))
     return grad_x, sum_gx if output_mask[1] else None, sum_g if output_mask[2] else None
 
 
@@ -263,11 +267,11 @@ def layer_norm(steps: Steps, x, normalized_shape, weight, bias, eps):  # noqa: A
     centred = rows - mean
     var = (_row_sum(steps, centred * centred, [-1]) / n).unsqueeze(-1)
     rstd = steps.inv_sqrt(var + eps)
-    out = centred * rstd
+    out = centred.mul_(rstd)  # in place: the same operations, without a new tensor for each
     if weight is not None:
-        out = out * weight.reshape(n)
+        out.mul_(weight.reshape(n))
     if bias is not None:
-        out = out + bias.reshape(n)
+        out.add_(bias.reshape(n))
     stats = _stats_shape(x, normalized_shape)
     return out.reshape(x.shape), mean.reshape(stats), rstd.reshape(stats)
 
@@ -290,13 +294,13 @@ def layer_norm_backward(  # noqa: ANN201
     g, n = _rows(grad_out, normalized_shape)
     stats = [*g.shape[:-1], 1]
     rstd = rstd.reshape(stats)
-    xhat = (_rows(x, normalized_shape)[0] - mean.reshape(stats)) * rstd
+    xhat = (_rows(x, normalized_shape)[0] - mean.reshape(stats)).mul_(rstd)
     grad_x = grad_w = grad_b = None
     if output_mask[0]:
         gw = g if weight is None else g * weight.reshape(n)
         mean_g = (_row_sum(steps, gw, [-1]) / n).unsqueeze(-1)
         mean_gx = (_row_sum(steps, gw * xhat, [-1]) / n).unsqueeze(-1)
-        grad_x = ((gw - mean_g - xhat * mean_gx) * rstd).reshape(x.shape)
+        grad_x = (gw - mean_g).sub_(xhat * mean_gx).mul_(rstd).reshape(x.shape)  # in place, same order
     batch = list(range(g.dim() - 1))
     if output_mask[1]:
         grad_w = _row_sum(steps, g * xhat, batch).reshape(weight.shape)
@@ -326,4 +330,4 @@ def softmax_backward(steps: Steps, grad_output, output, dim, input_dtype):  # no
     products are of FP32-grid factors, exact in FP64; the difference is one correctly rounded subtraction."""
     dim %= output.dim()
     yg = output * grad_output
-    return yg - output * _row_sum(steps, yg, [dim]).unsqueeze(dim)
+    return yg.sub_(output * _row_sum(steps, yg, [dim]).unsqueeze(dim))  # in place: yg is summed already
