@@ -61,7 +61,7 @@ def applies(t: torch.Tensor) -> bool:
         _native is not None
         and _enabled
         and t.dtype == torch.float64
-        and t.device.type == "cpu"
+        and t.is_cpu
         and t.is_contiguous()
         and not t.is_conj()
         and not t.is_neg()

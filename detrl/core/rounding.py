@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -703,23 +702,33 @@ HIDDEN_WRITES: dict[Any, tuple[int, ...]] = {
 }
 
 
-@functools.cache
+_WRITES: dict[int, tuple[int, ...]] = {}  # by id(), as _PLANS: hashing an OpOverload runs Python code
+_HIDDEN_WRITES = {id(func): positions for func, positions in HIDDEN_WRITES.items()}
+
+
 def _schema_writes(func: Any) -> tuple[int, ...]:
     """Positions of the arguments ``func``'s schema marks as written (in-place, ``out=``, foreach lists)."""
-    return tuple(
-        i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-    )
+    writes = _WRITES.get(id(func))
+    if writes is None:
+        writes = _WRITES[id(func)] = tuple(
+            i
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return writes
 
 
 def _hidden_writes(func: Any, args: tuple) -> list[torch.Tensor]:
     return [
-        args[i] for i in HIDDEN_WRITES.get(func, ()) if i < len(args) and isinstance(args[i], torch.Tensor)
+        args[i]
+        for i in _HIDDEN_WRITES.get(id(func), ())
+        if i < len(args) and isinstance(args[i], torch.Tensor)
     ]
 
 
 def snapshot(func: Any, args: tuple) -> tuple:
     """The op's arguments, with copies of those it will write (so a rerun sees the inputs, untouched)."""
-    written = set(_schema_writes(func)) | set(HIDDEN_WRITES.get(func, ()))
+    written = set(_schema_writes(func)) | set(_HIDDEN_WRITES.get(id(func), ()))
     out = []
     for i, a in enumerate(args):
         if i in written and isinstance(a, torch.Tensor):
@@ -748,4 +757,4 @@ def written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torc
     else:
         flat, _ = tree_flatten(out)
         outs = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return outs + _hidden_writes(func, args) if func in HIDDEN_WRITES else outs
+    return outs + _hidden_writes(func, args) if id(func) in _HIDDEN_WRITES else outs
