@@ -313,15 +313,18 @@ def test_non_contiguous_and_other_dtypes_take_the_reference() -> None:
 
 
 @needs_kernel
-def test_a_recording_is_the_same_bundle_with_and_without_the_kernel(tmp_path) -> None:  # noqa: ANN001
-    """The whole record path: every log entry, threshold and commitment the same, byte for byte."""
+@pytest.mark.parametrize("recipe", ["digits_cnn", "lstm_lm"])
+def test_a_recording_is_the_same_bundle_with_and_without_the_kernel(tmp_path, recipe: str) -> None:  # noqa: ANN001
+    """The whole record path: every log entry, threshold and commitment the same, byte for byte. The LSTM's
+    gates are strided views of one matrix (``unsafe_split``, then ``sigmoid_`` in place on them), which the
+    kernel takes through a dense copy."""
     from detrl.formats import bundle as bundle_mod
     from detrl.run import config as config_mod
     from detrl.run import sessions, tasks
 
     def record(where):  # noqa: ANN001, ANN202
         cfg = config_mod.load(
-            "configs/supervised/digits_cnn.yaml", ["train.steps=6", "verify.checkpoint_every=3"]
+            f"configs/supervised/{recipe}.yaml", ["train.steps=6", "verify.checkpoint_every=3"]
         )
         session = sessions.session_for(cfg, where, "record", force=True)
         with session:

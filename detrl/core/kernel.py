@@ -55,14 +55,15 @@ def disabled() -> Iterator[None]:
         set_enabled(before)
 
 
-def applies(t: torch.Tensor) -> bool:
-    """The kernel can take ``t``: it is built and on, and ``t`` is a contiguous FP64 CPU tensor."""
+def applies(t: torch.Tensor, strided: bool = False) -> bool:
+    """The kernel can take ``t``: it is built and on, and ``t`` is a contiguous FP64 CPU tensor (with
+    ``strided``, any FP64 CPU tensor: the caller hands the kernel a contiguous copy)."""
     return (
         _native is not None
         and _enabled
         and t.dtype == torch.float64
         and t.is_cpu
-        and t.is_contiguous()
+        and (strided or t.is_contiguous())
         and not t.is_conj()
         and not t.is_neg()
     )

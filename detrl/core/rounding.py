@@ -483,6 +483,10 @@ class RoundingMode(EagerDispatchMode):
         if step.replay is None:
             if kernel.applies(x):  # native: test, compact (short pinned values apart) and round, in one pass
                 entries = kernel.take_entries_(x, tau, scaled, seq)
+            elif kernel.applies(x, strided=True):  # a strided view (split, in place on it): a dense copy,
+                dense = x.contiguous()  # whose flat order is the logical row-major order of the entries
+                entries = kernel.take_entries_(dense, tau, scaled, seq)
+                x.copy_(dense)
             else:
                 rounded = x.to(torch.float32)
                 near = near_midpoint(x, tau, scaled, rounded=rounded, scratch=self._scratch)
