@@ -245,6 +245,8 @@ def test_vector_blocks_at_their_edges(length: int, room: int, monkeypatch: pytes
         spots = torch.cat([torch.arange(0, flat.numel(), 32), torch.arange(31, flat.numel(), 32)])
         spots = torch.cat([spots, torch.randint(0, flat.numel(), (4,), generator=g)])
         flat[spots] = planted[: len(spots)]
+        x[(2, 0) if x.dim() == 2 else (1, 2, 0)] = float("nan")  # a channel holding NaN beside finite values
+        x[(4, -1) if x.dim() == 2 else (2, 1, -1)] = float("inf")
         finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=torch.float64))
         for values in (x, finite):
             for tau in (2.0**-16, 2.0**-6):

@@ -141,6 +141,22 @@ static PyObject *round_inplace(PyObject *self, PyObject *args) {
 }
 
 /* channel_thresholds(address, outer, channels, inner, tau, out): out[c] = T of channel c. */
+/* abs_max for every channel of rows laid out (outer, channels) (inner == 1): each row updates all channels'
+ * maxima side by side, which vectorises along the channels where a search per channel would take one
+ * element a call. bad[c] as abs_max's: 0, or NaN where the channel holds a NaN or an infinity. */
+VECTOR_CLONES static void column_abs_max(const double *x, Py_ssize_t outer, Py_ssize_t channels, double *amax,
+                                         double *bad) {
+    for (Py_ssize_t c = 0; c < channels; c++) amax[c] = bad[c] = 0.0;
+    for (Py_ssize_t o = 0; o < outer; o++) {
+        const double *row = x + o * channels;
+        for (Py_ssize_t c = 0; c < channels; c++) {
+            double r = fabs(row[c]);
+            bad[c] += r - r;
+            amax[c] = r > amax[c] ? r : amax[c];
+        }
+    }
+}
+
 static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
     unsigned long long address, out_address;
     Py_ssize_t outer, channels, inner;
@@ -149,14 +165,26 @@ static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
         return NULL;
     const double *x = (const double *)(uintptr_t)address;
     double *out = (double *)(uintptr_t)out_address;
+    double *bad = NULL;
+    if (inner == 1 && channels > 0 && !(bad = PyMem_RawMalloc((size_t)channels * sizeof(double))))
+        return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t c = 0; c < channels; c++) {
-        double amax = 0.0;
-        for (Py_ssize_t o = 0; o < outer && amax == amax; o++)
-            amax = abs_max(x + (o * channels + c) * inner, inner, amax);
-        out[c] = channel_threshold((float)amax, amax != amax, tau);
+    if (bad) {
+        column_abs_max(x, outer, channels, out, bad);
+        for (Py_ssize_t c = 0; c < channels; c++) {
+            double amax = bad[c] != bad[c] ? (double)NAN : out[c];
+            out[c] = channel_threshold((float)amax, amax != amax, tau);
+        }
+    } else {
+        for (Py_ssize_t c = 0; c < channels; c++) {
+            double amax = 0.0;
+            for (Py_ssize_t o = 0; o < outer && amax == amax; o++)
+                amax = abs_max(x + (o * channels + c) * inner, inner, amax);
+            out[c] = channel_threshold((float)amax, amax != amax, tau);
+        }
     }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(bad);
     return Py_BuildValue("");
 }
 
