@@ -192,3 +192,26 @@ def test_an_island_widens_positional_dtype_arguments_so_decompositions_apply(tmp
     zoo.record(specimen("upcast_mlp"), tmp_path / "run", steps=1)
     assert "_log_softmax" in logged and "exp" in logged
     assert "_log_softmax_backward_data" not in logged
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reading_a_narrow_scalar_needs_no_island(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``.item()`` (``_local_scalar_dense``: torch's optimizers read their float32 step counters so) gives a
+    Python number, no tensor to round: it reads the value as it is, without an FP64 twin, in half types too
+    (where an island refuses every op whose FP64 result could differ between machines)."""
+    from detrl.core.hardware import get_profile
+    from detrl.core.rounding import StepRounding, Thresholds
+
+    islands_entered: list[str] = []
+    original = RoundingMode._island
+
+    def spy(self, func, *rest):  # noqa: ANN001, ANN002, ANN202
+        islands_entered.append(op_name(func))
+        return original(self, func, *rest)
+
+    monkeypatch.setattr(RoundingMode, "_island", spy)
+    mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
+    t = torch.tensor([1.5, 3.0], dtype=dtype)
+    with mode.step_scope(StepRounding()):
+        values = t[1].item(), float(t[0])
+    assert values == (3.0, 1.5) and islands_entered == []

@@ -54,7 +54,10 @@ _KEEP = _packets(
     "_foreach_zero_", "_foreach_copy_", "_foreach_abs", "unbind", "split", "split_with_sizes", "chunk",
     "_record_function_enter", "_record_function_enter_new", "_record_function_exit", "narrow", "squeeze", "unsqueeze", "t", "transpose", "permute", "expand", "view", "reshape",
     "slice", "select", "diagonal", "unfold", "as_strided", "masked_select", "resize_", "set_",
+    "_local_scalar_dense", "item",
 )  # fmt: skip
+# (_local_scalar_dense, behind .item() and float(t), reads one value out as a Python number: no tensor to
+# round, and a float32 one needs no FP64 twin. Torch's optimizers read their float32 step counters so.)
 
 _EXACT = _packets(
     "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "sqrt", "sqrt_", "reciprocal",
