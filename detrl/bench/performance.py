@@ -53,9 +53,9 @@ VARIANTS: dict[str, tuple[str, str, bool]] = {
     "fp64": ("off", "fp64", True),
     "fp32": ("off", "fp32", True),
 }
-#: The step-time goals of verifiable recording over plain FP64, per model.
+#: The step-time goals of verifiable recording over plain FP64, per model: what FP64 itself costs, and 30 %.
 OVERHEAD_GOALS = {
-    "resnet50": 1.3, "gpt2": 1.3, "digits_cnn": 1.5, "tiny_transformer": 1.5, "mlp_dropout": 1.5, "lstm_lm": 1.5,
+    "resnet50": 1.3, "gpt2": 1.3, "digits_cnn": 1.3, "tiny_transformer": 1.3, "mlp_dropout": 1.3, "lstm_lm": 1.3,
 }  # fmt: skip
 #: The calibration step (step 1) may take this many times a later step of the same recording.
 CALIBRATION_GOAL = 2.0
