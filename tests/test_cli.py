@@ -137,3 +137,17 @@ def test_a_config_whose_parts_do_not_fit_is_one_line(tmp_path, capsys):
                str(tmp_path / "r"), "--quiet", "--no-tensorboard"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "the run fails" in err and "internal error" not in err, err
+
+
+def test_bench_perop_prints_every_op_under_every_layer(capsys):
+    """``detrl bench perop`` (tiny settings): one row per op and size, a number under each layer, and the
+    derived columns are the differences of the measured ones."""
+    assert main(["bench", "perop", "--sizes", "64", "--calls", "3", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.split(",")[0] in ("add", "exp", "mm", "sum over rows")]
+    assert len(rows) == 4, out
+    for line in rows:
+        cells = line.split(", 64")[1].split()
+        plain, any_mode, _, recorded, torch_ref, entry, own = map(float, cells)
+        assert min(plain, any_mode, recorded, torch_ref) > 0
+        assert abs(entry - (any_mode - plain)) < 0.11 and abs(own - (recorded - any_mode)) < 0.11

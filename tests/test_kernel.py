@@ -189,6 +189,31 @@ def test_matrix_scale_grows_with_the_square_root_of_the_sum_length() -> None:
 
 
 @needs_kernel
+def test_matrix_scale_row_maxima_match_torch_on_strided_and_special_inputs() -> None:
+    """mm's unit factors come from the kernel (one pass, no ``abs`` temporary): the same bits as torch's
+    ``x.abs().amax(dim=1)`` through the power of two, clamp and scale, on contiguous, transposed, sliced and
+    expanded matrices of magnitudes 1e-50..1e30 (below the floor 2**-149 too), with NaN and infinities (both
+    give an infinite factor)."""
+    from detrl.core import scale as scale_mod
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        m, k = (int(v) for v in torch.randint(1, 40, (2,), generator=g))
+        x = torch.randn(m, k, dtype=torch.float64, generator=g) * 10.0 ** torch.randint(
+            -50, 30, (m, 1), generator=g
+        )
+        flat = x.view(-1)
+        if trial % 3 == 0:
+            flat[torch.randint(0, m * k, (2,), generator=g)] = float("nan")
+        if trial % 4 == 0:
+            flat[torch.randint(0, m * k, (1,), generator=g)] = -float("inf")
+        for view in (x, x.t(), x.t().contiguous().t(), x[:, ::2], x[:1].expand(m, k)):
+            for times in (1.0, 2.0**-23 * 16):
+                want = scale_mod._power_of_two(view.abs().amax(dim=1)).clamp_(min=2.0**-149).mul_(times)
+                assert torch.equal(scale_mod.unit_factors(view, times), want)
+
+
+@needs_kernel
 def test_convolution_input_gradient_scale_per_sample_and_channel() -> None:
     """A convolution's input gradient is measured per (sample, channel): a quiet sample's elements get its
     own small unit (the channel scale would give them the loud sample's), kernel and reference agree; its

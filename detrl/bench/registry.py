@@ -19,7 +19,7 @@ ENTRY_POINT_GROUP = "detrl.benchmarks"
 #: at import; the entry points' are added on first use by :func:`benchmarks` or :func:`main`.
 BENCHMARKS: dict[str, tuple[str, BenchFn]] = {}
 #: detrl's own benchmark families: each registers its benchmarks with :func:`benchmark` when imported.
-FAMILIES = ("detrl.bench.performance", "detrl.bench.trust")
+FAMILIES = ("detrl.bench.performance", "detrl.bench.perop", "detrl.bench.trust")
 
 
 def benchmark(name: str, description: str) -> Callable[[BenchFn], BenchFn]:

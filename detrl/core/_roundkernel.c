@@ -157,6 +157,69 @@ VECTOR_CLONES static void column_abs_max(const double *x, Py_ssize_t outer, Py_s
     }
 }
 
+/* unit_factors(address, rows, cols, row_stride, col_stride, times, out): a matrix product's unit factors
+ * (scale.reduction_scale) of a strided FP64 matrix (strides in elements): out[r] = max(2**floor(log2(m_r)),
+ * 2**-149) * times, m_r = max_c |x[r, c]|. A row holding a NaN or an infinity gets an infinite factor, as
+ * torch's x.abs().amax(dim=1) (NaN or inf) does through scale._power_of_two. times is a power of two. Rows
+ * run contiguous (col_stride 1) or side by side (row_stride 1: a transposed view). */
+VECTOR_CLONES static void strided_row_abs_max(const double *x, Py_ssize_t rows, Py_ssize_t cols,
+                                              Py_ssize_t row_stride, Py_ssize_t col_stride, double *out,
+                                              double *bad) {
+    if (col_stride == 1) {
+        for (Py_ssize_t r = 0; r < rows; r++) out[r] = abs_max(x + r * row_stride, cols, 0.0);
+        return;
+    }
+    for (Py_ssize_t r = 0; r < rows; r++) out[r] = bad[r] = 0.0;
+    if (row_stride == 1) {
+        for (Py_ssize_t c = 0; c < cols; c++) {
+            const double *column = x + c * col_stride;
+            for (Py_ssize_t r = 0; r < rows; r++) {
+                double v = fabs(column[r]);
+                bad[r] += v - v;
+                out[r] = v > out[r] ? v : out[r];
+            }
+        }
+    } else {
+        for (Py_ssize_t r = 0; r < rows; r++)
+            for (Py_ssize_t c = 0; c < cols; c++) {
+                double v = fabs(x[r * row_stride + c * col_stride]);
+                bad[r] += v - v;
+                out[r] = v > out[r] ? v : out[r];
+            }
+    }
+    for (Py_ssize_t r = 0; r < rows; r++)
+        if (bad[r] != bad[r]) out[r] = (double)NAN;
+}
+
+static PyObject *unit_factors(PyObject *self, PyObject *args) {
+    unsigned long long address, out_address;
+    Py_ssize_t rows, cols, row_stride, col_stride;
+    double times;
+    if (!PyArg_ParseTuple(args, "KnnnndK", &address, &rows, &cols, &row_stride, &col_stride, &times, &out_address))
+        return NULL;
+    if (rows < 0 || cols < 0) {
+        PyErr_SetString(PyExc_ValueError, "unit_factors: negative size");
+        return NULL;
+    }
+    double *out = (double *)(uintptr_t)out_address, *bad = NULL;
+    if (col_stride != 1 && rows > 0 && !(bad = PyMem_RawMalloc((size_t)rows * sizeof(double))))
+        return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    strided_row_abs_max((const double *)(uintptr_t)address, rows, cols, row_stride, col_stride, out, bad);
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        uint64_t bits;
+        memcpy(&bits, &out[r], sizeof bits);
+        bits &= EXPONENT_BITS; /* 2**floor(log2(m)); NaN and inf give inf, zero zero */
+        double p;
+        memcpy(&p, &bits, sizeof p);
+        p = p < 0x1p-149 ? 0x1p-149 : p;
+        out[r] = p * times;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(bad);
+    Py_RETURN_NONE;
+}
+
 static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
     unsigned long long address, out_address;
     Py_ssize_t outer, channels, inner;
@@ -372,6 +435,8 @@ static PyMethodDef methods[] = {
     {"round_inplace", round_inplace, METH_VARARGS, "round_inplace(address, n): FP64 -> FP32 -> FP64 in place"},
     {"channel_thresholds", channel_thresholds, METH_VARARGS,
      "channel_thresholds(address, outer, channels, inner, tau, out): T per channel at the output's scale"},
+    {"unit_factors", unit_factors, METH_VARARGS,
+     "unit_factors(address, rows, cols, row_stride, col_stride, times, out): mm unit factors per row"},
     {"count_near", count_near, METH_VARARGS, "count_near(...): (directions, pinned) entries an op needs"},
     {"take_entries", take_entries, METH_VARARGS, "take_entries(...): write an op's entries while they fit, round in place"},
     {NULL, NULL, 0, NULL},

@@ -15,6 +15,11 @@ from typing import Any
 
 import torch
 
+try:  # the native kernel's exact row maxima (detrl/core/_roundkernel.c); torch's where it was not built
+    from detrl.core import _roundkernel as _native
+except ImportError:
+    _native = None
+
 _EXPONENT_BITS = 0x7FF0000000000000
 
 
@@ -118,9 +123,23 @@ def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
     n = b.shape[1]
     if out.shape != (m, n) or k == 0 or out.numel() == 0:
         return None
-    row = _power_of_two(a.abs().amax(dim=1)).clamp_(min=2.0**-149)
-    col = _power_of_two(b.abs().amax(dim=0)).clamp_(min=2.0**-149).mul_(2.0**-23 * terms_factor(k))
+    row = unit_factors(a, 1.0)
+    col = unit_factors(b.t(), 2.0**-23 * terms_factor(k))
     return Scale(outer=m, channels=n, inner=1, col=col, row=row)
+
+
+def unit_factors(x: torch.Tensor, times: float) -> torch.Tensor:
+    """A matrix product's unit factor per row of a matrix ``x`` (FP64 ``(rows,)``): the power of two at or
+    below the row's largest magnitude, at least 2**-149, times ``times`` (a power of two); infinite for a
+    row holding a NaN or an infinity. The native kernel computes it in one pass over a strided FP64 CPU
+    matrix, torch's ops elsewhere: the same bits (a max is exact in any order; the rest is exact)."""
+    if _native is None or x.dtype != torch.float64 or not x.is_cpu or x.is_neg() or 0 in x.shape:
+        return _power_of_two(x.abs().amax(dim=1)).clamp_(min=2.0**-149).mul_(times)
+    out = torch.empty(x.shape[0], dtype=torch.float64)
+    _native.unit_factors(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), times, out.data_ptr()
+    )
+    return out
 
 
 def _sample_channel_scale(args: tuple, out: torch.Tensor) -> Scale | None:
