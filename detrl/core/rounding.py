@@ -391,8 +391,12 @@ class RoundingMode(EagerDispatchMode):
             if self.trace is not None:
                 self._trace(func, written)
             return out
-        split = plan.splits and split_needed(func, kwargs)
-        kind = OpKind.EXACT if split else classify(func, kwargs) if plan.alpha else plan.kind
+        if kwargs:  # alpha= and the like: decided per call
+            split = plan.splits and split_needed(func, kwargs)
+            kind = OpKind.EXACT if split else classify(func, kwargs) if plan.alpha else plan.kind
+        else:  # the usual call: decided once, in the plan
+            split = plan.splits_plain
+            kind = OpKind.EXACT if split else plan.kind
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
         before = snapshot(func, args) if calibrating else args
         draw = randomness.handler_for(func, args, kwargs) if plan.random and self.random is not None else None
@@ -618,6 +622,7 @@ class _Plan:
 
     decomposes: bool  # has a decomposition (decompose.applies decides per call)
     splits: bool  # a fused op computed step by step (fused.split_needed decides per call)
+    splits_plain: bool  # ... when called without keyword arguments (alpha = 1)
     alpha: bool  # its kind depends on ``alpha`` (oprules.classify decides per call)
     kind: OpKind
     random: bool  # draws randomness (randomness.handler_for routes it)
@@ -635,6 +640,7 @@ def _plan(func: Any) -> _Plan:
     plan = _Plan(
         decomposes=func in decompose.DECOMPOSITIONS,
         splits=split_needed(func, {}) or split_needed(func, {"alpha": 2}),
+        splits_plain=split_needed(func, {}),
         alpha=classify(func, {"alpha": 2}) is not kind,
         kind=kind,
         random=randomness.draws_randomness(func),
