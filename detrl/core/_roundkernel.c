@@ -140,23 +140,6 @@ static PyObject *round_inplace(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* channel_thresholds(address, outer, channels, inner, tau, out): out[c] = T of channel c. */
-/* abs_max for every channel of rows laid out (outer, channels) (inner == 1): each row updates all channels'
- * maxima side by side, which vectorises along the channels where a search per channel would take one
- * element a call. bad[c] as abs_max's: 0, or NaN where the channel holds a NaN or an infinity. */
-VECTOR_CLONES static void column_abs_max(const double *x, Py_ssize_t outer, Py_ssize_t channels, double *amax,
-                                         double *bad) {
-    for (Py_ssize_t c = 0; c < channels; c++) amax[c] = bad[c] = 0.0;
-    for (Py_ssize_t o = 0; o < outer; o++) {
-        const double *row = x + o * channels;
-        for (Py_ssize_t c = 0; c < channels; c++) {
-            double r = fabs(row[c]);
-            bad[c] += r - r;
-            amax[c] = r > amax[c] ? r : amax[c];
-        }
-    }
-}
-
 /* unit_factors(address, rows, cols, row_stride, col_stride, times, out): a matrix product's unit factors
  * (scale.reduction_scale) of a strided FP64 matrix (strides in elements): out[r] = max(2**floor(log2(m_r)),
  * 2**-149) * times, m_r = max_c |x[r, c]|. A row holding a NaN or an infinity gets an infinite factor, as
@@ -220,6 +203,7 @@ static PyObject *unit_factors(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* channel_thresholds(address, outer, channels, inner, tau, out): out[c] = T of channel c. */
 static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
     unsigned long long address, out_address;
     Py_ssize_t outer, channels, inner;
@@ -232,12 +216,9 @@ static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
     if (inner == 1 && channels > 0 && !(bad = PyMem_RawMalloc((size_t)channels * sizeof(double))))
         return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    if (bad) {
-        column_abs_max(x, outer, channels, out, bad);
-        for (Py_ssize_t c = 0; c < channels; c++) {
-            double amax = bad[c] != bad[c] ? (double)NAN : out[c];
-            out[c] = channel_threshold((float)amax, amax != amax, tau);
-        }
+    if (bad) { /* (outer, channels): a channel is a column, every row updates all maxima side by side */
+        strided_row_abs_max(x, channels, outer, 1, channels, out, bad);
+        for (Py_ssize_t c = 0; c < channels; c++) out[c] = channel_threshold((float)out[c], out[c] != out[c], tau);
     } else {
         for (Py_ssize_t c = 0; c < channels; c++) {
             double amax = 0.0;
