@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-try:  # the native kernel's exact row maxima (detrl/core/_roundkernel.c); torch's where it was not built
+try:  # the native kernel's unit factors (detrl/core/_roundkernel.c); torch's ops where it was not built
     from detrl.core import _roundkernel as _native
 except ImportError:
     _native = None
@@ -132,7 +132,8 @@ def unit_factors(x: torch.Tensor, times: float) -> torch.Tensor:
     """A matrix product's unit factor per row of a matrix ``x`` (FP64 ``(rows,)``): the power of two at or
     below the row's largest magnitude, at least 2**-149, times ``times`` (a power of two); infinite for a
     row holding a NaN or an infinity. The native kernel computes it in one pass over a strided FP64 CPU
-    matrix, torch's ops elsewhere: the same bits (a max is exact in any order; the rest is exact)."""
+    matrix, torch's ops elsewhere: the same bits (a max is exact in any order; the rest is exact), so it
+    does so whether or not the rounding itself is on the kernel (:func:`detrl.core.kernel.disabled`)."""
     if _native is None or x.dtype != torch.float64 or not x.is_cpu or x.is_neg() or 0 in x.shape:
         return _power_of_two(x.abs().amax(dim=1)).clamp_(min=2.0**-149).mul_(times)
     out = torch.empty(x.shape[0], dtype=torch.float64)
