@@ -131,8 +131,7 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -
     # output with more entries than they hold stops at the block that overflowed; the rest is counted, and
     # taken into buffers of the exact size from there.
     found = _first_buffers()
-    room = min(n, len(found.indices))
-    *counts, stop = _native.take_entries(*args, 0, *found.buffers((0, 0, 0), (room, room, room)))
+    *counts, stop = _native.take_entries(*args, 0, *found.whole)
     if stop < n:
         more = _native.count_near(*args, stop)
         found = found.grown(counts, more)
@@ -199,6 +198,7 @@ class _Found:
                 self.short_bits,
             )
         )
+        self.whole = self.buffers((0, 0, 0), room)  # the arguments for all of them, from the start
 
     def buffers(self, start: Sequence[int], room: Sequence[int]) -> tuple[int, ...]:
         """The kernel's buffer arguments: addresses from entry ``start[kind]`` of each kind, with room for
