@@ -20,15 +20,20 @@
 
 static const uint64_t EXPONENT_BITS = 0x7FF0000000000000ULL;
 
-/* rounding.scale_spacing for one channel: FP32 spacing at |max| (an FP32 value; NaN if the channel holds
- * one), times tau. Clearing the mantissa of the double gives 2**floor(log2(amax)); NaN and inf give inf. */
-static double channel_threshold(float amax, int has_nan, double tau) {
-    double d = has_nan ? (double)NAN : (double)amax;
+/* 2**floor(log2(d)) of a non-negative double by clearing its mantissa (scale._power_of_two): NaN and inf
+ * give inf, zero gives zero. */
+static inline double power_of_two(double d) {
     uint64_t bits;
     memcpy(&bits, &d, sizeof bits);
     bits &= EXPONENT_BITS;
     memcpy(&d, &bits, sizeof d);
-    d *= 0x1p-23;
+    return d;
+}
+
+/* rounding.scale_spacing for one channel: FP32 spacing at |max| (an FP32 value; NaN if the channel holds
+ * one), times tau. */
+static double channel_threshold(float amax, int has_nan, double tau) {
+    double d = power_of_two(has_nan ? (double)NAN : (double)amax) * 0x1p-23;
     if (d < 0x1p-149) d = 0x1p-149;
     return d * tau;
 }
@@ -88,8 +93,8 @@ VECTOR_CLONES static Py_ssize_t first_near_each(const double *x, Py_ssize_t j0, 
     return n;
 }
 
-/* Thresholds per column of one row (inner == 1: a matrix product's output, or channels of one element):
- * with a row factor, T = max(row * col, 2**-149) * tau, as rounding.Scale.dense; without, col is T. */
+/* T of channel c of an outer row: with a row factor, max(row * cols[c], 2**-149) * tau, as
+ * rounding.Scale.dense; without, cols[c] is T. */
 static inline double column_threshold(const double *cols, Py_ssize_t c, int has_row, double row, double tau) {
     if (!has_row) return cols[c];
     double t = row * cols[c];
@@ -190,13 +195,8 @@ static PyObject *unit_factors(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     strided_row_abs_max((const double *)(uintptr_t)address, rows, cols, row_stride, col_stride, out, bad);
     for (Py_ssize_t r = 0; r < rows; r++) {
-        uint64_t bits;
-        memcpy(&bits, &out[r], sizeof bits);
-        bits &= EXPONENT_BITS; /* 2**floor(log2(m)); NaN and inf give inf, zero zero */
-        double p;
-        memcpy(&p, &bits, sizeof p);
-        p = p < 0x1p-149 ? 0x1p-149 : p;
-        out[r] = p * times;
+        double p = power_of_two(out[r]);
+        out[r] = (p < 0x1p-149 ? 0x1p-149 : p) * times;
     }
     Py_END_ALLOW_THREADS
     PyMem_RawFree(bad);
@@ -290,15 +290,10 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
         Py_ssize_t o = along_channels ? r : r / channels, c = along_channels ? 0 : r % channels;
         Py_ssize_t base = r * length;
         double *row = x + base;
-        double tc = 0.0;
-        if (!along_channels && rows) { /* rounding.Scale.dense: max(row * col, 2**-149), then times tau */
-            tc = rows[o] * thresholds[c];
-            if (tc < 0x1p-149) tc = 0x1p-149;
-            tc *= tau;
-        } else if (!along_channels && thresholds) {
-            tc = thresholds[c];
-        }
         double row_factor = rows ? rows[o] : 0.0;
+        /* T of this row's channel (blocks along the channels take it per element instead) */
+        double tc = !along_channels && thresholds ? column_threshold(thresholds, c, rows != NULL, row_factor, tau)
+                                                  : 0.0;
         Py_ssize_t j0 = base < start ? start - base : 0;
         while (j0 < length) {
             /* the next block with a near element (rows shorter than a vector's few elements: this one) */
