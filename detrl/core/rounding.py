@@ -485,12 +485,13 @@ class RoundingMode(EagerDispatchMode):
         if scaled:
             scaled = reduction_scale(func, args, x) or True
         if step.replay is None:
-            if kernel.applies(x):  # native: test, compact (short pinned values apart) and round, in one pass
-                entries = kernel.take_entries_(x, tau, scaled, seq)
-            elif kernel.applies(x, strided=True):  # a strided view (split, in place on it): a dense copy,
-                dense = x.contiguous()  # whose flat order is the logical row-major order of the entries
+            if kernel.applies(x, strided=True):  # native: test, compact and round, in one pass
+                # A strided view (split, in place on it) goes as a dense copy, whose flat order is the
+                # logical row-major order of the entries.
+                dense = x.contiguous()
                 entries = kernel.take_entries_(dense, tau, scaled, seq)
-                x.copy_(dense)
+                if dense is not x:
+                    x.copy_(dense)
             else:
                 rounded = x.to(torch.float32)
                 near = near_midpoint(x, tau, scaled, rounded=rounded, scratch=self._scratch)
