@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -219,33 +220,39 @@ class ReplayPlan:
 
     ``bundle``: the bundle as validated, closed (its manifest, durable steps, checkpoint steps and the log's
     index stay readable). ``task``, ``cfg``: its task and validated config. ``extra``: the task's keyword
-    arguments for the auditor's own files (``init_from``). ``ours``: the data fingerprint of the auditor's
-    copy of the data, which the bundle's must equal (:attr:`same_data`) for a replay to mean anything.
+    arguments for the auditor's own files (``init_from``). ``data``: the auditor's copy of the data.
     """
 
     bundle: bundle_mod.Bundle
     task: tasks.Task
     cfg: Any
     extra: dict[str, Any]
-    ours: str | None
+    data: Path | None
+
+    @functools.cached_property
+    def ours(self) -> str | None:
+        """The data fingerprint of the auditor's copy of the data (and init weights), computed on first use:
+        a caller refuses what it can check cheaply first."""
+        return self.task.fingerprint(self.cfg, self.data, **self.extra)
 
     @property
     def same_data(self) -> bool:
+        """The bundle's data fingerprint is the auditor's: only then does a replay mean anything."""
         return self.bundle.manifest.data_fingerprint == self.ours
 
 
 def prepare_replay(
     run_dir: Path, caps: Mapping[str, float] | None, data: Path | None, init_from: Path | None
 ) -> ReplayPlan:
-    """Validate the bundle in ``run_dir`` and its config (:func:`validated_config`), set this process's torch
-    threads to the run's, and fingerprint the auditor's data: the prologue of an audit and of a referee's
-    replay of one step. Raises :class:`BundleError` for bad input."""
+    """Validate the bundle in ``run_dir`` and its config (:func:`validated_config`) and set this process's
+    torch threads to the run's: the prologue of an audit and of a referee's replay of one step (the data's
+    fingerprint follows on first use of :attr:`ReplayPlan.ours`). Raises :class:`BundleError` for bad input."""
     probe = bundle_mod.Bundle(run_dir)  # validate everything before doing any work
     probe.close()
     task, cfg = validated_config(probe.manifest, run_dir, caps, data, init_from)
     extra: dict[str, Any] = {"init_from": init_from} if init_from is not None else {}
     torch.set_num_threads(max(1, min(cfg.threads, os.cpu_count() or 1)))
-    return ReplayPlan(probe, task, cfg, extra, task.fingerprint(cfg, data, **extra))
+    return ReplayPlan(probe, task, cfg, extra, data)
 
 
 def validated_config(

@@ -127,7 +127,7 @@ def replay_step(
     run_dir = Path(run_dir)
     t0 = time.perf_counter()
     plan = prepare_replay(run_dir, caps, data, init_from)
-    task, cfg, extra, fingerprint = plan.task, plan.cfg, plan.extra, plan.ours
+    task, cfg, extra = plan.task, plan.cfg, plan.extra
     if not 0 <= step <= plan.bundle.steps:
         raise BundleError(
             f"{run_dir}: step {step} is outside the bundle's durable steps 0..{plan.bundle.steps}"
@@ -140,7 +140,7 @@ def replay_step(
         )
     segment: dict[str, Any] = {"start": start, "stop": step} if step > 0 else {}
     session = sessions.session_for(
-        cfg, run_dir, "replay", hardware=hardware, fingerprint=fingerprint, session_type=StepTracer, **segment
+        cfg, run_dir, "replay", hardware=hardware, fingerprint=plan.ours, session_type=StepTracer, **segment
     )
     assert isinstance(session, StepTracer)
     trace = OpTrace(keep=keep)
