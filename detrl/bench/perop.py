@@ -5,8 +5,8 @@ single ops (an add, an in-place multiply, an exp, a sum over rows, a matrix prod
 size, each called directly and under four layers, so that the differences name the parts:
 
 * ``plain``: the op on FP64 tensors, no mode;
-* ``any mode``: under a dispatch mode that only calls the op back (torch's ``TorchDispatchMode`` entry,
-  the floor of any Python mode);
+* ``any mode``: under a dispatch mode that only calls the op back (the native profile's ``HardwareMode``:
+  torch's ``TorchDispatchMode`` entry, the floor of any Python mode);
 * ``rounded``: under the rounding mode outside a step (its plan, the profile call, rounding to FP32, no log);
 * ``recorded``: inside a recording step (rounding, the near-midpoint test and the log entries);
 * ``recorded, torch``: the same with the native kernel off (the pure-torch reference).
@@ -25,17 +25,9 @@ import torch
 
 from detrl.bench.registry import benchmark
 from detrl.core import kernel
-from detrl.core.dispatch import EagerDispatchMode
-from detrl.core.hardware import get_profile
+from detrl.core.hardware import HardwareMode, get_profile
 from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 from detrl.run.fmt import machine_line, table
-
-
-class _CallBack(EagerDispatchMode):
-    """A dispatch mode that only calls the op: the cost of entering any Python mode."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        return func(*args, **(kwargs or {}))
 
 
 def _ops(numel: int) -> dict[str, Callable[[], Any]]:
@@ -68,9 +60,10 @@ def _best_us(fn: Callable[[], Any], calls: int, rounds: int) -> float:
 
 def _layers(fn: Callable[[], Any], calls: int, rounds: int) -> list[float]:
     """Microseconds per call of ``fn``: plain, any mode, rounded, recorded, recorded on the torch reference."""
-    mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
+    native = get_profile("native")
+    mode = RoundingMode(native, Thresholds(default=2.0**-20))
     out = [_best_us(fn, calls, rounds)]
-    with _CallBack():
+    with HardwareMode(native):  # a mode that only calls the op, through the profile as the rounding mode does
         out.append(_best_us(fn, calls, rounds))
     with mode:
         out.append(_best_us(fn, calls, rounds))
@@ -104,7 +97,7 @@ def bench_perop(rest: list[str]) -> int:
     print(table(headers, rows))
     print(
         "us per call, best of the rounds. mode entry: any mode - plain (torch's Python dispatch, paid by every "
-        "Python mode); rounding mode's own: recorded - any mode (its plan, profile call, rounding, test and "
+        "Python mode); rounding mode's own: recorded - any mode (its plan, rounding, test and "
         "log, in Python and the native kernel)"
     )
     return 0
