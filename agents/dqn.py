@@ -36,7 +36,7 @@ from torch.nn import functional as F
 
 import envs
 from agents.buffers import FrameReplayBuffer, ReplayBuffer
-from agents.networks import QNetworks, build_q_network
+from agents.networks import MLPQNetwork, QNetworks, build_q_network
 from agents.optim import LeanAdam
 from detrl.core.engine import Session
 from detrl.core.sources import Sources
@@ -148,14 +148,37 @@ def make_env(cfg: Config, sources: Sources) -> Any:
     )  # fmt: skip
 
 
-def clip_grad_norm(params: Any, max_norm: float) -> None:
+def clip_grad_norm(params: Any, max_norm: float, list_ops: bool = False) -> None:
     """Scale gradients so their global L2 norm is at most ``max_norm`` (as ``torch.nn.utils.clip_grad_norm_``,
-    whose grouping logic cost a quarter of a small network's update)."""
+    whose grouping logic cost a quarter of a small network's update).
+
+    ``list_ops``: the per-tensor norms and scalings as two list ops (``_foreach_norm``, ``_foreach_mul_``),
+    which on a CPU run the per-tensor kernels, so the bits are the same with 2 ops instead of 12.
+    """
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    norms = torch._foreach_norm(grads) if list_ops else [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms))
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale)
+    if list_ops:
+        torch._foreach_mul_(grads, scale)
+    else:
+        for g in grads:
+            g.mul_(scale)
+
+
+def td_loss(q_taken: torch.Tensor, td_target: torch.Tensor, kind: str) -> torch.Tensor:
+    """The mean TD loss of ``q_taken`` against ``td_target`` (both (batch,)): ``"huber"`` (smooth L1 with
+    beta 1) or ``"mse"``."""
+    return F.smooth_l1_loss(q_taken, td_target) if kind == "huber" else F.mse_loss(q_taken, td_target)
+
+
+def td_loss_grad(q_taken: torch.Tensor, td_target: torch.Tensor, kind: str) -> torch.Tensor:
+    """:func:`td_loss`'s gradient by ``q_taken`` (batch,): the loss's backward op, as ``loss.backward()``
+    calls it (from a gradient of one, with the mean reduction, torch's enum 1)."""
+    one = torch.ones((), dtype=q_taken.dtype)
+    if kind == "huber":
+        return torch.ops.aten.smooth_l1_loss_backward(one, q_taken, td_target, 1, 1.0)
+    return torch.ops.aten.mse_loss_backward(one, q_taken, td_target, 1)
 
 
 def linear_schedule(start: float, end: float, duration: float, t: int) -> float:
@@ -199,12 +222,16 @@ def td_update(
     a: Any,
     as_input: Callable[[np.ndarray], torch.Tensor],
     cast: Callable[[torch.Tensor], torch.Tensor],
+    shortcuts: bool = False,
 ) -> tuple[float, float]:
     """One gradient step of the TD loss on a replay batch; returns (loss, mean Q of the taken actions).
 
     ``batch``: obs and next_obs (batch, *obs_shape), actions (batch,) int64, rewards and terminated
     (batch,). ``a``: the agent config (gamma, double_dqn, loss, max_grad_norm). ``as_input`` turns
     observations into network input and ``cast`` a float tensor into the run's precision.
+    ``shortcuts``: reach the same bits through fewer ops: an :class:`MLPQNetwork`'s gradients through its
+    written backward pass instead of autograd (see :meth:`MLPQNetwork.write_gradients`), and gradient
+    clipping through list ops. A verifiable step takes none: its rounding log is keyed by the op sequence.
     """
     obs_b, next_b = as_input(batch.obs), as_input(batch.next_obs)
     rewards = cast(torch.from_numpy(batch.rewards))  # (batch,)
@@ -217,12 +244,21 @@ def td_update(
         else:
             next_value = next_q.max(dim=1).values
         td_target = rewards + a.gamma * next_value * not_done  # (batch,)
-    q_taken = q(obs_b).gather(1, torch.from_numpy(batch.actions)[:, None]).squeeze(1)  # (batch,)
-    loss = F.smooth_l1_loss(q_taken, td_target) if a.loss == "huber" else F.mse_loss(q_taken, td_target)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    actions = torch.from_numpy(batch.actions)[:, None]  # (batch, 1)
+    if shortcuts and isinstance(q, MLPQNetwork):  # by hand: the loss's derivative, gather's, then the MLP's
+        with torch.no_grad():
+            q_all, inputs = q.forward_keeping_inputs(obs_b)  # (batch, n_actions), each layer's input
+            q_taken = q_all.gather(1, actions).squeeze(1)  # (batch,)
+            loss = td_loss(q_taken, td_target, a.loss)
+            grad_taken = td_loss_grad(q_taken, td_target, a.loss)[:, None]  # (batch, 1)
+            q.write_gradients(torch.zeros_like(q_all).scatter_add_(1, actions, grad_taken), inputs)
+    else:
+        q_taken = q(obs_b).gather(1, actions).squeeze(1)  # (batch,)
+        loss = td_loss(q_taken, td_target, a.loss)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
     if a.max_grad_norm is not None:
-        clip_grad_norm(q.parameters(), a.max_grad_norm)
+        clip_grad_norm(q.parameters(), a.max_grad_norm, list_ops=shortcuts)
     optimizer.step()
     return float(loss.detach()), float(q_taken.detach().mean())
 
@@ -303,7 +339,7 @@ def run(
                 action = random_action
             else:
                 with torch.no_grad():  # .forward: one observation per step, module-call hooks cost as much
-                    action = int(q.forward(as_input(episodes.obs)[None]).argmax())
+                    action = int(q.forward(as_input(episodes.obs[None])).argmax())
             next_obs, reward, terminated, truncated, info = env.step(action)
             buffer.add(episodes.obs, action, float(reward), next_obs, terminated, episodes.first)
             session.observe(episodes.obs, action, float(reward), next_obs, terminated, truncated)
@@ -325,7 +361,9 @@ def run(
                     optimizer.param_groups[0]["lr"] = lr
                 for _ in range(a.gradient_steps):
                     batch = buffer.sample(sources.numpy("replay"), a.batch_size)
-                    loss_value, q_mean = td_update(q, target, optimizer, batch, a, as_input, precision.cast)
+                    loss_value, q_mean = td_update(
+                        q, target, optimizer, batch, a, as_input, precision.cast, not precision.is_verifiable
+                    )
             if sync_target:
                 qnets.update_target(a.tau)
 

@@ -33,6 +33,40 @@ class MLPQNetwork(nn.Module):
             x = torch.relu(F.linear(x, p["weight"], p["bias"]))
         return F.linear(x, params[-1]["weight"], params[-1]["bias"])
 
+    @torch.no_grad()
+    def forward_keeping_inputs(self, obs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`forward` outside autograd: ``Q (N, n_actions)`` and each layer's input (``obs`` first,
+        then every hidden ReLU output), which :meth:`write_gradients` needs."""
+        params = [layer._parameters for layer in self.layers._modules.values()]
+        w0 = params[0]["weight"]
+        x = obs if obs.dtype == w0.dtype else obs.to(w0.dtype)
+        inputs = [x]
+        for p in params[:-1]:
+            x = torch.relu(F.linear(x, p["weight"], p["bias"]))
+            inputs.append(x)
+        return F.linear(x, params[-1]["weight"], params[-1]["bias"]), inputs
+
+    @torch.no_grad()
+    def write_gradients(self, grad_q: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+        """Set every parameter's ``.grad`` from ``grad_q``, the loss's gradient by ``Q`` ``(N, n_actions)``,
+        given :meth:`forward_keeping_inputs`' ``inputs``: the backward pass written out.
+
+        These are the aten ops autograd runs for this network (the derivative formulas of ``addmm``, which
+        ``F.linear`` is, and of ``relu``), on the same operands in the same layout, so the gradients are
+        autograd's bit for bit; the autograd engine around them cost a CartPole update more than its matrix
+        products. Layer by layer from the last, with ``g`` the gradient by the layer's output ``(N, out)``
+        and ``x`` its input ``(N, in)``: ``weight.grad = g^T x``, ``bias.grad = sum_N g``, and the previous
+        layer's ``g = relu'(x) * (g W)``.
+        """
+        params = [layer._parameters for layer in self.layers._modules.values()]
+        g = grad_q
+        for k in range(len(params) - 1, -1, -1):
+            p, x = params[k], inputs[k]
+            p["weight"].grad = g.t().mm(x)  # (out, in)
+            p["bias"].grad = g.sum(0)  # (out,)
+            if k:  # the input gradient, through the ReLU that produced x (the observation needs none)
+                g = torch.ops.aten.threshold_backward(g.mm(p["weight"]), x, 0)
+
 
 class NatureCNN(nn.Module):
     """``frames (N, stack, 84, 84) uint8 -> Q (N, n_actions)``: the Nature DQN's three convolutions and

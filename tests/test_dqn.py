@@ -7,10 +7,12 @@ Runs use ``configs/dqn/tiny.yaml`` (CartPole, small networks) through :func:`age
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gymnasium as gym
@@ -492,3 +494,64 @@ def test_lean_adam_is_torch_fused_adam_bit_for_bit():
         assert torch.equal(p, r)
     for s, r in zip(opt_ours.state.values(), opt_theirs.state.values()):
         assert all(torch.equal(s[k], r[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+# Not emulated:atomic: it draws a fresh summation order at every call, so two identical updates differ too.
+@pytest.mark.parametrize("hardware", ["native", *(h for h in EMULATED if h != "emulated:atomic")])
+def test_the_update_shortcuts_give_the_same_bits(dtype, hardware):
+    """An fp32/fp64 DQN update takes shortcuts: the MLP's written backward pass and list ops for gradient
+    clipping. For both losses and on every hardware profile, its loss and every parameter's clipped
+    gradient equal those of autograd and per-tensor ops, bit for bit."""
+    from agents.networks import MLPQNetwork
+    from detrl.core.hardware import HardwareMode, get_profile
+
+    torch.manual_seed(0)
+    q = MLPQNetwork(4, 3, (24, 16)).to(dtype)
+    target = MLPQNetwork(4, 3, (24, 16)).to(dtype)
+    rng = np.random.default_rng(0)
+    batch = SimpleNamespace(
+        obs=rng.normal(size=(64, 4)).astype(np.float32) * 3, next_obs=rng.normal(size=(64, 4)).astype(np.float32),
+        actions=rng.integers(0, 3, 64), rewards=rng.normal(size=64).astype(np.float32),
+        terminated=(rng.random(64) < 0.2).astype(np.float32),
+    )  # fmt: skip
+    mode = HardwareMode(get_profile(hardware)) if hardware != "native" else contextlib.nullcontext()
+    for loss in ("huber", "mse"):
+        a = SimpleNamespace(gamma=0.99, double_dqn=False, loss=loss, max_grad_norm=0.05)  # clips
+        grads, losses = [], []
+        for shortcuts in (False, True):
+            opt = torch.optim.SGD(q.parameters(), lr=0.0)  # lr 0: both updates start from the same weights
+            with mode:
+                losses.append(
+                    dqn.td_update(q, target, opt, batch, a, lambda x: torch.from_numpy(x).to(dtype),
+                                  lambda t: t.to(dtype), shortcuts)
+                )  # fmt: skip
+            grads.append([p.grad for p in q.parameters()])
+        assert losses[0] == losses[1]
+        for autograd_grad, written_grad in zip(*grads):
+            assert autograd_grad.shape == written_grad.shape and torch.equal(autograd_grad, written_grad)
+
+
+def test_lean_adam_steps_unwrapped_yet_runs_step_hooks():
+    """torch wraps an optimizer class's step in a profiler scope and hook loops; LeanAdam's stays unwrapped
+    (its cost was half the fused kernel's), and still runs its own and global step hooks, in torch's order."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from agents.optim import LeanAdam
+
+    step = LeanAdam.__dict__["step"]
+    net = torch.nn.Linear(3, 2)
+    opt = LeanAdam(net.parameters(), lr=1e-3)
+    assert LeanAdam.__dict__["step"] is step  # constructing one did not wrap it
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    handle = register_optimizer_step_post_hook(lambda *_: calls.append("global post"))
+    try:
+        for _ in range(2):  # the first step is torch's own, the second the fast path
+            net(torch.ones(4, 3)).sum().backward()
+            opt.step()
+    finally:
+        handle.remove()
+    assert opt._lists is not None
+    assert calls == ["pre", "post", "global post"] * 2

@@ -683,38 +683,43 @@ class Session:
             self._batch_hash = commit.hash_batch(*_as_tuple(batch))
         rounding = None
         t0 = time.perf_counter()
-        with contextlib.ExitStack() as modes:
-            # Attention is its math decomposition: the same aten ops on every device, its dropout mask from
-            # the dropout stream (see detrl/core/portable.py).
-            modes.enter_context(portable_kernels())
-            # Innermost first: random ops are drawn from their stream before a profile sees them.
-            if not self.precision.is_verifiable and self.hardware != "native":
-                modes.enter_context(HardwareMode(self.profile))
-            if self.precision.is_verifiable:
-                cursor = self.bundle.log_cursor(step) if self.bundle is not None else None
-                rounding = StepRounding(replay=cursor if self.mode == "replay" else None)
-                in_calibration = step <= self.calibration_steps
-                calibrate = self._calibrator if in_calibration and self.mode == "record" else None
-                if calibrate is not None:
-                    calibrate.begin_step(step)
-                # During calibration the recorder's thresholds grew as it went, each at least the lowest
-                # floor: half of that is the sound threshold for counting unlogged near-midpoint elements.
-                check = Thresholds(default=TAU_FLOOR_MEASURED / 2) if in_calibration else None
-                # An op kind's threshold can also fall during calibration: from TAU_FLOOR, while every call
-                # measured agreed exactly, to its measured value. Entries of those steps were logged at
-                # most at max(final tau, TAU_FLOOR); the replayer honours them within that.
-                honour = TAU_FLOOR if in_calibration else 0.0
-                # The rounding mode routes random ops itself: one dispatch mode per op, not two.
-                stream = self.sources.torch("dropout") if self.route_random_ops else None
-                modes.enter_context(self.rounding.step_scope(rounding, calibrate, check, stream, honour))
-            elif self.route_random_ops:
-                modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
-            try:
-                yield rounding
-            except LogOutOfRange as e:
-                raise BundleError(f"{bundle_mod.ROUNDLOG}: step {step}: {e}") from None
-            except RoundLogError as e:
-                raise BundleError(str(e)) from None
+        # Attention is its math decomposition: the same aten ops on every device, its dropout mask from the
+        # dropout stream (see detrl/core/portable.py). A plain step (FP32 or FP64 on native hardware, random
+        # ops left to torch) needs no other mode, and skips the ExitStack: a DQN takes a step per env step.
+        if not self.precision.is_verifiable and self.hardware == "native" and not self.route_random_ops:
+            with portable_kernels():
+                yield None
+        else:
+            with contextlib.ExitStack() as modes:
+                modes.enter_context(portable_kernels())
+                # Innermost first: random ops are drawn from their stream before a profile sees them.
+                if not self.precision.is_verifiable and self.hardware != "native":
+                    modes.enter_context(HardwareMode(self.profile))
+                if self.precision.is_verifiable:
+                    cursor = self.bundle.log_cursor(step) if self.bundle is not None else None
+                    rounding = StepRounding(replay=cursor if self.mode == "replay" else None)
+                    in_calibration = step <= self.calibration_steps
+                    calibrate = self._calibrator if in_calibration and self.mode == "record" else None
+                    if calibrate is not None:
+                        calibrate.begin_step(step)
+                    # During calibration the recorder's thresholds grew as it went, each at least the lowest
+                    # floor: half of that is the sound threshold for counting unlogged near-midpoint elements.
+                    check = Thresholds(default=TAU_FLOOR_MEASURED / 2) if in_calibration else None
+                    # An op kind's threshold can also fall during calibration: from TAU_FLOOR, while every call
+                    # measured agreed exactly, to its measured value. Entries of those steps were logged at
+                    # most at max(final tau, TAU_FLOOR); the replayer honours them within that.
+                    honour = TAU_FLOOR if in_calibration else 0.0
+                    # The rounding mode routes random ops itself: one dispatch mode per op, not two.
+                    stream = self.sources.torch("dropout") if self.route_random_ops else None
+                    modes.enter_context(self.rounding.step_scope(rounding, calibrate, check, stream, honour))
+                elif self.route_random_ops:
+                    modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
+                try:
+                    yield rounding
+                except LogOutOfRange as e:
+                    raise BundleError(f"{bundle_mod.ROUNDLOG}: step {step}: {e}") from None
+                except RoundLogError as e:
+                    raise BundleError(str(e)) from None
         if rounding is not None and rounding.replay is not None:
             try:
                 rounding.replay.finish()
