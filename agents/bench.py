@@ -6,6 +6,9 @@ Parts (``--part all`` runs each in turn):
     CartPole-v1 with CleanRL's hyperparameters (batch 128, train every 10 steps, buffer 10k, 120-84 MLP),
     ``--steps`` environment steps (default 50k) at one torch thread: env steps/s of detrl (every source
     seeded, no bundle) and of SB3, interleaved and repeated, and their ratio.
+``profile``
+    Where a step of the ``speed`` run goes: the update, the greedy action, the env, the replay buffer, the
+    Session step and the loop itself, each timed inside the loop; and a greedy action timed alone.
 ``switches``
     The same run with every stream seeded (base seeds 0, 1, ...) against every stream unseeded (OS seeds):
     the switchboard's cost.
@@ -27,6 +30,7 @@ several times slower), so every part pins ``torch.set_num_threads(1)`` for both 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -34,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +209,106 @@ def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
     return {**res, "slowdown": a / b}
 
 
+class _PartTimer:
+    """Wall time and calls of named parts of a run: :meth:`timed` wraps a callable. Parts do not nest: a
+    part called inside another (the target network's forward inside the update) counts as the outer one."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._inside = False
+
+    def timed(self, fn: Any, label: str) -> Any:
+        self.seconds.setdefault(label, 0.0)
+        self.calls.setdefault(label, 0)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:
+                return fn(*args, **kwargs)
+            self._inside = True
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+                self._inside = False
+
+        return wrapper
+
+
+def part_profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Where a step of the speed part's run goes: each part timed inside the loop, then a greedy action
+    timed alone in a tight loop (the same network shape), to show what the loop's other code costs it."""
+    from agents import dqn
+    from agents.buffers import ReplayBuffer
+    from agents.networks import MLPQNetwork
+    from detrl.core.engine import Session
+
+    cfg = load(CLEANRL_CARTPOLE, **{"train.steps": args.steps})
+    torch.set_num_threads(1)
+    timer = _PartTimer()
+    patched = [(dqn, "td_update"), (MLPQNetwork, "forward"), (ReplayBuffer, "add"), (Session, "step")]
+    originals = [getattr(owner, name) for owner, name in patched]
+    labels = ["update", "greedy action (forward)", "replay buffer add", "Session step"]
+
+    def timed_env(env: Any) -> Any:
+        env.step = timer.timed(env.step, "env step")
+        env.reset = timer.timed(env.reset, "env reset")
+        return env
+
+    session_step = Session.step
+    try:
+        for (owner, name), label in zip(patched, labels):
+            if name != "step":
+                setattr(owner, name, timer.timed(getattr(owner, name), label))
+
+        @contextlib.contextmanager
+        def step(self: Session, *a: Any, **kw: Any) -> Any:  # times entering and leaving, not the body
+            t0 = time.perf_counter()
+            scope = session_step(self, *a, **kw)
+            rounding = scope.__enter__()
+            spent = time.perf_counter() - t0
+            try:
+                yield rounding
+            finally:
+                t1 = time.perf_counter()
+                scope.__exit__(None, None, None)
+                timer.seconds["Session step"] = (
+                    timer.seconds.get("Session step", 0.0) + spent + time.perf_counter() - t1
+                )
+                timer.calls["Session step"] = timer.calls.get("Session step", 0) + 1
+
+        Session.step = step  # type: ignore[method-assign]
+        session = sessions.session_for(cfg, None, "off", sources=Sources.from_config(cfg.sources), force=True)
+        with session:
+            timed_sps = dqn.run(cfg, session, wrap_env=timed_env)["steps_per_second"]
+    finally:
+        for (owner, name), original in zip(patched, originals):
+            setattr(owner, name, original)
+    # The same run without the timers (which cost the loop some time of their own), and the same greedy
+    # action alone: a fresh network of the same shape, one observation, 2,000 times in a row.
+    sps = run_detrl(cfg)["steps_per_second"]
+    q, obs = MLPQNetwork(4, 2, cfg.agent.hidden), torch.zeros(1, 4)
+    with torch.no_grad():
+        alone = min(timeit.repeat(lambda: int(q.forward(obs).argmax()), number=2000, repeat=5)) / 2000
+    n, step_us = args.steps, 1e6 / timed_sps
+    print(f"\nWhere a step goes: the speed part's run ({n} env steps), each part timed inside the loop:")
+    print(f"  {'part':<28} {'us a call':>10} {'calls':>7} {'us a step':>10} {'share':>6}")
+    for label in sorted(timer.seconds, key=lambda k: -timer.seconds[k]):
+        sec, calls = timer.seconds[label], max(timer.calls[label], 1)
+        share = sec / n * 1e6 / step_us
+        print(f"  {label:<28} {sec / calls * 1e6:10.1f} {calls:7d} {sec / n * 1e6:10.1f} {share:6.0%}")
+    rest = step_us - sum(timer.seconds.values()) / n * 1e6
+    print(f"  {'the rest (loop, timers)':<28} {'':>10} {'':>7} {rest:10.1f} {rest / step_us:6.0%}")
+    print(
+        f"  {'a step':<28} {'':>10} {'':>7} {step_us:10.1f}   ({timed_sps:.0f} steps/s; {sps:.0f} in a run "
+        "without the timers)"
+    )
+    print(f"  a greedy action alone, 2,000 in a row: {alone * 1e6:.1f} us")
+    return {"seconds": timer.seconds, "calls": timer.calls, "steps_per_second": sps, "greedy_alone": alone}
+
+
 #: detrl's DQN should take at least this many env steps per second for each of Stable-Baselines3's.
 SPEED_GOAL = 3.0
 #: A verifiable DQN may run this many times slower than the same run in FP32.
@@ -280,8 +385,8 @@ def _spread(xs: list[float]) -> str:
     return "(" + ", ".join(f"{x:.0f}" for x in xs) + ")"
 
 
-PARTS = {"speed": part_speed, "switches": part_switches, "verifiable": part_verifiable,
-         "learning": part_learning, "breakout": part_breakout}  # fmt: skip
+PARTS = {"speed": part_speed, "profile": part_profile, "switches": part_switches,
+         "verifiable": part_verifiable, "learning": part_learning, "breakout": part_breakout}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

@@ -555,3 +555,17 @@ def test_lean_adam_steps_unwrapped_yet_runs_step_hooks():
         handle.remove()
     assert opt._lists is not None
     assert calls == ["pre", "post", "global post"] * 2
+
+
+def test_bench_dqn_profile_times_each_part_and_restores_what_it_wrapped(capsys):
+    from agents import bench
+    from agents.buffers import ReplayBuffer
+    from agents.networks import MLPQNetwork
+
+    before = (dqn.td_update, MLPQNetwork.forward, ReplayBuffer.add, Session.step)
+    assert bench.main(["--part", "profile", "--steps", "300"]) == 0
+    out = capsys.readouterr().out
+    for part in ("greedy action (forward)", "env step", "env reset", "Session step", "replay buffer add"):
+        row = next(line for line in out.splitlines() if line.strip().startswith(part))
+        assert float(row.split()[-4]) > 0  # microseconds a call
+    assert (dqn.td_update, MLPQNetwork.forward, ReplayBuffer.add, Session.step) == before
