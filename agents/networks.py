@@ -24,27 +24,28 @@ class MLPQNetwork(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self._layers(obs, None)
+
+    @torch.no_grad()
+    def forward_keeping_inputs(self, obs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`forward` outside autograd: ``Q (N, n_actions)`` and each layer's input (``obs`` first,
+        then every hidden ReLU output), which :meth:`write_gradients` needs."""
+        inputs: list[torch.Tensor] = []
+        return self._layers(obs, inputs), inputs
+
+    def _layers(self, obs: torch.Tensor, inputs: list[torch.Tensor] | None) -> torch.Tensor:
         # Parameters read straight from each layer's dict and functional calls, no module calls: a DQN acts
         # on one observation per env step, where module-call overhead cost as much as the arithmetic.
         params = [layer._parameters for layer in self.layers._modules.values()]
         w0 = params[0]["weight"]
         x = obs if obs.dtype == w0.dtype else obs.to(w0.dtype)
         for p in params[:-1]:
+            if inputs is not None:
+                inputs.append(x)
             x = torch.relu(F.linear(x, p["weight"], p["bias"]))
-        return F.linear(x, params[-1]["weight"], params[-1]["bias"])
-
-    @torch.no_grad()
-    def forward_keeping_inputs(self, obs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """:meth:`forward` outside autograd: ``Q (N, n_actions)`` and each layer's input (``obs`` first,
-        then every hidden ReLU output), which :meth:`write_gradients` needs."""
-        params = [layer._parameters for layer in self.layers._modules.values()]
-        w0 = params[0]["weight"]
-        x = obs if obs.dtype == w0.dtype else obs.to(w0.dtype)
-        inputs = [x]
-        for p in params[:-1]:
-            x = torch.relu(F.linear(x, p["weight"], p["bias"]))
+        if inputs is not None:
             inputs.append(x)
-        return F.linear(x, params[-1]["weight"], params[-1]["bias"]), inputs
+        return F.linear(x, params[-1]["weight"], params[-1]["bias"])
 
     @torch.no_grad()
     def write_gradients(self, grad_q: torch.Tensor, inputs: list[torch.Tensor]) -> None:
