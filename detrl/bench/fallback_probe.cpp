@@ -2,11 +2,13 @@
 // entering a Python dispatch mode. `detrl bench perop --cpp-fallback` builds it (torch.utils.cpp_extension)
 // and times ops under it, to choose a route for rounding below Python by measurement.
 //
-// It is registered for DispatchKey::Fake, which sits below autograd and above Python: the ops it sees are
-// those a Python dispatch mode sees (composites decomposed, backward ops included). The key joins a scope's
-// thread-local dispatch keys only between enter() and leave(); outside, no tensor carries it and the
-// fallback never runs. Inside the fallback the key is excluded while the op runs, as a Python mode is
-// while its handler runs, so ops that a kernel calls internally are not seen a second time.
+// It is registered for DispatchKey::Fake, which torch reserves for a C++ fake-tensor mode that eager code
+// does not use. The key sits below autograd and just below Python (Python dispatch modes run first), so
+// the ops it sees are those a Python mode sees: composites decomposed, backward ops included. It joins the
+// thread's dispatch keys only between enter() and leave(); outside, no tensor carries it and the fallback
+// never runs. Inside the fallback the key is excluded while the op runs, as a Python mode is while its
+// handler runs, so ops that a kernel calls internally are not seen a second time. A process that loaded
+// the probe must not use torch's C++ fake-tensor mode: the probe's fallback would take its ops.
 #include <torch/extension.h>
 #include <torch/library.h>
 
