@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from detrl.core import decompose, islands, kernel, randomness
+from detrl.core import decompose, islands, kernel, native, randomness
 from detrl.core.dispatch import EagerDispatchMode
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import OpKind, classify, op_name
@@ -304,6 +304,8 @@ class StepRounding:
         self._kept: dict[str, int] = {}
         self.seq = 0
         self.op_names: list[str] = []
+        self.native_ops = 0  # ops the native route handled (detrl/core/native.py)
+        self.python_ops = 0  # ops it handed to the mode
 
     def entries(self, seq: int, numel: int) -> OpEntries | None:
         """The log's entries for op position ``seq`` (an output of ``numel`` elements), if any."""
@@ -352,6 +354,7 @@ class RoundingMode(EagerDispatchMode):
         #: per-op digests of the step, when a dispute asks for them (:mod:`detrl.core.optrace`); None (the
         #: default) costs each op one attribute test
         self.trace: OpTrace | None = None
+        self._native_routes = native.Routes()
 
     @contextlib.contextmanager
     def step_scope(
@@ -369,7 +372,10 @@ class RoundingMode(EagerDispatchMode):
         self.step, self.calibrate, self.check_thresholds = step, calibrate, check_thresholds
         self.random, self.honour_floor = random, honour_floor
         try:
-            with self:
+            # Ops that need no Python (views, exact ops, elementwise ops with nothing to log) run natively.
+            logs = step.replay is None and calibrate is None
+            fast = native.scope(self, step, logs) if self.trace is None else contextlib.nullcontext()
+            with self, fast:
                 yield step
         finally:
             self.step, self.calibrate, self.check_thresholds, self.random = None, None, None, None

@@ -1,0 +1,400 @@
+// The native side of verifiable precision's rounding: the ops that need no Python, handled below Python.
+//
+// Under the rounding mode (detrl/core/rounding.py) every aten op enters Python, about 3-5 us before any
+// work. Most ops of a training step need none of what the mode does in Python: views and copies (KEEP)
+// only move values, and correctly rounded IEEE ops (EXACT: add, mul, div, sqrt, fills, casts) need only
+// their FP64 result rounded to FP32, with no log entry and no op position. This file handles exactly those
+// in C++ and hands every other op to the Python mode, unchanged.
+//
+// How: a boxed dispatcher fallback on DispatchKey::Fake (reserved for a C++ fake-tensor mode that eager
+// code does not use). Fake sits just below Python, so while a step runs, Fake is included in the thread's
+// dispatch keys and Python is excluded: every op reaches this fallback first, with composites decomposed
+// and backward ops included, as the Python mode would see them. For each operator the Python side says
+// once which route it takes (`resolve`, cached here by operator); per call, only what depends on the
+// arguments is checked here (a float32 or half argument: a Python "island"; alpha != 1: a fused op).
+// An op for Python is redispatched to the Python key with Python allowed again and Fake excluded, so the
+// mode's handler, and every op it runs, behaves exactly as without this file.
+//
+// A process that uses this must not use torch's C++ fake-tensor mode at the same time.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// Routes, as detrl/core/native.py's Route names them.
+enum Route : int {
+  PYTHON = 0,
+  KEEP = 1,
+  EXACT = 2,
+  EXACT_IF_ALPHA_ONE = 3,
+  CAST = 4,
+  LOGGED = 5,  // an ELEMENTWISE op: rounded here when no element is near a midpoint, else by Python
+  // fused ops computed as separate IEEE steps (detrl/core/fused.py), then rounded as EXACT
+  SPLIT_ADD = 10, SPLIT_SUB = 11, SPLIT_ADDCMUL = 12, SPLIT_ADDCDIV = 13, SPLIT_LERP = 14,
+};
+
+constexpr auto kOurs = c10::DispatchKey::Fake;
+// Keys below ours: where an op we handle goes on.
+const c10::DispatchKeySet kBelowOurs(c10::DispatchKeySet::FULL_AFTER, kOurs);
+// Ours and every key above: excluded while this file runs torch ops of its own (autograd, the Python mode
+// and this fallback must not see them, as the Python mode's own ops are not seen).
+const c10::DispatchKeySet kOursAndAbove = c10::DispatchKeySet(c10::DispatchKeySet::FULL) ^ kBelowOurs;
+
+// What the Python side decided about one operator.
+struct Entry {
+  int route = PYTHON;
+  bool in_place = false;  // a split op's in-place overload
+  double tau = 0.0;       // LOGGED: its threshold, in FP32 spacings at the element
+  py::object name;        // LOGGED: its op name, for the step's list of logged ops
+};
+
+// The routes of the operators seen, kept across steps (the Python side clears it when thresholds or the
+// profile change).
+struct Table {
+  py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name)
+  std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
+};
+
+// One step on this thread.
+struct Step {
+  Table* table = nullptr;
+  bool logs = false;        // LOGGED ops may be rounded here: recording, not calibrating
+  py::object flush;         // (names) -> None: logged op positions taken here, in order
+  py::object round_logged;  // (qualified name, overload, tensor) -> None: the mode's logged rounding
+  std::vector<PyObject*> pending;  // names of logged ops rounded here since the last flush (borrowed)
+  int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
+  int64_t native_ops = 0;
+  int64_t python_ops = 0;
+};
+
+thread_local Step* current = nullptr;
+
+const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
+  const void* key = &op.schema();
+  auto found = table->entries.find(key);
+  if (found != table->entries.end()) return found->second;
+  Entry e;
+  {
+    py::gil_scoped_acquire gil;
+    const auto& name = op.operator_name();
+    py::tuple r = table->resolve(name.name, name.overload_name);
+    e.route = r[0].cast<int>();
+    e.in_place = r[1].cast<bool>();
+    e.tau = r[2].cast<double>();
+    e.name = r[3];
+  }
+  return table->entries.emplace(key, std::move(e)).first->second;
+}
+
+bool narrow(c10::ScalarType t) {
+  return t == c10::ScalarType::Float || t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
+}
+
+bool narrow_tensor(const c10::IValue& v) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    return t.defined() && narrow(t.scalar_type());
+  }
+  if (v.isTensorList() || v.isOptionalTensorList() || v.isList()) {
+    for (const auto& e : v.toListRef()) {
+      if (e.isTensor() && e.toTensor().defined() && narrow(e.toTensor().scalar_type())) return true;
+    }
+  }
+  return false;
+}
+
+// The Python mode's islands.narrow_dtype, as a yes/no: a float32 or half tensor argument, or dtype=.
+bool has_narrow_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& v = stack[first + i];
+    if (narrow_tensor(v)) return true;
+    if (v.isInt() && args[i].name() == "dtype" && narrow(static_cast<c10::ScalarType>(v.toInt()))) return true;
+  }
+  return false;
+}
+
+// A number argument is exactly 1 (fused.py's `factor == 1`, where the factor is an int, float or bool);
+// -1: another type (complex, symbolic), which the Python mode decides.
+int is_one(const c10::IValue& v) {
+  if (v.isInt()) return v.toInt() == 1;
+  if (v.isDouble()) return v.toDouble() == 1.0;
+  if (v.isBool()) return v.toBool() ? 1 : 0;
+  return -1;
+}
+
+// alpha (where the schema has one) is exactly 1: an add or sub that is neither fused nor split.
+bool alpha_is_one(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].name() == "alpha") return is_one(stack[first + i]) == 1;
+  }
+  return true;
+}
+
+void collect(const c10::IValue& v, std::vector<at::Tensor>& out) {
+  if (v.isTensor()) {
+    out.push_back(v.toTensor());
+  } else if (v.isTensorList() || v.isOptionalTensorList() || v.isList()) {
+    for (const auto& e : v.toListRef()) {
+      if (e.isTensor()) out.push_back(e.toTensor());
+    }
+  }
+}
+
+bool plain_cpu(const at::Tensor& t) { return t.is_cpu() && !t.is_conj() && !t.is_neg(); }
+
+void round_dense(double* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<double>(static_cast<float>(p[i]));
+}
+
+// RoundingMode._round_exact: an FP64 tensor to the nearest FP32 value, in place.
+void round_exact(Step* step, const at::Tensor& t) {
+  if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) return;
+  if (plain_cpu(t) && t.is_contiguous()) {
+    round_dense(t.data_ptr<double>(), t.numel());
+  } else {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    t.copy_(t.to(c10::ScalarType::Float));
+  }
+  step->rounded += t.numel();
+}
+
+// Whether any element of a dense FP64 buffer lies within T of an FP32 midpoint, T at the element as
+// rounding.near_midpoint computes it: clamp(|x| tau 2**-23, tau 2**-149, tau 2**104). The same IEEE
+// double and float operations as the reference and the C kernel (no fast-math, no FMA contraction).
+bool any_near(const double* x, int64_t n, double tau) {
+  const double c1 = tau * 0x1p-23, lo = tau * 0x1p-149, hi = tau * 0x1p104;
+  int any = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double t = std::fabs(x[i]) * c1;
+    t = t < lo ? lo : t;
+    t = t > hi ? hi : t;
+    any |= (static_cast<float>(x[i] - t) != static_cast<float>(x[i] + t)) & (static_cast<float>(x[i]) != 0.0f);
+  }
+  return any != 0;
+}
+
+void flush(Step* step) {
+  if (step->pending.empty()) return;
+  py::gil_scoped_acquire gil;
+  py::list names(step->pending.size());
+  for (size_t i = 0; i < step->pending.size(); ++i) names[i] = py::reinterpret_borrow<py::object>(step->pending[i]);
+  step->pending.clear();
+  step->flush(names);
+}
+
+void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (step != nullptr) {
+    ++step->python_ops;
+    flush(step);  // the mode numbers the logged ops it rounds after those rounded here
+  }
+  auto local = c10::impl::tls_local_dispatch_key_set();
+  c10::impl::ForceDispatchKeyGuard python_again(local.included_,
+                                                local.excluded_.remove(c10::DispatchKey::Python).add(kOurs));
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Python) | (keys & kBelowOurs), stack);
+}
+
+// An ELEMENTWISE op's FP64 outputs (written arguments, else outputs), rounded as logged: here when no
+// element of any is near a midpoint (no entries: only an op position each), else all by the Python mode.
+void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std::vector<at::Tensor>& targets) {
+  std::vector<at::Tensor> dense;
+  bool near = false;
+  {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    for (const auto& t : targets) {
+      if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
+      if (!plain_cpu(t)) {
+        near = true;  // a device tensor: the mode's path
+        break;
+      }
+      dense.push_back(t.contiguous());
+      if (any_near(dense.back().data_ptr<double>(), t.numel(), e.tau)) {
+        near = true;
+        break;
+      }
+    }
+  }
+  if (!near) {
+    size_t k = 0;
+    for (const auto& t : targets) {
+      if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
+      at::Tensor& d = dense[k++];
+      round_dense(d.data_ptr<double>(), d.numel());
+      if (!d.is_same(t)) {
+        c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+        t.copy_(d);
+      }
+      step->rounded += t.numel();
+      step->pending.push_back(e.name.ptr());
+    }
+    return;
+  }
+  flush(step);
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // as inside the mode's handler
+  py::gil_scoped_acquire gil;
+  const auto& name = op.operator_name();
+  for (const auto& t : targets) {
+    if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
+    step->round_logged(name.name, name.overload_name, t);
+  }
+}
+
+// fused.py's split rules: the step to add to self, from separate correctly rounded IEEE operations.
+// Returns false where a factor is not a plain number (the Python mode decides).
+bool split_step(int route, const torch::jit::Stack& s, size_t f, at::Tensor& step) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  auto scaled = [](const at::Tensor& t, const c10::IValue& factor, at::Tensor& out) {
+    int one = is_one(factor);
+    if (one < 0) return false;
+    out = one ? t : at::mul(t, factor.toScalar());
+    return true;
+  };
+  switch (route) {
+    case SPLIT_ADD:  // self + (alpha * other)
+      return scaled(s[f + 1].toTensor(), s[f + 2], step);
+    case SPLIT_SUB:  // self + (-(alpha * other))
+      if (!scaled(s[f + 1].toTensor(), s[f + 2], step)) return false;
+      step = at::neg(step);
+      return true;
+    case SPLIT_ADDCMUL:  // self + ((t1 * t2) * value)
+      return scaled(at::mul(s[f + 1].toTensor(), s[f + 2].toTensor()), s[f + 3], step);
+    case SPLIT_ADDCDIV:  // self + ((t1 / t2) * value)
+      return scaled(at::div(s[f + 1].toTensor(), s[f + 2].toTensor()), s[f + 3], step);
+    case SPLIT_LERP: {  // self + ((end - self) * weight)
+      at::Tensor d = at::sub(s[f + 1].toTensor(), s[f].toTensor());
+      step = s[f + 2].isTensor() ? at::mul(d, s[f + 2].toTensor()) : at::mul(d, s[f + 2].toScalar());
+      return true;
+    }
+  }
+  return false;
+}
+
+void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  Step* step = current;
+  // Only the rounding mode itself on the mode stack: another mode pushed inside the step sees every op.
+  if (step == nullptr || c10::impl::TorchDispatchModeTLS::stack_len() != 1) return to_python(step, op, keys, stack);
+  const Entry& e = entry_of(step->table, op);
+  int route = e.route;
+  const auto& schema = op.schema();
+  const size_t n_args = schema.arguments().size();
+  const size_t first = stack->size() - n_args;
+  bool rounds = route != KEEP;
+  if (route == EXACT_IF_ALPHA_ONE) route = alpha_is_one(schema, *stack, first) ? EXACT : PYTHON;
+  // add and sub with alpha 1 are the plain IEEE op, not split (fused.split_needed)
+  if ((route == SPLIT_ADD || route == SPLIT_SUB) && alpha_is_one(schema, *stack, first)) route = EXACT;
+  if (route == LOGGED && !step->logs) route = PYTHON;
+  if (route != PYTHON && route != KEEP && route != CAST && has_narrow_argument(schema, *stack, first)) {
+    route = PYTHON;  // a float32 or half island
+  }
+  if (route == CAST) {  // a cast from a narrower float is on the FP32 grid already: nothing to round
+    const auto& source = (*stack)[first];
+    rounds = !(source.isTensor() && narrow(source.toTensor().scalar_type()));
+  }
+  at::Tensor split;
+  if (route >= SPLIT_ADD && !split_step(route, *stack, first, split)) route = PYTHON;
+  if (route == PYTHON) return to_python(step, op, keys, stack);
+  ++step->native_ops;
+  std::vector<at::Tensor> written;
+  if (route >= SPLIT_ADD) {
+    at::Tensor self = (*stack)[first].toTensor();
+    torch::jit::drop(*stack, n_args);
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      written.push_back(e.in_place ? self.add_(split) : at::add(self, split));
+    }
+    torch::jit::push(*stack, written.back());
+    round_exact(step, written.back());
+    return;
+  }
+  // What the op writes: its arguments the schema marks as written, else its outputs.
+  bool writes = false;
+  if (rounds) {
+    const auto& args = schema.arguments();
+    for (size_t i = 0; i < n_args; ++i) {
+      if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) {
+        writes = true;
+        collect((*stack)[first + i], written);
+      }
+    }
+  }
+  {
+    c10::impl::ExcludeDispatchKeyGuard inside(kOurs);
+    op.redispatchBoxed(keys & kBelowOurs, stack);
+  }
+  if (!rounds) return;
+  if (!writes) {
+    const size_t n_out = schema.returns().size();
+    for (size_t i = stack->size() - n_out; i < stack->size(); ++i) collect((*stack)[i], written);
+  }
+  if (route == LOGGED) return round_logged(step, e, op, written);
+  for (const auto& t : written) round_exact(step, t);
+}
+
+// The step scope: our key in, Python out, for this thread; restored in reverse on leave.
+struct Scope {
+  Step step;
+  py::object table_owner;
+  std::unique_ptr<c10::impl::IncludeDispatchKeyGuard> include;
+  std::unique_ptr<c10::impl::ExcludeDispatchKeyGuard> exclude;
+  Step* previous = nullptr;
+};
+
+thread_local std::vector<std::unique_ptr<Scope>> scopes;
+
+void enter(py::object table, bool logs, py::object flush_fn, py::object round_logged_fn) {
+  auto scope = std::make_unique<Scope>();
+  scope->table_owner = table;
+  scope->step.table = table.cast<Table*>();
+  scope->step.logs = logs;
+  scope->step.flush = std::move(flush_fn);
+  scope->step.round_logged = std::move(round_logged_fn);
+  scope->previous = current;
+  scope->include = std::make_unique<c10::impl::IncludeDispatchKeyGuard>(kOurs);
+  scope->exclude = std::make_unique<c10::impl::ExcludeDispatchKeyGuard>(c10::DispatchKey::Python);
+  current = &scope->step;
+  scopes.push_back(std::move(scope));
+}
+
+// Leave the innermost scope (flushing its logged op positions); returns (rounded elements, ops handled
+// here, ops handed to the Python mode).
+py::tuple leave() {
+  TORCH_CHECK(!scopes.empty(), "native dispatch: leave() without enter()");
+  auto scope = std::move(scopes.back());
+  scopes.pop_back();
+  scope->exclude.reset();
+  scope->include.reset();
+  current = scope->previous;
+  Step& s = scope->step;
+  flush(&s);
+  return py::make_tuple(s.rounded, s.native_ops, s.python_ops);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, Fake, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Table>(m, "Table", "the routes of the operators seen")
+      .def(py::init([](py::object resolve) {
+             auto t = std::make_unique<Table>();
+             t->resolve = std::move(resolve);
+             return t;
+           }))
+      .def("clear", [](Table& t) { t.entries.clear(); })
+      .def("__len__", [](const Table& t) { return t.entries.size(); });
+  m.def("enter", &enter, "start a step: ops that need no Python are handled natively on this thread");
+  m.def("leave", &leave, "end the innermost step; returns (rounded elements, native ops, Python ops)");
+}
