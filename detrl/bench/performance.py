@@ -35,7 +35,7 @@ from detrl.bench.common import (
     status_kb,
 )
 from detrl.bench.registry import benchmark
-from detrl.core import kernel
+from detrl.core import kernel, native
 from detrl.core.rounding import Thresholds
 from detrl.formats import bundle as bundle_mod
 from detrl.formats.roundlog import dense_reference_bytes
@@ -44,14 +44,14 @@ from detrl.run import sessions, tasks
 from detrl.run.fmt import format_bytes, machine_line, table
 from detrl.supervised import train
 
-#: variant -> (Session mode, precision)
-#: variant -> (Session mode, precision, native rounding kernel on)
-VARIANTS: dict[str, tuple[str, str, bool]] = {
-    "verifiable record": ("record", "verifiable", True),
-    "verifiable record, torch rounding": ("record", "verifiable", False),
-    "verifiable off": ("off", "verifiable", True),
-    "fp64": ("off", "fp64", True),
-    "fp32": ("off", "fp32", True),
+#: variant -> (Session mode, precision, native rounding kernel on, native dispatch route on)
+VARIANTS: dict[str, tuple[str, str, bool, bool]] = {
+    "verifiable record": ("record", "verifiable", True, True),
+    "verifiable record, Python mode": ("record", "verifiable", True, False),
+    "verifiable record, torch rounding": ("record", "verifiable", False, False),
+    "verifiable off": ("off", "verifiable", True, True),
+    "fp64": ("off", "fp64", True, True),
+    "fp32": ("off", "fp32", True, True),
 }
 #: The step-time goals of verifiable recording over plain FP64, per model: what FP64 itself costs, and 30 %.
 OVERHEAD_GOALS = {
@@ -67,9 +67,9 @@ LOG_GOALS = {"resnet50": 26_200, "gpt2": 42_200, "lstm_lm": 5_000}
 def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Run ``warmup + steps`` training steps of one variant in this (fresh) process; time and measure it."""
     torch.set_num_threads(spec["threads"])
-    mode, precision, native = VARIANTS[spec["variant"]]
-    if not native:
-        kernel.set_enabled(False)  # this process is this variant's alone
+    mode, precision, kernel_on, native_on = VARIANTS[spec["variant"]]
+    kernel.set_enabled(kernel_on)  # this process is this variant's alone
+    native.set_enabled(native_on)
     warmup, steps = spec["warmup"], spec["steps"]
     cfg = make_config(spec["model"], precision, warmup + steps, spec["threads"])
     x, y = train.load_data(cfg)
@@ -260,7 +260,8 @@ def bench_overhead(rest: list[str]) -> int:
         "goal: verifiable recording within the goal beside it of plain FP64 step time, and within 1.2x its peak "
         f"memory (paper's hooks: 3.9x, 1.8x); its calibration step within {CALIBRATION_GOAL:g}x a later step; "
         "its log per step (after step 1) within the goal beside it: ResNet-50 and GPT-2 small 1000x below the "
-        "paper's 26.2 MB and 42.2 MB, the LSTM 5 KB, flat; 'torch rounding': the native kernel off"
+        "paper's 26.2 MB and 42.2 MB, the LSTM 5 KB, flat; 'Python mode': every op through the Python rounding "
+        "mode (the native dispatch route off); 'torch rounding': that, and the native rounding kernel off too"
     )
     return 0
 

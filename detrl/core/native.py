@@ -15,14 +15,20 @@ island) and ``alpha != 1`` (a fused add).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import functools
-from pathlib import Path
+import os
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from detrl.core.fused import SPLIT
+from detrl.core.oprules import OpKind
 
 
 class Route(enum.IntEnum):
@@ -45,16 +51,12 @@ _SPLITS = {"add": Route.SPLIT_ADD, "sub": Route.SPLIT_SUB, "addcmul": Route.SPLI
 _SPLITS.update({"addcdiv": Route.SPLIT_ADDCDIV, "lerp": Route.SPLIT_LERP})
 
 
-def route(func: Any, reorders: Callable[[Any], bool]) -> Route:
-    """The route of aten overload ``func`` under a profile whose ``reorders(func)`` says whether it computes
-    ``func`` other than the native kernel. What the mode does more than run, round and number goes to
-    Python: profiles' emulations, decompositions, random ops, reductions (their units need the op's
-    arguments), and any split of a fused op :mod:`detrl.core.fused` has no native rule for."""
-    from detrl.core.fused import SPLIT
-    from detrl.core.oprules import OpKind
-    from detrl.core.rounding import _PLANS, _plan
-
-    plan = _PLANS.get(id(func)) or _plan(func)
+def route(func: Any, plan: Any, reorders: Callable[[Any], bool]) -> Route:
+    """The route of aten overload ``func``, given the rounding mode's ``plan`` of it
+    (:func:`detrl.core.rounding.plan_of`), under a profile whose ``reorders(func)`` says whether it computes
+    ``func`` other than the native kernel. What the mode does beyond running, rounding and numbering an op
+    stays with the mode: profiles' emulations, decompositions, random ops, reductions (their units need the
+    op's arguments), and a fused op :mod:`detrl.core.fused` splits by a rule with no native twin."""
     if plan.random or plan.decomposes or reorders(func):
         return Route.PYTHON
     if plan.keep:
@@ -75,24 +77,41 @@ def route(func: Any, reorders: Callable[[Any], bool]) -> Route:
     return Route.EXACT
 
 
-_enabled = True
-_BUILD = Path.home() / ".cache" / "detrl" / "native"
+#: ``DETRL_NATIVE_DISPATCH=0`` in the environment runs every op on the Python mode (same bits, slower).
+_enabled = os.environ.get("DETRL_NATIVE_DISPATCH", "1") != "0"
 
 
 @functools.cache
 def _module() -> Any:
-    """The built extension, or None where it cannot be built (no C++ compiler or ninja): then every op takes
-    the Python mode, with the same bits."""
+    """The extension: built by ``pip install`` against this torch, else built here once (cached by torch
+    under ``~/.cache/torch_extensions``), else None (no C++ compiler or ninja): then every op takes the
+    Python mode, with the same bits."""
+    try:
+        from detrl.core import _native_dispatch  # type: ignore[attr-defined]
+
+        if _native_dispatch.built_for_torch == torch.__version__:
+            return _native_dispatch
+    except ImportError:
+        pass
     from torch.utils import cpp_extension
 
     source = Path(__file__).with_name("native_dispatch.cpp")
+    print(
+        f"detrl: building the native rounding route for torch {torch.__version__} (once; about a minute)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         return cpp_extension.load(
             "detrl_native_dispatch",
             [str(source)],
             extra_cflags=["-O3", "-fno-fast-math", "-ffp-contract=off"],
         )
-    except Exception:  # noqa: BLE001 - any build failure means: the reference path
+    except Exception as e:  # noqa: BLE001 - any build failure means: the Python mode alone
+        print(
+            f"detrl: the native rounding route did not build ({type(e).__name__}); using the Python mode",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -118,55 +137,81 @@ def disabled() -> Iterator[None]:
         set_enabled(before)
 
 
-class Routes:
-    """One rounding mode's table of operator routes (kept across steps; rebuilt when the profile or the
-    thresholds change, since a route holds its op's threshold)."""
+def _overload(name: str, overload: str) -> Any:
+    """The ``OpOverload`` of a qualified operator name (``aten::add``) and overload name, or None."""
+    namespace, _, op = name.partition("::")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
 
-    def __init__(self) -> None:
+
+#: Ops of this process's verifiable steps the native route ran (``native``) and handed to the mode
+#: (``python``), for benchmarks and tests.
+counts: collections.Counter[str] = collections.Counter()
+
+
+class Routes:
+    """One rounding mode's table of operator routes, kept across steps and rebuilt when the profile or the
+    thresholds change (an elementwise op's route holds its threshold). ``plan_of(func)`` is the mode's
+    plan of an op."""
+
+    def __init__(self, plan_of: Callable[[Any], Any]) -> None:
+        self._plan_of = plan_of
         self._table: Any = None
         self._key: Any = None
 
     def table(self, module: Any, profile: Any, thresholds: Any) -> Any:
         key = (id(profile), thresholds.default, tuple(sorted(thresholds.per_op.items())))
         if self._table is None or key != self._key:
-            reorders = profile.reorders
+            reorders, plan_of = profile.reorders, self._plan_of
 
             def resolve(name: str, overload: str) -> tuple[int, bool, float, str]:
-                ns, _, op = name.partition("::")
-                func = getattr(getattr(getattr(torch.ops, ns), op), overload or "default")
+                func = _overload(name, overload)
+                if func is None:  # an operator Python cannot name: the mode takes it as it comes
+                    return int(Route.PYTHON), False, 0.0, name
                 short = func.overloadpacket.__name__
-                return int(route(func, reorders)), short.endswith("_"), thresholds.tau(short), short
+                return (
+                    int(route(func, plan_of(func), reorders)),
+                    short.endswith("_"),
+                    thresholds.tau(short),
+                    short,
+                )
 
             self._table, self._key = module.Table(resolve), key
         return self._table
 
 
 @contextlib.contextmanager
-def scope(mode: Any, step: Any, logs: bool) -> Iterator[None]:
-    """Within: the ops that need no Python are run and rounded natively on this thread (see module doc).
-    ``logs``: ELEMENTWISE ops may be rounded natively (recording, not calibrating)."""
-    profile = mode.profile
+def scope(
+    routes: Routes,
+    profile: Any,
+    thresholds: Any,
+    step: Any,
+    logs: bool,
+    round_logged: Callable[[Any, torch.Tensor], None],
+) -> Iterator[None]:
+    """Within: the ops of ``step`` (a :class:`detrl.core.rounding.StepRounding`) that need no Python are run
+    and rounded natively on this thread (see the module doc). ``logs``: elementwise ops may be rounded here
+    (recording, not calibrating); ``round_logged(func, t)`` is the mode's logged rounding of an elementwise
+    op's output, for the rare output with an element near a midpoint. Without the extension, or under a
+    profile that cannot say which ops it reorders, it does nothing."""
     module = _module() if _enabled and hasattr(profile, "reorders") else None
     if module is None:
         yield
         return
-    table = mode._native_routes.table(module, profile, mode.thresholds)
-    from detrl.core.oprules import OpKind
 
-    def flush(names: list[str]) -> None:
+    def flush(names: list[str]) -> None:  # op positions the fallback took, in order
         step.seq += len(names)
         step.op_names.extend(names)
 
-    def round_logged(name: str, overload: str, t: torch.Tensor) -> None:
-        ns, _, op = name.partition("::")
-        func = getattr(getattr(getattr(torch.ops, ns), op), overload or "default")
-        mode._round_logged(func, t, OpKind.ELEMENTWISE)
+    def logged(name: str, overload: str, t: torch.Tensor) -> None:
+        round_logged(_overload(name, overload), t)
 
-    module.enter(table, logs, flush, round_logged)
+    module.enter(routes.table(module, profile, thresholds), logs, flush, logged)
     try:
         yield
     finally:
         rounded, native_ops, python_ops = module.leave()
         step.stats.rounded_elements += rounded
-        step.native_ops += native_ops
-        step.python_ops += python_ops
+        counts.update(native=native_ops, python=python_ops)

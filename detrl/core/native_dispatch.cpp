@@ -284,8 +284,15 @@ bool split_step(int route, const torch::jit::Stack& s, size_t f, at::Tensor& ste
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   Step* step = current;
+  if (step == nullptr) {
+    // Our key from a step on another thread (autograd's device threads inherit its dispatch keys, not its
+    // table): the mode does it all. Anything else that carries the key is not ours: pass it on.
+    if (c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::Python)) return to_python(step, op, keys, stack);
+    c10::impl::ExcludeDispatchKeyGuard inside(kOurs);
+    return op.redispatchBoxed(keys & kBelowOurs, stack);
+  }
   // Only the rounding mode itself on the mode stack: another mode pushed inside the step sees every op.
-  if (step == nullptr || c10::impl::TorchDispatchModeTLS::stack_len() != 1) return to_python(step, op, keys, stack);
+  if (c10::impl::TorchDispatchModeTLS::stack_len() != 1) return to_python(step, op, keys, stack);
   const Entry& e = entry_of(step->table, op);
   int route = e.route;
   const auto& schema = op.schema();
@@ -386,7 +393,12 @@ py::tuple leave() {
 
 TORCH_LIBRARY_IMPL(_, Fake, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
 
+#ifndef DETRL_BUILT_FOR_TORCH
+#define DETRL_BUILT_FOR_TORCH ""  // built on first use, against the torch that is running
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("built_for_torch") = DETRL_BUILT_FOR_TORCH;
   py::class_<Table>(m, "Table", "the routes of the operators seen")
       .def(py::init([](py::object resolve) {
              auto t = std::make_unique<Table>();

@@ -304,8 +304,6 @@ class StepRounding:
         self._kept: dict[str, int] = {}
         self.seq = 0
         self.op_names: list[str] = []
-        self.native_ops = 0  # ops the native route handled (detrl/core/native.py)
-        self.python_ops = 0  # ops it handed to the mode
 
     def entries(self, seq: int, numel: int) -> OpEntries | None:
         """The log's entries for op position ``seq`` (an output of ``numel`` elements), if any."""
@@ -354,7 +352,7 @@ class RoundingMode(EagerDispatchMode):
         #: per-op digests of the step, when a dispute asks for them (:mod:`detrl.core.optrace`); None (the
         #: default) costs each op one attribute test
         self.trace: OpTrace | None = None
-        self._native_routes = native.Routes()
+        self._native_routes = native.Routes(plan_of)
 
     @contextlib.contextmanager
     def step_scope(
@@ -374,7 +372,13 @@ class RoundingMode(EagerDispatchMode):
         try:
             # Ops that need no Python (views, exact ops, elementwise ops with nothing to log) run natively.
             logs = step.replay is None and calibrate is None
-            fast = native.scope(self, step, logs) if self.trace is None else contextlib.nullcontext()
+            fast = (
+                native.scope(
+                    self._native_routes, self.profile, self.thresholds, step, logs, self._round_elementwise
+                )
+                if self.trace is None
+                else contextlib.nullcontext()
+            )
             with self, fast:
                 yield step
         finally:
@@ -477,6 +481,10 @@ class RoundingMode(EagerDispatchMode):
             self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
+    def _round_elementwise(self, func: Any, x: torch.Tensor) -> None:
+        """An elementwise op's output rounded with its log entries, for the native route (which ran the op)."""
+        self._round_logged(func, x, OpKind.ELEMENTWISE)
+
     def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple = ()) -> None:
         step = self.step
         assert step is not None
@@ -640,6 +648,11 @@ class _Plan:
 _PLANS: dict[int, _Plan] = {}  # by id(): an OpOverload's __hash__ is Python code, called at every op
 #: Casts between float types: to FP64 from a narrower type they need no rounding (see :func:`_widens_floats`).
 CASTS = frozenset({torch.ops.aten._to_copy.default})
+
+
+def plan_of(func: Any) -> _Plan:
+    """What the mode decides about ``func`` once (cached)."""
+    return _PLANS.get(id(func)) or _plan(func)
 
 
 def _plan(func: Any) -> _Plan:

@@ -1,0 +1,141 @@
+"""The native dispatch route (detrl/core/native.py) against the Python rounding mode alone: the same bundle,
+byte for byte, for every zoo model on every hardware profile; the routes it takes; and the modes it must
+leave alone."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from detrl.core import native
+from detrl.core.engine import Session
+from detrl.core.hardware import get_profile, profile_names
+from detrl.core.native import Route
+from detrl.core.rounding import plan_of
+from detrl.core.sources import Sources
+from detrl.formats import bundle as bundle_mod
+from detrl.testing import zoo
+
+needs_native = pytest.mark.skipif(not native.available(), reason="the native route is not built here")
+aten = torch.ops.aten
+EMULATED = [p for p in profile_names() if p.startswith("emulated:")]
+
+
+def test_the_route_is_built_where_a_cpp_compiler_exists() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the Python mode does every op")
+    assert native.available()
+
+
+def test_routes_follow_the_modes_plan_and_the_profile() -> None:
+    plain, pairwise = get_profile("native"), get_profile("emulated:pairwise", seed=0)
+    assert native.route(aten.view.default, plan_of(aten.view.default), plain.reorders) is Route.KEEP
+    assert native.route(aten.mul.Tensor, plan_of(aten.mul.Tensor), plain.reorders) is Route.EXACT
+    assert (
+        native.route(aten.add.Tensor, plan_of(aten.add.Tensor), plain.reorders) is Route.SPLIT_ADD
+    )  # split when alpha != 1
+    assert (
+        native.route(aten.addcdiv_.default, plan_of(aten.addcdiv_.default), plain.reorders)
+        is Route.SPLIT_ADDCDIV
+    )
+    assert native.route(aten._to_copy.default, plan_of(aten._to_copy.default), plain.reorders) is Route.CAST
+    assert native.route(aten.sigmoid.default, plan_of(aten.sigmoid.default), plain.reorders) is Route.LOGGED
+    # another libm computes sigmoid: only the mode knows how
+    assert (
+        native.route(aten.sigmoid.default, plan_of(aten.sigmoid.default), pairwise.reorders) is Route.PYTHON
+    )
+    for func in (
+        aten.mm.default,
+        aten.sum.dim_IntList,
+        aten.native_dropout.default,
+        aten.native_layer_norm.default,
+    ):
+        assert (
+            native.route(func, plan_of(func), plain.reorders) is Route.PYTHON
+        )  # a reduction, random, decomposed
+
+
+def _record(specimen: zoo.Specimen, run_dir, hardware: str, on: bool) -> Session:  # noqa: ANN001
+    profile = get_profile(hardware, seed=3) if hardware == "emulated:atomic" else hardware
+    session = Session(run_dir, mode="record", sources=Sources(), hardware=profile, planned_steps=2)
+    before = native._enabled
+    native.set_enabled(on)
+    try:
+        return zoo.train(session, specimen, 2)
+    finally:
+        native.set_enabled(before)
+
+
+def _assert_same_bundles(specimen: zoo.Specimen, tmp_path, hardware: str) -> None:  # noqa: ANN001
+    native.counts.clear()
+    a = _record(specimen, tmp_path / "native", hardware, on=True)
+    assert native.counts["native"] > 0, "the native route handled no op"
+    native.counts.clear()
+    b = _record(specimen, tmp_path / "python", hardware, on=False)
+    assert native.counts["native"] == 0
+    assert a.totals == b.totals
+    for name in (bundle_mod.ROUNDLOG, bundle_mod.COMMITMENTS):
+        assert (tmp_path / "native" / name).read_bytes() == (tmp_path / "python" / name).read_bytes(), name
+
+
+#: One model of each kind the route meets, for the fast suite: gates on strided views (the LSTM), float32
+#: islands, fused Adam updates (all of them), a transformer's softmax, GELU and layer norm.
+FAST = ["lstm", "upcast_mlp", "transformer_encoder"]
+
+
+@needs_native
+@pytest.mark.parametrize("name", FAST)
+def test_a_recording_is_the_same_bundle_with_and_without_the_native_route(tmp_path, name: str) -> None:  # noqa: ANN001
+    _assert_same_bundles(zoo.SPECIMENS[name], tmp_path, "native")
+
+
+@needs_native
+@pytest.mark.slow
+@pytest.mark.parametrize("hardware", ["native", *EMULATED])
+@pytest.mark.parametrize("name", sorted(zoo.SPECIMENS))
+def test_every_zoo_model_is_the_same_bundle_on_every_profile(tmp_path, name: str, hardware: str) -> None:  # noqa: ANN001
+    specimen = zoo.SPECIMENS[name]
+    if not zoo.available(specimen):
+        pytest.skip(f"this transformers has no {specimen.needs}")
+    _assert_same_bundles(specimen, tmp_path, hardware)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_native
+def test_a_mode_entered_inside_a_step_still_sees_every_op(tmp_path) -> None:  # noqa: ANN001
+    """A user's dispatch mode inside a verifiable step (a FLOP counter, a tracer) sees the ops it saw
+    without the native route: the route stands aside while another mode is on the stack."""
+    seen = {}
+    for on in (True, False):
+        session = Session(tmp_path / str(on), mode="record", sources=Sources(), planned_steps=1)
+        before = native._enabled
+        native.set_enabled(on)
+        try:
+            with session:
+                model = session.init(lambda: torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()))
+                x = torch.ones(2, 4, dtype=torch.float64)
+                with session.step(batch=(x,)), _Count() as count:
+                    model(x).sum().backward()
+        finally:
+            native.set_enabled(before)
+        seen[on] = count.ops
+
+    # Except the detach calls autograd makes inside TensorImpl when it saves a tensor: not a dispatched op
+    # but a call into the top mode, which torch makes only while the Python key is not excluded.
+    def dispatched(ops: list[str]) -> list[str]:
+        return [op for op in ops if op != "aten.detach.default"]
+
+    assert dispatched(seen[True]) == dispatched(seen[False])
+    assert "aten.tanh.default" in seen[True] and "aten.tanh_backward.default" in seen[True]
