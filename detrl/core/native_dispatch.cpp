@@ -24,6 +24,7 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <unordered_map>
@@ -41,6 +42,7 @@ enum Route : int {
   EXACT_IF_ALPHA_ONE = 3,
   CAST = 4,
   LOGGED = 5,  // an ELEMENTWISE op: rounded here when no element is near a midpoint, else by Python
+  LOGGED_REDUCTION = 6,  // a REDUCTION measured at its output's channel scale: the same, with that unit
   // fused ops computed as separate IEEE steps (detrl/core/fused.py), then rounded as EXACT
   SPLIT_ADD = 10, SPLIT_SUB = 11, SPLIT_ADDCMUL = 12, SPLIT_ADDCDIV = 13, SPLIT_LERP = 14,
 };
@@ -56,7 +58,7 @@ const c10::DispatchKeySet kOursAndAbove = c10::DispatchKeySet(c10::DispatchKeySe
 struct Entry {
   int route = PYTHON;
   bool in_place = false;  // a split op's in-place overload
-  double tau = 0.0;       // LOGGED: its threshold, in FP32 spacings at the element
+  double tau = 0.0;       // LOGGED: its threshold, in FP32 spacings (at the element, or the channel scale)
   py::object name;        // LOGGED: its op name, for the step's list of logged ops
 };
 
@@ -72,7 +74,7 @@ struct Step {
   Table* table = nullptr;
   bool logs = false;        // LOGGED ops may be rounded here: recording, not calibrating
   py::object flush;         // (names) -> None: logged op positions taken here, in order
-  py::object round_logged;  // (qualified name, overload, tensor) -> None: the mode's logged rounding
+  py::object round_logged;  // (qualified name, overload, elementwise, tensor) -> None: the mode's logged rounding
   std::vector<PyObject*> pending;  // names of logged ops rounded here since the last flush (borrowed)
   int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
   int64_t native_ops = 0;
@@ -187,6 +189,66 @@ bool any_near(const double* x, int64_t n, double tau) {
   return any != 0;
 }
 
+// 2**floor(log2(d)) of a non-negative double, by clearing its mantissa (scale._power_of_two).
+double power_of_two(double d) {
+  uint64_t bits;
+  std::memcpy(&bits, &d, sizeof bits);
+  bits &= 0x7FF0000000000000ULL;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+// Whether any element of a dense FP64 buffer laid out (outer, channels, inner) lies within T of an FP32
+// midpoint, T per channel at the output's scale as rounding.scale_spacing and the C kernel compute it:
+// max(2**floor(log2(float(max |x|))) 2**-23, 2**-149) tau. A channel holding a NaN or an infinity has no
+// finite T: reported as near, so the mode decides.
+bool any_near_channels(const double* x, int64_t outer, int64_t channels, int64_t inner, double tau) {
+  std::vector<double> amax(static_cast<size_t>(channels), 0.0);
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int64_t c = 0; c < channels; ++c) {
+      const double* row = x + (o * channels + c) * inner;
+      double m = amax[c], bad = 0.0;
+      for (int64_t i = 0; i < inner; ++i) {
+        double r = std::fabs(row[i]);
+        bad += r - r;  // 0 for a finite value, NaN for a NaN or an infinity
+        m = r > m ? r : m;
+      }
+      if (bad != bad) return true;
+      amax[c] = m;
+    }
+  }
+  for (int64_t c = 0; c < channels; ++c) {
+    double d = power_of_two(static_cast<double>(static_cast<float>(amax[c]))) * 0x1p-23;
+    if (d < 0x1p-149) d = 0x1p-149;
+    amax[c] = d * tau;  // now T of channel c
+  }
+  int any = 0;
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int64_t c = 0; c < channels; ++c) {
+      const double* row = x + (o * channels + c) * inner;
+      const double t = amax[c];
+      for (int64_t i = 0; i < inner; ++i) {
+        any |= (static_cast<float>(row[i] - t) != static_cast<float>(row[i] + t)) &
+               (static_cast<float>(row[i]) != 0.0f);
+      }
+      if (any) return true;
+    }
+  }
+  return false;
+}
+
+// rounding.near_midpoint's test for a logged op's dense output: at the element (ELEMENTWISE) or at its
+// channel's scale, the channel being dim 1 of an output of rank >= 2 (kernel._layout).
+bool output_near(int route, const at::Tensor& dense, double tau) {
+  const double* x = dense.data_ptr<double>();
+  if (route == LOGGED) return any_near(x, dense.numel(), tau);
+  if (dense.dim() >= 2) {
+    const int64_t outer = dense.size(0), channels = dense.size(1);
+    return any_near_channels(x, outer, channels, dense.numel() / (outer * channels), tau);
+  }
+  return any_near_channels(x, 1, 1, dense.numel(), tau);
+}
+
 void flush(Step* step) {
   if (step->pending.empty()) return;
   py::gil_scoped_acquire gil;
@@ -207,8 +269,8 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Python) | (keys & kBelowOurs), stack);
 }
 
-// An ELEMENTWISE op's FP64 outputs (written arguments, else outputs), rounded as logged: here when no
-// element of any is near a midpoint (no entries: only an op position each), else all by the Python mode.
+// A logged op's FP64 outputs (written arguments, else outputs), rounded as logged: here when no element of
+// any is near a midpoint (no entries: only an op position each), else all by the Python mode.
 void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std::vector<at::Tensor>& targets) {
   std::vector<at::Tensor> dense;
   bool near = false;
@@ -221,7 +283,7 @@ void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std
         break;
       }
       dense.push_back(t.contiguous());
-      if (any_near(dense.back().data_ptr<double>(), t.numel(), e.tau)) {
+      if (output_near(e.route, dense.back(), e.tau)) {
         near = true;
         break;
       }
@@ -248,7 +310,7 @@ void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std
   const auto& name = op.operator_name();
   for (const auto& t : targets) {
     if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
-    step->round_logged(name.name, name.overload_name, t);
+    step->round_logged(name.name, name.overload_name, e.route == LOGGED, t);
   }
 }
 
@@ -302,7 +364,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   if (route == EXACT_IF_ALPHA_ONE) route = alpha_is_one(schema, *stack, first) ? EXACT : PYTHON;
   // add and sub with alpha 1 are the plain IEEE op, not split (fused.split_needed)
   if ((route == SPLIT_ADD || route == SPLIT_SUB) && alpha_is_one(schema, *stack, first)) route = EXACT;
-  if (route == LOGGED && !step->logs) route = PYTHON;
+  if ((route == LOGGED || route == LOGGED_REDUCTION) && !step->logs) route = PYTHON;
   if (route != PYTHON && route != KEEP && route != CAST && has_narrow_argument(schema, *stack, first)) {
     route = PYTHON;  // a float32 or half island
   }
@@ -346,7 +408,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     const size_t n_out = schema.returns().size();
     for (size_t i = stack->size() - n_out; i < stack->size(); ++i) collect((*stack)[i], written);
   }
-  if (route == LOGGED) return round_logged(step, e, op, written);
+  if (route == LOGGED || route == LOGGED_REDUCTION) return round_logged(step, e, op, written);
   for (const auto& t : written) round_exact(step, t);
 }
 

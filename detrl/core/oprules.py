@@ -89,6 +89,14 @@ _ALPHA_FUSED = _packets(
 )
 
 
+#: Ops that update arguments their schema does not mark as written (batch norm's running statistics), by
+#: the positions of those arguments: the rounding mode rounds (and logs) them too.
+HIDDEN_WRITES: dict[Any, tuple[int, ...]] = {
+    aten.native_batch_norm.default: (3, 4),
+    aten._native_batch_norm_legit.default: (3, 4),
+}
+
+
 def classify(func: Any, kwargs: dict[str, Any]) -> OpKind:
     """The :class:`OpKind` of aten overload ``func`` called with ``kwargs``."""
     kind = _base_kind(func)

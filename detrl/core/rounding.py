@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from detrl.core import decompose, islands, kernel, native, randomness
 from detrl.core.dispatch import EagerDispatchMode
 from detrl.core.fused import run_split, split_needed
-from detrl.core.oprules import OpKind, classify, op_name
+from detrl.core.oprules import HIDDEN_WRITES, OpKind, classify, op_name
 from detrl.core.optrace import OpTrace
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
 from detrl.formats.roundlog import OpEntries, key32, nearest_with_low16
@@ -374,7 +374,7 @@ class RoundingMode(EagerDispatchMode):
             logs = step.replay is None and calibrate is None
             fast = (
                 native.scope(
-                    self._native_routes, self.profile, self.thresholds, step, logs, self._round_elementwise
+                    self._native_routes, self.profile, self.thresholds, step, logs, self._round_for_native
                 )
                 if self.trace is None
                 else contextlib.nullcontext()
@@ -481,9 +481,10 @@ class RoundingMode(EagerDispatchMode):
             self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
-    def _round_elementwise(self, func: Any, x: torch.Tensor) -> None:
-        """An elementwise op's output rounded with its log entries, for the native route (which ran the op)."""
-        self._round_logged(func, x, OpKind.ELEMENTWISE)
+    def _round_for_native(self, func: Any, elementwise: bool, x: torch.Tensor) -> None:
+        """An elementwise op's output, or a reduction's measured at its channel scale, rounded with its log
+        entries: for the native route, which ran the op and found an element near a midpoint."""
+        self._round_logged(func, x, OpKind.ELEMENTWISE if elementwise else OpKind.REDUCTION)
 
     def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple = ()) -> None:
         step = self.step
@@ -723,13 +724,6 @@ def _put(x: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
         x.view(-1)[idx] = values
     else:
         x[torch.unravel_index(idx, x.shape)] = values
-
-
-# Ops that update arguments their schema does not mark as written: batch norm's running statistics.
-HIDDEN_WRITES: dict[Any, tuple[int, ...]] = {
-    torch.ops.aten.native_batch_norm.default: (3, 4),
-    torch.ops.aten._native_batch_norm_legit.default: (3, 4),
-}
 
 
 _WRITES: dict[int, tuple[int, ...]] = {}  # by id(), as _PLANS: hashing an OpOverload runs Python code

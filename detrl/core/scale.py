@@ -177,3 +177,6 @@ def channel_scale(rounded: torch.Tensor) -> Scale:
 
 _MM = torch.ops.aten.mm.default
 _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
+#: The ops :func:`reduction_scale` measures from their inputs; every other reduction is measured at its
+#: output's channel scale, from the output alone.
+SCALED_BY_INPUTS = frozenset({_MM, _CONV_BACKWARD})
