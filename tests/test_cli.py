@@ -148,26 +148,7 @@ def test_bench_perop_prints_every_op_under_every_layer(capsys):
     assert len(rows) == 4, out
     for line in rows:
         cells = line.split(", 64")[1].split()
-        plain, any_mode, _, recorded, torch_ref, entry, own = map(float, cells)
-        assert min(plain, any_mode, recorded, torch_ref) > 0
-        assert abs(entry - (any_mode - plain)) < 0.11 and abs(own - (recorded - any_mode)) < 0.11
-
-
-@pytest.mark.slow
-def test_bench_perop_times_each_op_under_the_cpp_fallback_probe(capsys):
-    """``--cpp-fallback`` builds the no-work C++ fallback (a compiler and ninja needed), times each op under
-    it, and the fallback did see the ops: the column is measured, not assumed."""
-    import shutil
-
-    if shutil.which("ninja") is None or shutil.which("c++") is None:
-        pytest.skip("building the C++ fallback probe needs ninja and a C++ compiler")
-    argv = ["bench", "perop", "--cpp-fallback", "--sizes", "64", "--calls", "3", "--rounds", "1"]
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "C++ fallback" in out.splitlines()[2]
-    rows = [line for line in out.splitlines() if line.split(",")[0] in ("add", "exp", "mm", "sum over rows")]
-    for line in rows:
-        plain, cpp, entry = map(float, line.split(", 64")[1].split()[:3])
-        assert min(plain, cpp) > 0 and abs(entry - (cpp - plain)) < 0.11
-    passed = next(line for line in out.splitlines() if line.startswith("the C++ fallback passed"))
-    assert int(passed.split()[4].replace(",", "")) >= len(rows) * 3
+        plain, any_mode, _, recorded, python_mode, torch_ref, entry, own, beyond = map(float, cells)
+        assert min(plain, any_mode, recorded, python_mode, torch_ref) > 0
+        assert abs(entry - (any_mode - plain)) < 0.11 and abs(own - (python_mode - any_mode)) < 0.11
+        assert abs(beyond - (recorded - plain)) < 0.11

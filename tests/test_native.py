@@ -47,7 +47,12 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.sigmoid.default, pairwise) is Route.PYTHON
     assert route(aten.sum.dim_IntList, pairwise) is Route.PYTHON
     # a unit from the inputs, a hidden write, random, decomposed
-    for func in (aten.mm.default, aten._native_batch_norm_legit.default, aten.native_dropout.default):
+    assert route(aten.mm.default) is Route.LOGGED_MM  # its unit from its inputs
+    for func in (
+        aten.convolution_backward.default,
+        aten._native_batch_norm_legit.default,
+        aten.native_dropout.default,
+    ):
         assert route(func) is Route.PYTHON
     assert route(aten.native_layer_norm.default) is Route.PYTHON
 

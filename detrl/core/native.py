@@ -31,6 +31,8 @@ from detrl.core.fused import SPLIT
 from detrl.core.oprules import HIDDEN_WRITES, OpKind
 from detrl.core.scale import SCALED_BY_INPUTS
 
+MM = torch.ops.aten.mm.default
+
 
 class Route(enum.IntEnum):
     """Where the fallback sends an operator (the numbers are ``native_dispatch.cpp``'s)."""
@@ -42,6 +44,7 @@ class Route(enum.IntEnum):
     CAST = 4  # ``_to_copy``: EXACT, except a cast from a narrower float, which needs no rounding
     LOGGED = 5  # ELEMENTWISE: rounded natively when no element is near a midpoint, else by the mode
     LOGGED_REDUCTION = 6  # REDUCTION at its output's channel scale: the same
+    LOGGED_MM = 7  # ``aten.mm``: the same, its unit from its inputs (scale.reduction_scale)
     SPLIT_ADD = 10  # fused ops split into IEEE steps (detrl/core/fused.py), then EXACT
     SPLIT_SUB = 11
     SPLIT_ADDCMUL = 12
@@ -71,6 +74,8 @@ def route(func: Any, plan: Any, reorders: Callable[[Any], bool]) -> Route:
         return Route.LOGGED
     if plan.kind is OpKind.REDUCTION:
         # the ops whose unit comes from their inputs, and those writing what their schema does not say
+        if func is MM:
+            return Route.LOGGED_MM
         scaled_by_inputs = func in SCALED_BY_INPUTS or func in HIDDEN_WRITES
         return Route.PYTHON if scaled_by_inputs else Route.LOGGED_REDUCTION
     if plan.kind is not OpKind.EXACT:
@@ -195,13 +200,13 @@ def scope(
     thresholds: Any,
     step: Any,
     logs: bool,
-    round_logged: Callable[[Any, bool, torch.Tensor], None],
+    round_logged: Callable[[Any, bool, torch.Tensor, tuple], None],
 ) -> Iterator[None]:
     """Within: the ops of ``step`` (a :class:`detrl.core.rounding.StepRounding`) that need no Python are run
     and rounded natively on this thread (see the module doc). ``logs``: elementwise ops may be rounded here
-    (recording, not calibrating); ``round_logged(func, elementwise, t)`` is the mode's logged rounding of an
-    elementwise op's output or a reduction's (at its channel scale), for an output with an element near a
-    midpoint. Without the extension, or under a
+    (recording, not calibrating); ``round_logged(func, elementwise, t, args)`` is the mode's logged rounding
+    of an elementwise op's output or a reduction's (``args``: a matrix product's two inputs, for its unit),
+    for an output with an element near a midpoint. Without the extension, or under a
     profile that cannot say which ops it reorders, it does nothing."""
     module = _module() if _enabled and hasattr(profile, "reorders") else None
     if module is None:
@@ -212,8 +217,8 @@ def scope(
         step.seq += len(names)
         step.op_names.extend(names)
 
-    def logged(name: str, overload: str, elementwise: bool, t: torch.Tensor) -> None:
-        round_logged(_overload(name, overload), elementwise, t)
+    def logged(name: str, overload: str, elementwise: bool, t: torch.Tensor, a: Any, b: Any) -> None:
+        round_logged(_overload(name, overload), elementwise, t, () if a is None else (a, b))
 
     module.enter(routes.table(module, profile, thresholds), logs, flush, logged)
     try:

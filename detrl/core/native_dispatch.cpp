@@ -43,6 +43,7 @@ enum Route : int {
   CAST = 4,
   LOGGED = 5,  // an ELEMENTWISE op: rounded here when no element is near a midpoint, else by Python
   LOGGED_REDUCTION = 6,  // a REDUCTION measured at its output's channel scale: the same, with that unit
+  LOGGED_MM = 7,         // aten.mm: the same, with its unit from its inputs (scale.reduction_scale)
   // fused ops computed as separate IEEE steps (detrl/core/fused.py), then rounded as EXACT
   SPLIT_ADD = 10, SPLIT_SUB = 11, SPLIT_ADDCMUL = 12, SPLIT_ADDCDIV = 13, SPLIT_LERP = 14,
 };
@@ -74,7 +75,9 @@ struct Step {
   Table* table = nullptr;
   bool logs = false;        // LOGGED ops may be rounded here: recording, not calibrating
   py::object flush;         // (names) -> None: logged op positions taken here, in order
-  py::object round_logged;  // (qualified name, overload, elementwise, tensor) -> None: the mode's logged rounding
+  // (qualified name, overload, elementwise, tensor, a, b) -> None: the mode's logged rounding (a and b: a
+  // matrix product's inputs, else None)
+  py::object round_logged;
   std::vector<PyObject*> pending;  // names of logged ops rounded here since the last flush (borrowed)
   int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
   int64_t native_ops = 0;
@@ -237,11 +240,61 @@ bool any_near_channels(const double* x, int64_t outer, int64_t channels, int64_t
   return false;
 }
 
+// Per row of a strided FP64 matrix (rows x cols): scale.unit_factors, max(2**floor(log2(max |row|)),
+// 2**-149) * times. False where a row holds a NaN or an infinity (its factor is infinite: the mode decides).
+bool unit_factors(const at::Tensor& m, double times, std::vector<double>& out) {
+  const int64_t rows = m.size(0), cols = m.size(1), rs = m.stride(0), cs = m.stride(1);
+  const double* x = m.data_ptr<double>();
+  out.assign(static_cast<size_t>(rows), 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    double amax = 0.0, bad = 0.0;
+    for (int64_t c = 0; c < cols; ++c) {
+      double v = std::fabs(x[r * rs + c * cs]);
+      bad += v - v;
+      amax = v > amax ? v : amax;
+    }
+    if (bad != bad) return false;
+    double p = power_of_two(amax);
+    out[r] = (p < 0x1p-149 ? 0x1p-149 : p) * times;
+  }
+  return true;
+}
+
+// A matrix product's inputs, for its unit (scale.reduction_scale: row factors of a, column factors of b).
+struct Product {
+  at::Tensor a, b;  // (M, K) and (K, N), FP64 on the CPU
+};
+
+// Whether any element of the dense product out (M, N) lies within T = max(row[i] col[j], 2**-149) tau of
+// an FP32 midpoint: row[i] from a's row i, col[j] from b's column j times 2**-23 terms_factor(K).
+bool any_near_product(const at::Tensor& out, const Product& p, double tau) {
+  const int64_t m = p.a.size(0), k = p.a.size(1), n = p.b.size(1);
+  std::vector<double> rows, cols;
+  // terms_factor(K) = 2**(floor(log2 K) // 2), floor(log2 K) from the bit length (K >= 1)
+  int log2k = 63 - __builtin_clzll(static_cast<unsigned long long>(k));
+  double terms = std::ldexp(1.0, log2k / 2);
+  if (!unit_factors(p.a, 1.0, rows) || !unit_factors(p.b.t(), 0x1p-23 * terms, cols)) return true;
+  const double* x = out.data_ptr<double>();
+  int any = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    const double* row = x + i * n;
+    const double r = rows[i];
+    for (int64_t j = 0; j < n; ++j) {
+      double t = r * cols[j];
+      t = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
+      any |= (static_cast<float>(row[j] - t) != static_cast<float>(row[j] + t)) & (static_cast<float>(row[j]) != 0.0f);
+    }
+    if (any) return true;
+  }
+  return false;
+}
+
 // rounding.near_midpoint's test for a logged op's dense output: at the element (ELEMENTWISE) or at its
 // channel's scale, the channel being dim 1 of an output of rank >= 2 (kernel._layout).
-bool output_near(int route, const at::Tensor& dense, double tau) {
+bool output_near(int route, const at::Tensor& dense, double tau, const Product* product) {
   const double* x = dense.data_ptr<double>();
   if (route == LOGGED) return any_near(x, dense.numel(), tau);
+  if (route == LOGGED_MM) return any_near_product(dense, *product, tau);
   if (dense.dim() >= 2) {
     const int64_t outer = dense.size(0), channels = dense.size(1);
     return any_near_channels(x, outer, channels, dense.numel() / (outer * channels), tau);
@@ -271,7 +324,8 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
 
 // A logged op's FP64 outputs (written arguments, else outputs), rounded as logged: here when no element of
 // any is near a midpoint (no entries: only an op position each), else all by the Python mode.
-void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std::vector<at::Tensor>& targets) {
+void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std::vector<at::Tensor>& targets,
+                  const Product* product) {
   std::vector<at::Tensor> dense;
   bool near = false;
   {
@@ -283,7 +337,7 @@ void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std
         break;
       }
       dense.push_back(t.contiguous());
-      if (output_near(e.route, dense.back(), e.tau)) {
+      if (output_near(e.route, dense.back(), e.tau, product)) {
         near = true;
         break;
       }
@@ -308,9 +362,11 @@ void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std
   c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // as inside the mode's handler
   py::gil_scoped_acquire gil;
   const auto& name = op.operator_name();
+  py::object a = py::none(), b = py::none();
+  if (product != nullptr) a = py::cast(product->a), b = py::cast(product->b);
   for (const auto& t : targets) {
     if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
-    step->round_logged(name.name, name.overload_name, e.route == LOGGED, t);
+    step->round_logged(name.name, name.overload_name, e.route == LOGGED, t, a, b);
   }
 }
 
@@ -364,7 +420,25 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   if (route == EXACT_IF_ALPHA_ONE) route = alpha_is_one(schema, *stack, first) ? EXACT : PYTHON;
   // add and sub with alpha 1 are the plain IEEE op, not split (fused.split_needed)
   if ((route == SPLIT_ADD || route == SPLIT_SUB) && alpha_is_one(schema, *stack, first)) route = EXACT;
-  if ((route == LOGGED || route == LOGGED_REDUCTION) && !step->logs) route = PYTHON;
+  const bool logged = route == LOGGED || route == LOGGED_REDUCTION || route == LOGGED_MM;
+  if (logged && !step->logs) route = PYTHON;
+  Product product;
+  if (route == LOGGED_MM) {  // plain FP64 CPU matrices, or the mode decides (scale.reduction_scale)
+    const auto& a = (*stack)[first];
+    const auto& b = (*stack)[first + 1];
+    auto plain_matrix = [](const c10::IValue& v) {
+      if (!v.isTensor()) return false;
+      const auto& t = v.toTensor();
+      return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.dim() == 2 && plain_cpu(t);
+    };
+    if (plain_matrix(a) && plain_matrix(b) && a.toTensor().size(1) == b.toTensor().size(0) &&
+        a.toTensor().size(1) > 0 && a.toTensor().size(0) > 0 && b.toTensor().size(1) > 0) {
+      product.a = a.toTensor();
+      product.b = b.toTensor();
+    } else {
+      route = PYTHON;
+    }
+  }
   if (route != PYTHON && route != KEEP && route != CAST && has_narrow_argument(schema, *stack, first)) {
     route = PYTHON;  // a float32 or half island
   }
@@ -408,7 +482,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     const size_t n_out = schema.returns().size();
     for (size_t i = stack->size() - n_out; i < stack->size(); ++i) collect((*stack)[i], written);
   }
-  if (route == LOGGED || route == LOGGED_REDUCTION) return round_logged(step, e, op, written);
+  if (logged) return round_logged(step, e, op, written, route == LOGGED_MM ? &product : nullptr);
   for (const auto& t : written) round_exact(step, t);
 }
 

@@ -481,10 +481,10 @@ class RoundingMode(EagerDispatchMode):
             self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
-    def _round_for_native(self, func: Any, elementwise: bool, x: torch.Tensor) -> None:
-        """An elementwise op's output, or a reduction's measured at its channel scale, rounded with its log
+    def _round_for_native(self, func: Any, elementwise: bool, x: torch.Tensor, args: tuple) -> None:
+        """An elementwise op's output, or a reduction's (``args``: what its unit needs), rounded with its log
         entries: for the native route, which ran the op and found an element near a midpoint."""
-        self._round_logged(func, x, OpKind.ELEMENTWISE if elementwise else OpKind.REDUCTION)
+        self._round_logged(func, x, OpKind.ELEMENTWISE if elementwise else OpKind.REDUCTION, args)
 
     def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple = ()) -> None:
         step = self.step
