@@ -213,14 +213,14 @@ def scope(
         yield
         return
 
-    def flush(names: list[str]) -> None:  # op positions the fallback took, in order
-        step.seq += len(names)
-        step.op_names.extend(names)
+    def number(name: str) -> None:  # a logged op the fallback rounded takes the next op position
+        step.seq += 1
+        step.op_names.append(name)
 
     def logged(name: str, overload: str, elementwise: bool, t: torch.Tensor, a: Any, b: Any) -> None:
         round_logged(_overload(name, overload), elementwise, t, () if a is None else (a, b))
 
-    module.enter(routes.table(module, profile, thresholds), logs, flush, logged)
+    module.enter(routes.table(module, profile, thresholds), logs, number, logged)
     try:
         yield
     finally:

@@ -70,15 +70,20 @@ struct Table {
   std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
 };
 
+// Outputs of more elements than this are tested by the mode's vectorised C kernel (detrl/core/kernel.py):
+// a Python call costs a few microseconds, the scalar test here about a nanosecond an element.
+constexpr int64_t kLargeOutput = 8192;
+
 // One step on this thread.
 struct Step {
   Table* table = nullptr;
   bool logs = false;        // LOGGED ops may be rounded here: recording, not calibrating
-  py::object flush;         // (names) -> None: logged op positions taken here, in order
+  // (name) -> None: a logged op rounded here takes the next op position. At once, not batched: the mode
+  // may number the next logged op on another thread (autograd's device threads take the Python route).
+  py::object number;
   // (qualified name, overload, elementwise, tensor, a, b) -> None: the mode's logged rounding (a and b: a
   // matrix product's inputs, else None)
   py::object round_logged;
-  std::vector<PyObject*> pending;  // names of logged ops rounded here since the last flush (borrowed)
   int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
   int64_t native_ops = 0;
   int64_t python_ops = 0;
@@ -302,20 +307,9 @@ bool output_near(int route, const at::Tensor& dense, double tau, const Product* 
   return any_near_channels(x, 1, 1, dense.numel(), tau);
 }
 
-void flush(Step* step) {
-  if (step->pending.empty()) return;
-  py::gil_scoped_acquire gil;
-  py::list names(step->pending.size());
-  for (size_t i = 0; i < step->pending.size(); ++i) names[i] = py::reinterpret_borrow<py::object>(step->pending[i]);
-  step->pending.clear();
-  step->flush(names);
-}
 
 void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  if (step != nullptr) {
-    ++step->python_ops;
-    flush(step);  // the mode numbers the logged ops it rounds after those rounded here
-  }
+  if (step != nullptr) ++step->python_ops;
   auto local = c10::impl::tls_local_dispatch_key_set();
   c10::impl::ForceDispatchKeyGuard python_again(local.included_,
                                                 local.excluded_.remove(c10::DispatchKey::Python).add(kOurs));
@@ -327,8 +321,11 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
 void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std::vector<at::Tensor>& targets,
                   const Product* product) {
   std::vector<at::Tensor> dense;
-  bool near = false;
-  {
+  int64_t total = 0;
+  for (const auto& t : targets) total += t.defined() ? t.numel() : 0;
+  // A large output goes to the mode's vectorised kernel directly: its call costs less than the pass here.
+  bool near = total > kLargeOutput;
+  if (!near) {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     for (const auto& t : targets) {
       if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
@@ -354,11 +351,11 @@ void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std
         t.copy_(d);
       }
       step->rounded += t.numel();
-      step->pending.push_back(e.name.ptr());
+      py::gil_scoped_acquire gil;
+      step->number(e.name);
     }
     return;
   }
-  flush(step);
   c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // as inside the mode's handler
   py::gil_scoped_acquire gil;
   const auto& name = op.operator_name();
@@ -497,12 +494,12 @@ struct Scope {
 
 thread_local std::vector<std::unique_ptr<Scope>> scopes;
 
-void enter(py::object table, bool logs, py::object flush_fn, py::object round_logged_fn) {
+void enter(py::object table, bool logs, py::object number_fn, py::object round_logged_fn) {
   auto scope = std::make_unique<Scope>();
   scope->table_owner = table;
   scope->step.table = table.cast<Table*>();
   scope->step.logs = logs;
-  scope->step.flush = std::move(flush_fn);
+  scope->step.number = std::move(number_fn);
   scope->step.round_logged = std::move(round_logged_fn);
   scope->previous = current;
   scope->include = std::make_unique<c10::impl::IncludeDispatchKeyGuard>(kOurs);
@@ -511,7 +508,7 @@ void enter(py::object table, bool logs, py::object flush_fn, py::object round_lo
   scopes.push_back(std::move(scope));
 }
 
-// Leave the innermost scope (flushing its logged op positions); returns (rounded elements, ops handled
+// Leave the innermost scope; returns (rounded elements, ops handled
 // here, ops handed to the Python mode).
 py::tuple leave() {
   TORCH_CHECK(!scopes.empty(), "native dispatch: leave() without enter()");
@@ -521,7 +518,6 @@ py::tuple leave() {
   scope->include.reset();
   current = scope->previous;
   Step& s = scope->step;
-  flush(&s);
   return py::make_tuple(s.rounded, s.native_ops, s.python_ops);
 }
 
