@@ -4,7 +4,10 @@ leave alone."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -28,6 +31,13 @@ def test_the_route_is_built_where_a_cpp_compiler_exists() -> None:
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the Python mode does every op")
     assert native.available()
+
+
+def test_the_environment_can_switch_the_route_off() -> None:
+    probe = "from detrl.core import native; print(native.available())"
+    env = {**os.environ, "DETRL_NATIVE_DISPATCH": "0"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_routes_follow_the_modes_plan_and_the_profile() -> None:

@@ -2,9 +2,11 @@
 //
 // Under the rounding mode (detrl/core/rounding.py) every aten op enters Python, about 3-5 us before any
 // work. Most ops of a training step need none of what the mode does in Python: views and copies (KEEP)
-// only move values, and correctly rounded IEEE ops (EXACT: add, mul, div, sqrt, fills, casts) need only
-// their FP64 result rounded to FP32, with no log entry and no op position. This file handles exactly those
-// in C++ and hands every other op to the Python mode, unchanged.
+// only move values; correctly rounded IEEE ops (EXACT: add, mul, div, sqrt, fills, casts) and the fused
+// updates split into them (detrl/core/fused.py) need only their FP64 result rounded to FP32; a logged op
+// (ELEMENTWISE, or a REDUCTION whose unit needs no more than its output, or mm's) needs an op position,
+// and log entries only where an element lies near an FP32 midpoint, which is rare. This file runs and
+// rounds those ops in C++; a logged op with a near element, and every other op, goes to the Python mode.
 //
 // How: a boxed dispatcher fallback on DispatchKey::Fake (reserved for a C++ fake-tensor mode that eager
 // code does not use). Fake sits just below Python, so while a step runs, Fake is included in the thread's
