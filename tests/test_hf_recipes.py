@@ -204,19 +204,10 @@ def test_a_recorded_step_trains_on_the_labels_path(monkeypatch: pytest.MonkeyPat
 
 def _step_ops(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[str]:
     """The aten ops a training step's loss and backward dispatch, as the rounding mode would see them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Names(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from detrl.testing.opwalk import OpNames
 
     model.zero_grad(set_to_none=True)
-    with Names() as names:
+    with OpNames() as names:
         train.training_loss(model, x, y).backward()
     return names.ops
 

@@ -4,14 +4,15 @@ leave alone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from detrl.core import native
 from detrl.core.engine import Session
@@ -21,9 +22,11 @@ from detrl.core.rounding import plan_of
 from detrl.core.sources import Sources
 from detrl.formats import bundle as bundle_mod
 from detrl.testing import zoo
+from detrl.testing.opwalk import OpNames
 
 needs_native = pytest.mark.skipif(not native.available(), reason="the native route is not built here")
 aten = torch.ops.aten
+TINY_DQN = Path(__file__).resolve().parents[1] / "configs" / "dqn" / "tiny.yaml"
 EMULATED = [p for p in profile_names() if p.startswith("emulated:")]
 
 
@@ -102,14 +105,31 @@ def test_every_zoo_model_is_the_same_bundle_on_every_profile(tmp_path, name: str
     _assert_same_bundles(specimen, tmp_path, hardware)
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
+@needs_native
+def test_a_dqn_calibrating_for_a_hundred_steps_is_the_same_bundle(tmp_path) -> None:  # noqa: ANN001
+    """A DQN calibrates until its first update: a hundred steps of the same acting calls, which the
+    calibrator declines to measure after two of each class and the native route then rounds itself."""
+    from detrl.cli import main
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+    def record(where: str, on: bool) -> None:
+        argv = [
+            "train",
+            "configs/dqn/tiny.yaml",
+            "--out",
+            str(tmp_path / where),
+            "--quiet",
+            "--no-tensorboard",
+        ]
+        argv += ["--set", "train.steps=300", "--set", "agent.learning_starts=100", "--set", "eval.episodes=0"]
+        with contextlib.nullcontext() if on else native.disabled():
+            assert main(argv) == 0
+
+    native.counts.clear()
+    record("native", on=True)
+    assert native.counts["native"] > 0
+    record("python", on=False)
+    for name in (bundle_mod.ROUNDLOG, bundle_mod.COMMITMENTS):
+        assert (tmp_path / "native" / name).read_bytes() == (tmp_path / "python" / name).read_bytes(), name
 
 
 @needs_native
@@ -125,7 +145,7 @@ def test_a_mode_entered_inside_a_step_still_sees_every_op(tmp_path) -> None:  # 
             with session:
                 model = session.init(lambda: torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()))
                 x = torch.ones(2, 4, dtype=torch.float64)
-                with session.step(batch=(x,)), _Count() as count:
+                with session.step(batch=(x,)), OpNames() as count:
                     model(x).sum().backward()
         finally:
             native.set_enabled(before)

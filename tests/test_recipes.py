@@ -323,22 +323,12 @@ def _op_names(
     (below the random-op routing, which draws dropout masks from a stream)."""
     import contextlib
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from detrl.core.randomness import StreamRandomMode
-
-    class Names(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from detrl.testing.opwalk import OpNames
 
     model.zero_grad(set_to_none=True)
     routing = StreamRandomMode(torch.Generator().manual_seed(0)) if route else contextlib.nullcontext()
-    with Names() as names, routing:
+    with OpNames() as names, routing:
         train.loss_fn(model(tokens), targets).backward()
     return names.ops
 

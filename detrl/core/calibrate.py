@@ -139,9 +139,11 @@ class Calibrator:
         self.worst: dict[str, float] = {}
         #: measurements so far per shape class (only counted when bounded)
         self.classes: dict[str, int] = {}
-        #: op calls seen and op calls measured (this session, for reports; not checkpointed)
+        #: op calls seen, measured, and declined for a class measured enough (this session, for reports and
+        #: the native route, which rounds calls it has seen declined itself; not checkpointed)
         self.calls = 0
         self.calibrated_calls = 0
+        self.declined = 0
 
     def begin_step(self, step: int) -> None:
         """Reseed the random-order profiles for ``step``: a resumed recording calibrates as an uninterrupted
@@ -197,6 +199,7 @@ class Calibrator:
             # A new class is measured, so an op kind's first call always is: the threshold an unmeasured
             # call is logged with (``thresholds.per_op[name]``) always rests on a measurement.
             if seen >= self.max_per_class and name in self.worst:
+                self.declined += 1
                 return
             self.classes[key] = seen + 1
         self.calibrated_calls += 1

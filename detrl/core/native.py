@@ -1,16 +1,19 @@
 """Ops that need no Python, rounded below it: the native route of the rounding mode (``native_dispatch.cpp``).
 
 :class:`~detrl.core.rounding.RoundingMode` enters Python for every aten op of a verifiable step (3-5 µs
-before it does anything). For KEEP ops (views, copies: nothing to round) and EXACT ops (correctly rounded
-IEEE results: round to FP32, no log entry, no op position) that is all overhead. While a step runs,
-:func:`scope` puts a C++ dispatcher fallback in front of the mode: it runs those ops and rounds their
-outputs itself, and hands every other op to the mode, which then works exactly as without it. The ops it
-takes round the same bits and leave the log, the op positions and the stats as the mode would
-(``tests/test_native.py`` holds bundles recorded both ways byte-identical).
+before it does anything). Most ops need nothing from Python: KEEP ops (views, copies) round nothing; EXACT
+ops (correctly rounded IEEE results) and the fused updates :mod:`detrl.core.fused` splits into them are
+rounded to FP32 with no log entry; a logged op (ELEMENTWISE, or a REDUCTION whose unit needs only its
+output, or ``mm``'s from its inputs) needs an op position, and log entries only where an element lies near
+an FP32 midpoint. While a step runs, :func:`scope` puts a C++ dispatcher fallback in front of the mode: it
+runs and rounds those ops itself and hands every other op (and a logged op's output with a near element)
+to the mode, which then works exactly as without it. The bits, the log, the op positions and the stats are
+the mode's (``tests/test_native.py`` holds bundles recorded both ways byte-identical on every zoo model and
+hardware profile).
 
 Which op goes where is decided once per operator, in Python (:func:`route`, from the mode's own plan);
 per call the fallback checks only what depends on the arguments: a float32 or half argument (a Python
-island) and ``alpha != 1`` (a fused add).
+island), ``alpha != 1`` (a fused add), and whether an element is near a midpoint.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ def route(func: Any, plan: Any, reorders: Callable[[Any], bool]) -> Route:
     """The route of aten overload ``func``, given the rounding mode's ``plan`` of it
     (:func:`detrl.core.rounding.plan_of`), under a profile whose ``reorders(func)`` says whether it computes
     ``func`` other than the native kernel. What the mode does beyond running, rounding and numbering an op
-    stays with the mode: profiles' emulations, decompositions, random ops, reductions (their units need the
-    op's arguments), and a fused op :mod:`detrl.core.fused` splits by a rule with no native twin."""
+    stays with the mode: profiles' emulations, decompositions, random ops, reductions whose unit needs
+    their arguments in a way the fallback does not compute (a convolution's input gradient) or that write
+    what their schema does not say (batch norm), and fused ops no native split covers."""
     if plan.random or plan.decomposes or reorders(func):
         return Route.PYTHON
     if plan.keep:
@@ -73,11 +77,11 @@ def route(func: Any, plan: Any, reorders: Callable[[Any], bool]) -> Route:
     if plan.kind is OpKind.ELEMENTWISE and not plan.alpha:
         return Route.LOGGED
     if plan.kind is OpKind.REDUCTION:
-        # the ops whose unit comes from their inputs, and those writing what their schema does not say
         if func is MM:
             return Route.LOGGED_MM
-        scaled_by_inputs = func in SCALED_BY_INPUTS or func in HIDDEN_WRITES
-        return Route.PYTHON if scaled_by_inputs else Route.LOGGED_REDUCTION
+        if func in SCALED_BY_INPUTS or func in HIDDEN_WRITES:
+            return Route.PYTHON
+        return Route.LOGGED_REDUCTION
     if plan.kind is not OpKind.EXACT:
         return Route.PYTHON
     if plan.widening:
@@ -171,6 +175,12 @@ class Routes:
         self._plan_of = plan_of
         self._table: Any = None
         self._key: Any = None
+        self._declined: Any = None  # the calls calibration declined to measure again (kept: counts only grow)
+
+    def declined(self, module: Any) -> Any:
+        if self._declined is None:
+            self._declined = module.Declined()
+        return self._declined
 
     def table(self, module: Any, profile: Any, thresholds: Any) -> Any:
         key = (id(profile), thresholds.default, tuple(sorted(thresholds.per_op.items())))
@@ -201,13 +211,17 @@ def scope(
     step: Any,
     logs: bool,
     round_logged: Callable[[Any, bool, torch.Tensor, tuple], None],
+    calibrator: Any = None,
 ) -> Iterator[None]:
     """Within: the ops of ``step`` (a :class:`detrl.core.rounding.StepRounding`) that need no Python are run
     and rounded natively on this thread (see the module doc). ``logs``: elementwise ops may be rounded here
-    (recording, not calibrating); ``round_logged(func, elementwise, t, args)`` is the mode's logged rounding
+    (recording); ``round_logged(func, elementwise, t, args)`` is the mode's logged rounding
     of an elementwise op's output or a reduction's (``args``: a matrix product's two inputs, for its unit),
-    for an output with an element near a midpoint. Without the extension, or under a
-    profile that cannot say which ops it reorders, it does nothing."""
+    for an output with an element near a midpoint. In a calibration step (``calibrator``: the
+    :class:`~detrl.core.calibrate.Calibrator`) logged calls go to the mode until the calibrator declines
+    to measure one (its shape class is measured enough); the fallback then rounds calls like it itself,
+    with the live threshold. Without the extension, or under a profile that cannot say which ops it
+    reorders, it does nothing."""
     module = _module() if _enabled and hasattr(profile, "reorders") else None
     if module is None:
         yield
@@ -220,7 +234,19 @@ def scope(
     def logged(name: str, overload: str, elementwise: bool, t: torch.Tensor, a: Any, b: Any) -> None:
         round_logged(_overload(name, overload), elementwise, t, () if a is None else (a, b))
 
-    module.enter(routes.table(module, profile, thresholds), logs, number, logged)
+    hooks: tuple = (None, None, None)
+    if calibrator is not None:
+
+        def tally() -> tuple[int, int]:
+            return calibrator.calls, calibrator.declined
+
+        def declined_call(name: str) -> float:  # what the calibrator does with a call it declines
+            calibrator.calls += 1
+            calibrator.declined += 1
+            return thresholds.tau(name)
+
+        hooks = (routes.declined(module), tally, declined_call)
+    module.enter(routes.table(module, profile, thresholds), logs, number, logged, *hooks)
     try:
         yield
     finally:

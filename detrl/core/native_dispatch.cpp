@@ -29,7 +29,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -77,9 +79,22 @@ struct Table {
 constexpr int64_t kLargeOutput = 8192;
 
 // One step on this thread.
+// Calls of logged ops whose shape class calibration has measured enough (detrl/core/calibrate.py: it
+// declines to measure them again), by a key finer than the class: the operator and every argument's
+// dtype, layout, sizes and strides, and every other argument's value. The class is a function of the
+// call's arguments and its count only grows, so a key once declined is declined for good.
+struct Declined {
+  std::unordered_set<std::string> keys;
+};
+
 struct Step {
   Table* table = nullptr;
-  bool logs = false;        // LOGGED ops may be rounded here: recording, not calibrating
+  bool logs = false;        // LOGGED ops may be rounded here: recording
+  // In a calibration step (else null): the calls known declined, and the calibrator's hooks:
+  // tally() -> (calls, declined) so far; declined_call(name) -> the op's live threshold, counting the call
+  // as the calibrator counts one it declines.
+  Declined* declined = nullptr;
+  py::object tally, declined_call;
   // (name) -> None: a logged op rounded here takes the next op position. At once, not batched: the mode
   // may number the next logged op on another thread (autograd's device threads take the Python route).
   py::object number;
@@ -168,7 +183,16 @@ void collect(const c10::IValue& v, std::vector<at::Tensor>& out) {
 
 bool plain_cpu(const at::Tensor& t) { return t.is_cpu() && !t.is_conj() && !t.is_neg(); }
 
-void round_dense(double* p, int64_t n) {
+// Vector builds of the loops over an output, as in the C kernel: each element is computed exactly as the
+// scalar code computes it (no fast-math, no FMA contraction); the loader picks an AVX2 clone where the CPU
+// has it.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+VECTOR_CLONES void round_dense(double* p, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = static_cast<double>(static_cast<float>(p[i]));
 }
 
@@ -187,7 +211,7 @@ void round_exact(Step* step, const at::Tensor& t) {
 // Whether any element of a dense FP64 buffer lies within T of an FP32 midpoint, T at the element as
 // rounding.near_midpoint computes it: clamp(|x| tau 2**-23, tau 2**-149, tau 2**104). The same IEEE
 // double and float operations as the reference and the C kernel (no fast-math, no FMA contraction).
-bool any_near(const double* x, int64_t n, double tau) {
+VECTOR_CLONES bool any_near(const double* x, int64_t n, double tau) {
   const double c1 = tau * 0x1p-23, lo = tau * 0x1p-149, hi = tau * 0x1p104;
   int any = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -320,8 +344,8 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
 
 // A logged op's FP64 outputs (written arguments, else outputs), rounded as logged: here when no element of
 // any is near a midpoint (no entries: only an op position each), else all by the Python mode.
-void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std::vector<at::Tensor>& targets,
-                  const Product* product) {
+void round_logged(Step* step, const Entry& e, double tau, const c10::OperatorHandle& op,
+                  std::vector<at::Tensor>& targets, const Product* product) {
   std::vector<at::Tensor> dense;
   int64_t total = 0;
   for (const auto& t : targets) total += t.defined() ? t.numel() : 0;
@@ -336,7 +360,7 @@ void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std
         break;
       }
       dense.push_back(t.contiguous());
-      if (output_near(e.route, dense.back(), e.tau, product)) {
+      if (output_near(e.route, dense.back(), tau, product)) {
         near = true;
         break;
       }
@@ -367,6 +391,92 @@ void round_logged(Step* step, const Entry& e, const c10::OperatorHandle& op, std
     if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
     step->round_logged(name.name, name.overload_name, e.route == LOGGED, t, a, b);
   }
+}
+
+// Appends a description of one argument to a call key; false for one it cannot describe (a sparse
+// tensor, a complex or symbolic number, an object): then the call is not cached.
+bool describe(std::string& key, const c10::IValue& v) {
+  auto put = [&key](const void* p, size_t n) { key.append(static_cast<const char*>(p), n); };
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    if (!t.defined()) return key.push_back('u'), true;
+    if (t.layout() != c10::kStrided) return false;
+    key.push_back('T');
+    const int8_t dtype = static_cast<int8_t>(t.scalar_type());
+    const int64_t dim = t.dim();
+    put(&dtype, 1);
+    put(&dim, 8);
+    put(t.sizes().data(), 8 * dim);
+    put(t.strides().data(), 8 * dim);
+    return true;
+  }
+  if (v.isNone()) return key.push_back('N'), true;
+  if (v.isBool()) return key.push_back(v.toBool() ? 'B' : 'b'), true;
+  if (v.isInt()) {
+    const int64_t i = v.toInt();
+    key.push_back('i');
+    put(&i, 8);
+    return true;
+  }
+  if (v.isDouble()) {
+    const double d = v.toDouble();
+    key.push_back('d');
+    put(&d, 8);
+    return true;
+  }
+  if (v.isString()) {
+    const auto& str = v.toStringRef();
+    const int64_t n = static_cast<int64_t>(str.size());
+    key.push_back('s');
+    put(&n, 8);
+    key.append(str);
+    return true;
+  }
+  if (v.isDevice()) {
+    key.push_back('D');
+    key.append(v.toDevice().str());
+    key.push_back(';');
+    return true;
+  }
+  if (v.isList() || v.isTensorList() || v.isOptionalTensorList() || v.isIntList() || v.isDoubleList() ||
+      v.isBoolList()) {
+    const auto& items = v.toListRef();
+    const int64_t n = static_cast<int64_t>(items.size());
+    key.push_back('L');
+    put(&n, 8);
+    for (const auto& item : items) {
+      if (!describe(key, item)) return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+// The call's key (empty where an argument cannot be described).
+std::string call_key(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first, size_t n_args) {
+  std::string key;
+  const void* id = &op.schema();
+  key.append(reinterpret_cast<const char*>(&id), sizeof id);
+  for (size_t i = 0; i < n_args; ++i) {
+    if (!describe(key, stack[first + i])) return std::string();
+  }
+  return key;
+}
+
+// A calibration step's logged call the calibrator may measure: to the mode, learning whether it declined.
+void to_python_learning(Step* step, const std::string& key, const c10::OperatorHandle& op,
+                        c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  std::pair<int64_t, int64_t> before;
+  if (!key.empty()) {
+    py::gil_scoped_acquire gil;
+    before = step->tally().cast<std::pair<int64_t, int64_t>>();
+  }
+  to_python(step, op, keys, stack);
+  if (key.empty()) return;
+  py::gil_scoped_acquire gil;
+  auto after = step->tally().cast<std::pair<int64_t, int64_t>>();
+  // exactly one call counted, and declined: this one
+  if (after.first == before.first + 1 && after.second == before.second + 1) step->declined->keys.insert(key);
 }
 
 // fused.py's split rules: the step to add to self, from separate correctly rounded IEEE operations.
@@ -448,6 +558,10 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   at::Tensor split;
   if (route >= SPLIT_ADD && !split_step(route, *stack, first, split)) route = PYTHON;
   if (route == PYTHON) return to_python(step, op, keys, stack);
+  if (logged && step->declined != nullptr) {  // a calibration step: only calls known declined stay here
+    std::string key = call_key(op, *stack, first, n_args);
+    if (key.empty() || step->declined->keys.count(key) == 0) return to_python_learning(step, key, op, keys, stack);
+  }
   ++step->native_ops;
   std::vector<at::Tensor> written;
   if (route >= SPLIT_ADD) {
@@ -481,14 +595,24 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     const size_t n_out = schema.returns().size();
     for (size_t i = stack->size() - n_out; i < stack->size(); ++i) collect((*stack)[i], written);
   }
-  if (logged) return round_logged(step, e, op, written, route == LOGGED_MM ? &product : nullptr);
+  if (logged) {
+    double tau = e.tau;
+    if (step->declined != nullptr) {  // calibration moves thresholds as it goes: the live one
+      bool produced = false;
+      for (const auto& t : written) produced |= t.defined() && t.scalar_type() == c10::ScalarType::Double;
+      if (!produced) return;
+      py::gil_scoped_acquire gil;
+      tau = step->declined_call(e.name).cast<double>();
+    }
+    return round_logged(step, e, tau, op, written, route == LOGGED_MM ? &product : nullptr);
+  }
   for (const auto& t : written) round_exact(step, t);
 }
 
 // The step scope: our key in, Python out, for this thread; restored in reverse on leave.
 struct Scope {
   Step step;
-  py::object table_owner;
+  py::object table_owner, declined_owner;
   std::unique_ptr<c10::impl::IncludeDispatchKeyGuard> include;
   std::unique_ptr<c10::impl::ExcludeDispatchKeyGuard> exclude;
   Step* previous = nullptr;
@@ -496,11 +620,18 @@ struct Scope {
 
 thread_local std::vector<std::unique_ptr<Scope>> scopes;
 
-void enter(py::object table, bool logs, py::object number_fn, py::object round_logged_fn) {
+void enter(py::object table, bool logs, py::object number_fn, py::object round_logged_fn, py::object declined,
+           py::object tally, py::object declined_call) {
   auto scope = std::make_unique<Scope>();
   scope->table_owner = table;
+  scope->declined_owner = declined;
   scope->step.table = table.cast<Table*>();
   scope->step.logs = logs;
+  if (!declined.is_none()) {
+    scope->step.declined = declined.cast<Declined*>();
+    scope->step.tally = std::move(tally);
+    scope->step.declined_call = std::move(declined_call);
+  }
   scope->step.number = std::move(number_fn);
   scope->step.round_logged = std::move(round_logged_fn);
   scope->previous = current;
@@ -541,6 +672,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }))
       .def("clear", [](Table& t) { t.entries.clear(); })
       .def("__len__", [](const Table& t) { return t.entries.size(); });
+  py::class_<Declined>(m, "Declined", "calls of logged ops calibration has declined to measure again")
+      .def(py::init<>())
+      .def("__len__", [](const Declined& d) { return d.keys.size(); });
   m.def("enter", &enter, "start a step: ops that need no Python are handled natively on this thread");
   m.def("leave", &leave, "end the innermost step; returns (rounded elements, native ops, Python ops)");
 }

@@ -370,11 +370,20 @@ class RoundingMode(EagerDispatchMode):
         self.step, self.calibrate, self.check_thresholds = step, calibrate, check_thresholds
         self.random, self.honour_floor = random, honour_floor
         try:
-            # Ops that need no Python (views, exact ops, elementwise ops with nothing to log) run natively.
-            logs = step.replay is None and calibrate is None
+            # Ops that need no Python (views, exact ops, logged ops with nothing near a midpoint) run
+            # natively; in a calibration step, logged calls only once the calibrator declines to measure
+            # them (a calibrator that does not count its declines keeps every logged op in the mode).
+            counts_declines = calibrate is None or hasattr(calibrate, "declined")
+            logs = step.replay is None and counts_declines
             fast = (
                 native.scope(
-                    self._native_routes, self.profile, self.thresholds, step, logs, self._round_for_native
+                    self._native_routes,
+                    self.profile,
+                    self.thresholds,
+                    step,
+                    logs,
+                    self._round_for_native,
+                    calibrate if logs else None,
                 )
                 if self.trace is None
                 else contextlib.nullcontext()

@@ -58,6 +58,18 @@ class WalkProfile(Profile):
         return out
 
 
+class OpNames(TorchDispatchMode):
+    """A mode that lists the aten ops it sees (``ops``: ``"aten.mm.default"``, ...) and runs each unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 class _GridCheck(TorchDispatchMode):
     """Above the rounding mode: every FP64 result it returns must be on the FP32 grid (or NaN)."""
 
