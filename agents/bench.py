@@ -257,7 +257,7 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
         env.reset = timer.timed(env.reset, "env reset")
         return env
 
-    session_step = Session.step
+    session_step = originals[patched.index((Session, "step"))]
     try:
         for (owner, name), label in zip(patched, labels):
             if name != "step":
@@ -269,11 +269,15 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
             scope = session_step(self, *a, **kw)
             rounding = scope.__enter__()
             spent = time.perf_counter() - t0
+            exc: BaseException | None = None
             try:
                 yield rounding
+            except BaseException as e:  # the step leaves as the body did: the error goes to it, then on
+                exc = e
+                raise
             finally:
                 t1 = time.perf_counter()
-                scope.__exit__(None, None, None)
+                scope.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
                 timer.seconds["Session step"] = (
                     timer.seconds.get("Session step", 0.0) + spent + time.perf_counter() - t1
                 )

@@ -46,5 +46,4 @@ class Precision:
             return t
         if self.kind == "verifiable":
             return t.to(torch.float32).to(torch.float64)
-        dtype = torch.float32 if self.kind == "fp32" else torch.float64
-        return t if t.dtype == dtype else t.to(dtype)
+        return t if t.dtype == self.dtype else t.to(self.dtype)
