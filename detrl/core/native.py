@@ -120,7 +120,7 @@ def _module() -> Any:
         return cpp_extension.load(
             "detrl_native_dispatch",
             [str(source)],
-            extra_cflags=["-O3", "-fno-fast-math", "-ffp-contract=off"],
+            extra_cflags=["-O3", "-fno-fast-math", "-ffp-contract=off"],  # setup.py's: they set the bits
         )
     except Exception as e:  # noqa: BLE001 - any build failure means: the Python mode alone
         print(
@@ -187,16 +187,17 @@ class Routes:
         if self._table is None or key != self._key:
             reorders, plan_of = profile.reorders, self._plan_of
 
-            def resolve(name: str, overload: str) -> tuple[int, bool, float, str]:
+            def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any]:
                 func = _overload(name, overload)
                 if func is None:  # an operator Python cannot name: the mode takes it as it comes
-                    return int(Route.PYTHON), False, 0.0, name
+                    return int(Route.PYTHON), False, 0.0, name, None
                 short = func.overloadpacket.__name__
                 return (
                     int(route(func, plan_of(func), reorders)),
                     short.endswith("_"),
                     thresholds.tau(short),
                     short,
+                    func,
                 )
 
             self._table, self._key = module.Table(resolve), key
@@ -231,8 +232,8 @@ def scope(
         step.seq += 1
         step.op_names.append(name)
 
-    def logged(name: str, overload: str, elementwise: bool, t: torch.Tensor, a: Any, b: Any) -> None:
-        round_logged(_overload(name, overload), elementwise, t, () if a is None else (a, b))
+    def logged(func: Any, elementwise: bool, t: torch.Tensor, a: Any, b: Any) -> None:
+        round_logged(func, elementwise, t, () if a is None else (a, b))
 
     hooks: tuple = (None, None, None)
     if calibrator is not None:

@@ -65,12 +65,13 @@ struct Entry {
   bool in_place = false;  // a split op's in-place overload
   double tau = 0.0;       // LOGGED: its threshold, in FP32 spacings (at the element, or the channel scale)
   py::object name;        // LOGGED: its op name, for the step's list of logged ops
+  py::object func;        // LOGGED: its OpOverload, for the mode's logged rounding
 };
 
 // The routes of the operators seen, kept across steps (the Python side clears it when thresholds or the
 // profile change).
 struct Table {
-  py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name)
+  py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload)
   std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
 };
 
@@ -98,8 +99,8 @@ struct Step {
   // (name) -> None: a logged op rounded here takes the next op position. At once, not batched: the mode
   // may number the next logged op on another thread (autograd's device threads take the Python route).
   py::object number;
-  // (qualified name, overload, elementwise, tensor, a, b) -> None: the mode's logged rounding (a and b: a
-  // matrix product's inputs, else None)
+  // (OpOverload, elementwise, tensor, a, b) -> None: the mode's logged rounding (a and b: a matrix
+  // product's inputs, else None)
   py::object round_logged;
   int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
   int64_t native_ops = 0;
@@ -121,6 +122,7 @@ const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
     e.in_place = r[1].cast<bool>();
     e.tau = r[2].cast<double>();
     e.name = r[3];
+    e.func = r[4];
   }
   return table->entries.emplace(key, std::move(e)).first->second;
 }
@@ -183,6 +185,11 @@ void collect(const c10::IValue& v, std::vector<at::Tensor>& out) {
 
 bool plain_cpu(const at::Tensor& t) { return t.is_cpu() && !t.is_conj() && !t.is_neg(); }
 
+// An output the mode rounds: a non-empty FP64 tensor (other dtypes and empty ones it leaves as they are).
+bool rounded_output(const at::Tensor& t) {
+  return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.numel() > 0;
+}
+
 // Vector builds of the loops over an output, as in the C kernel: each element is computed exactly as the
 // scalar code computes it (no fast-math, no FMA contraction); the loader picks an AVX2 clone where the CPU
 // has it.
@@ -198,7 +205,7 @@ VECTOR_CLONES void round_dense(double* p, int64_t n) {
 
 // RoundingMode._round_exact: an FP64 tensor to the nearest FP32 value, in place.
 void round_exact(Step* step, const at::Tensor& t) {
-  if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) return;
+  if (!rounded_output(t)) return;
   if (plain_cpu(t) && t.is_contiguous()) {
     round_dense(t.data_ptr<double>(), t.numel());
   } else {
@@ -206,6 +213,12 @@ void round_exact(Step* step, const at::Tensor& t) {
     t.copy_(t.to(c10::ScalarType::Float));
   }
   step->rounded += t.numel();
+}
+
+// rounding.near_midpoint's test of one element x against its threshold t: x - t and x + t round to
+// different FP32 values, and x does not round to zero. Without a branch, so that the loops vectorise.
+inline int near_flag(double x, double t) {
+  return (static_cast<float>(x - t) != static_cast<float>(x + t)) & (static_cast<float>(x) != 0.0f);
 }
 
 // Whether any element of a dense FP64 buffer lies within T of an FP32 midpoint, T at the element as
@@ -218,7 +231,7 @@ VECTOR_CLONES bool any_near(const double* x, int64_t n, double tau) {
     double t = std::fabs(x[i]) * c1;
     t = t < lo ? lo : t;
     t = t > hi ? hi : t;
-    any |= (static_cast<float>(x[i] - t) != static_cast<float>(x[i] + t)) & (static_cast<float>(x[i]) != 0.0f);
+    any |= near_flag(x[i], t);
   }
   return any != 0;
 }
@@ -262,8 +275,7 @@ bool any_near_channels(const double* x, int64_t outer, int64_t channels, int64_t
       const double* row = x + (o * channels + c) * inner;
       const double t = amax[c];
       for (int64_t i = 0; i < inner; ++i) {
-        any |= (static_cast<float>(row[i] - t) != static_cast<float>(row[i] + t)) &
-               (static_cast<float>(row[i]) != 0.0f);
+        any |= near_flag(row[i], t);
       }
       if (any) return true;
     }
@@ -313,7 +325,7 @@ bool any_near_product(const at::Tensor& out, const Product& p, double tau) {
     for (int64_t j = 0; j < n; ++j) {
       double t = r * cols[j];
       t = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
-      any |= (static_cast<float>(row[j] - t) != static_cast<float>(row[j] + t)) & (static_cast<float>(row[j]) != 0.0f);
+      any |= near_flag(row[j], t);
     }
     if (any) return true;
   }
@@ -344,8 +356,8 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
 
 // A logged op's FP64 outputs (written arguments, else outputs), rounded as logged: here when no element of
 // any is near a midpoint (no entries: only an op position each), else all by the Python mode.
-void round_logged(Step* step, const Entry& e, double tau, const c10::OperatorHandle& op,
-                  std::vector<at::Tensor>& targets, const Product* product) {
+void round_logged(Step* step, const Entry& e, double tau, std::vector<at::Tensor>& targets,
+                  const Product* product) {
   std::vector<at::Tensor> dense;
   int64_t total = 0;
   for (const auto& t : targets) total += t.defined() ? t.numel() : 0;
@@ -354,7 +366,7 @@ void round_logged(Step* step, const Entry& e, double tau, const c10::OperatorHan
   if (!near) {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     for (const auto& t : targets) {
-      if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
+      if (!rounded_output(t)) continue;
       if (!plain_cpu(t)) {
         near = true;  // a device tensor: the mode's path
         break;
@@ -369,7 +381,7 @@ void round_logged(Step* step, const Entry& e, double tau, const c10::OperatorHan
   if (!near) {
     size_t k = 0;
     for (const auto& t : targets) {
-      if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
+      if (!rounded_output(t)) continue;
       at::Tensor& d = dense[k++];
       round_dense(d.data_ptr<double>(), d.numel());
       if (!d.is_same(t)) {
@@ -384,12 +396,11 @@ void round_logged(Step* step, const Entry& e, double tau, const c10::OperatorHan
   }
   c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // as inside the mode's handler
   py::gil_scoped_acquire gil;
-  const auto& name = op.operator_name();
   py::object a = py::none(), b = py::none();
   if (product != nullptr) a = py::cast(product->a), b = py::cast(product->b);
   for (const auto& t : targets) {
-    if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || t.numel() == 0) continue;
-    step->round_logged(name.name, name.overload_name, e.route == LOGGED, t, a, b);
+    if (!rounded_output(t)) continue;
+    step->round_logged(e.func, e.route == LOGGED, t, a, b);
   }
 }
 
@@ -604,7 +615,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       py::gil_scoped_acquire gil;
       tau = step->declined_call(e.name).cast<double>();
     }
-    return round_logged(step, e, tau, op, written, route == LOGGED_MM ? &product : nullptr);
+    return round_logged(step, e, tau, written, route == LOGGED_MM ? &product : nullptr);
   }
   for (const auto& t : written) round_exact(step, t);
 }
