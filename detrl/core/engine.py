@@ -666,8 +666,9 @@ class Session:
         return loader
 
     # ------------------------------------------------------------------ steps
-    @contextlib.contextmanager
-    def step(self, batch: Any = None, frozen: bool = False) -> Iterator[StepRounding | None]:
+    def step(
+        self, batch: Any = None, frozen: bool = False
+    ) -> contextlib.AbstractContextManager[StepRounding | None]:
         """One training step: forward, backward and optimizer update go inside. Commits on exit.
 
         ``batch``: the data the step consumes, if it did not come from :meth:`loader` (hashed into the
@@ -678,48 +679,52 @@ class Session:
         """
         if self.model is None:
             raise RuntimeError("call Session.init(build_model) before the first step")
-        step = self.step_index + 1
         if batch is not None:
             self._batch_hash = commit.hash_batch(*_as_tuple(batch))
+        # A plain step (FP32 or FP64 on native hardware, random ops left to torch) needs no mode but the
+        # portable kernels: a small context object, not a generator, since a DQN takes a step per env step.
+        if not self.precision.is_verifiable and self.hardware == "native" and not self.route_random_ops:
+            return _PlainStep(self, frozen)
+        return self._modes_step(frozen)
+
+    @contextlib.contextmanager
+    def _modes_step(self, frozen: bool) -> Iterator[StepRounding | None]:
+        """A step under the modes its precision and hardware need (see :meth:`step`)."""
+        step = self.step_index + 1
         rounding = None
         t0 = time.perf_counter()
         # Attention is its math decomposition: the same aten ops on every device, its dropout mask from the
-        # dropout stream (see detrl/core/portable.py). A plain step (FP32 or FP64 on native hardware, random
-        # ops left to torch) needs no other mode, and skips the ExitStack: a DQN takes a step per env step.
-        if not self.precision.is_verifiable and self.hardware == "native" and not self.route_random_ops:
-            with portable_kernels():
-                yield None
-        else:
-            with contextlib.ExitStack() as modes:
-                modes.enter_context(portable_kernels())
-                # Innermost first: random ops are drawn from their stream before a profile sees them.
-                if not self.precision.is_verifiable and self.hardware != "native":
-                    modes.enter_context(HardwareMode(self.profile))
-                if self.precision.is_verifiable:
-                    cursor = self.bundle.log_cursor(step) if self.bundle is not None else None
-                    rounding = StepRounding(replay=cursor if self.mode == "replay" else None)
-                    in_calibration = step <= self.calibration_steps
-                    calibrate = self._calibrator if in_calibration and self.mode == "record" else None
-                    if calibrate is not None:
-                        calibrate.begin_step(step)
-                    # During calibration the recorder's thresholds grew as it went, each at least the lowest
-                    # floor: half of that is the sound threshold for counting unlogged near-midpoint elements.
-                    check = Thresholds(default=TAU_FLOOR_MEASURED / 2) if in_calibration else None
-                    # An op kind's threshold can also fall during calibration: from TAU_FLOOR, while every call
-                    # measured agreed exactly, to its measured value. Entries of those steps were logged at
-                    # most at max(final tau, TAU_FLOOR); the replayer honours them within that.
-                    honour = TAU_FLOOR if in_calibration else 0.0
-                    # The rounding mode routes random ops itself: one dispatch mode per op, not two.
-                    stream = self.sources.torch("dropout") if self.route_random_ops else None
-                    modes.enter_context(self.rounding.step_scope(rounding, calibrate, check, stream, honour))
-                elif self.route_random_ops:
-                    modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
-                try:
-                    yield rounding
-                except LogOutOfRange as e:
-                    raise BundleError(f"{bundle_mod.ROUNDLOG}: step {step}: {e}") from None
-                except RoundLogError as e:
-                    raise BundleError(str(e)) from None
+        # dropout stream (see detrl/core/portable.py).
+        with contextlib.ExitStack() as modes:
+            modes.enter_context(portable_kernels())
+            # Innermost first: random ops are drawn from their stream before a profile sees them.
+            if not self.precision.is_verifiable and self.hardware != "native":
+                modes.enter_context(HardwareMode(self.profile))
+            if self.precision.is_verifiable:
+                cursor = self.bundle.log_cursor(step) if self.bundle is not None else None
+                rounding = StepRounding(replay=cursor if self.mode == "replay" else None)
+                in_calibration = step <= self.calibration_steps
+                calibrate = self._calibrator if in_calibration and self.mode == "record" else None
+                if calibrate is not None:
+                    calibrate.begin_step(step)
+                # During calibration the recorder's thresholds grew as it went, each at least the lowest
+                # floor: half of that is the sound threshold for counting unlogged near-midpoint elements.
+                check = Thresholds(default=TAU_FLOOR_MEASURED / 2) if in_calibration else None
+                # An op kind's threshold can also fall during calibration: from TAU_FLOOR, while every call
+                # measured agreed exactly, to its measured value. Entries of those steps were logged at
+                # most at max(final tau, TAU_FLOOR); the replayer honours them within that.
+                honour = TAU_FLOOR if in_calibration else 0.0
+                # The rounding mode routes random ops itself: one dispatch mode per op, not two.
+                stream = self.sources.torch("dropout") if self.route_random_ops else None
+                modes.enter_context(self.rounding.step_scope(rounding, calibrate, check, stream, honour))
+            elif self.route_random_ops:
+                modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
+            try:
+                yield rounding
+            except LogOutOfRange as e:
+                raise BundleError(f"{bundle_mod.ROUNDLOG}: step {step}: {e}") from None
+            except RoundLogError as e:
+                raise BundleError(str(e)) from None
         if rounding is not None and rounding.replay is not None:
             try:
                 rounding.replay.finish()
@@ -731,6 +736,10 @@ class Session:
                 rounding.stats.refused += skipped
                 op = rounding.replay.first_skipped_op
                 rounding.anomalies.append(Anomaly(op if op is not None else -1, "", "", -1, UNREACHED))
+        self._end_step(step, rounding, t0, frozen)
+
+    def _end_step(self, step: int, rounding: StepRounding | None, t0: float, frozen: bool) -> None:
+        """A step's accounting and commitment, once its body returned."""
         self.step_seconds.append(time.perf_counter() - t0)
         self.step_index = step
         if rounding is not None:
@@ -924,6 +933,25 @@ class Session:
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))
 _NO_STATS = StepStats()
+
+
+class _PlainStep:
+    """The context of a plain step (see :meth:`Session.step`): the portable kernels, then the commit."""
+
+    __slots__ = ("_session", "_frozen", "_t0", "_kernels")
+
+    def __init__(self, session: Session, frozen: bool) -> None:
+        self._session, self._frozen, self._kernels = session, frozen, portable_kernels()
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._kernels.__enter__()
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self._kernels.__exit__()
+        if kind is None:
+            session = self._session
+            session._end_step(session.step_index + 1, None, self._t0, self._frozen)
 
 
 def _module_on_stack(model: torch.nn.Module | None) -> str:
