@@ -13,6 +13,20 @@ from envs.core import SourcedEnv, check_arrays, generator_from_state, meta_int, 
 from envs.ids import CLASSIC_CONTROL
 
 
+class _Actions(gym.spaces.Discrete):
+    """gymnasium's ``Discrete``, answering ``contains`` for a Python int without numpy: every classic-control
+    ``step`` asserts it, and numpy's version cost a third of a CartPole step's own time."""
+
+    def __init__(self, n: int, start: int) -> None:
+        super().__init__(n, start=start)
+        self._first, self._end = start, start + n
+
+    def contains(self, x: Any) -> bool:
+        if type(x) is int:
+            return self._first <= x < self._end
+        return super().contains(x)
+
+
 class ClassicControl(SourcedEnv):
     """A classic-control env: float32 vector observations, optional sticky actions, a step limit.
 
@@ -38,7 +52,9 @@ class ClassicControl(SourcedEnv):
         if limit is None or limit < 1:
             raise ValueError(f"max_episode_steps must be a positive number of steps, got {limit}")
         options = {"sticky_prob": float(sticky_prob), "max_episode_steps": limit}
-        super().__init__(gym.make(env_id).unwrapped, sources, env_id, options, sticky_prob)
+        env = gym.make(env_id).unwrapped
+        env.action_space = _Actions(int(env.action_space.n), int(env.action_space.start))
+        super().__init__(env, sources, env_id, options, sticky_prob)
         self.max_episode_steps = limit
         self._state_size = CLASSIC_CONTROL[env_id]
 
