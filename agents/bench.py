@@ -248,9 +248,9 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load(CLEANRL_CARTPOLE, **{"train.steps": args.steps})
     torch.set_num_threads(1)
     timer = _PartTimer()
-    patched = [(dqn, "td_update"), (MLPQNetwork, "forward"), (ReplayBuffer, "add"), (Session, "step")]
+    patched = [(dqn, "td_update"), (dqn, "greedy_policy"), (ReplayBuffer, "add"), (Session, "step")]
     originals = [getattr(owner, name) for owner, name in patched]
-    labels = ["update", "greedy action (forward)", "replay buffer add", "Session step"]
+    labels = ["update", "greedy action", "replay buffer add", "Session step"]
 
     def timed_env(env: Any) -> Any:
         env.step = timer.timed(env.step, "env step")
@@ -260,7 +260,10 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
     session_step = originals[patched.index((Session, "step"))]
     try:
         for (owner, name), label in zip(patched, labels):
-            if name != "step":
+            if name == "greedy_policy":  # the policy it returns is what acts
+                policy = getattr(owner, name)
+                setattr(owner, name, lambda *a, policy=policy, label=label: timer.timed(policy(*a), label))
+            elif name != "step":
                 setattr(owner, name, timer.timed(getattr(owner, name), label))
 
         @contextlib.contextmanager
@@ -293,9 +296,9 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
     # The same run without the timers (which cost the loop some time of their own), and the same greedy
     # action alone: a fresh network of the same shape, one observation, 2,000 times in a row.
     sps = run_detrl(cfg)["steps_per_second"]
-    q, obs = MLPQNetwork(4, 2, cfg.agent.hidden), torch.zeros(1, 4)
-    with torch.no_grad():
-        alone = min(timeit.repeat(lambda: int(q.forward(obs).argmax()), number=2000, repeat=5)) / 2000
+    greedy = dqn.greedy_policy(MLPQNetwork(4, 2, cfg.agent.hidden), False, torch.from_numpy)
+    obs = np.zeros(4, np.float32)
+    alone = min(timeit.repeat(lambda: greedy(obs), number=2000, repeat=5)) / 2000
     n, step_us = args.steps, 1e6 / timed_sps
     print(f"\nWhere a step goes: the speed part's run ({n} env steps), each part timed inside the loop:")
     print(f"  {'part':<28} {'us a call':>10} {'calls':>7} {'us a step':>10} {'share':>6}")

@@ -24,6 +24,7 @@ hardware, and each step's commitment binds the transition and the replay buffer'
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ import envs
 from agents.buffers import FrameReplayBuffer, ReplayBuffer
 from agents.networks import MLPQNetwork, QNetworks, build_q_network
 from agents.optim import LeanAdam
+from detrl.core import extensions
 from detrl.core.engine import Session
 from detrl.core.sources import Sources
 from detrl.run.config import RunBase, Strict, VerifyConfig
@@ -181,6 +183,32 @@ def td_loss_grad(q_taken: torch.Tensor, td_target: torch.Tensor, kind: str) -> t
     return torch.ops.aten.mse_loss_backward(one, q_taken, td_target, 1)
 
 
+@functools.cache
+def mlp_native() -> Any:
+    """An :class:`MLPQNetwork`'s greedy action and shortcut update as single C++ calls that dispatch the
+    same aten ops as the Python code below (``agents/mlp_native.cpp``), or None where it is not built."""
+    return extensions.load(
+        "agents._mlp_native", Path(__file__).with_name("mlp_native.cpp"), "the DQN's MLP path"
+    )
+
+
+def greedy_policy(
+    q: torch.nn.Module, verifiable: bool, as_input: Callable[[np.ndarray], torch.Tensor]
+) -> Callable[[np.ndarray], int]:
+    """The greedy action ``argmax_a Q(obs, a)`` of one observation ``obs`` (*obs_shape), through ``as_input``.
+    Outside verifiable precision an :class:`MLPQNetwork` acts through one call of :func:`mlp_native`."""
+    native = mlp_native() if not verifiable and isinstance(q, MLPQNetwork) else None
+    if native is not None:
+        params, act = q.flat_parameters(), native.act
+        return lambda obs: act(params, as_input(obs[None]))
+
+    def greedy(obs: np.ndarray) -> int:
+        with torch.no_grad():  # .forward: one observation per step, module-call hooks cost as much
+            return int(q.forward(as_input(obs[None])).argmax())
+
+    return greedy
+
+
 def linear_schedule(start: float, end: float, duration: float, t: int) -> float:
     """``start`` at step 0, ``end`` from step ``duration`` on, linear in between."""
     return start + min(1.0, t / max(duration, 1.0)) * (end - start)
@@ -223,6 +251,7 @@ def td_update(
     as_input: Callable[[np.ndarray], torch.Tensor],
     cast: Callable[[torch.Tensor], torch.Tensor],
     shortcuts: bool = False,
+    native: bool = True,
 ) -> tuple[float, float]:
     """One gradient step of the TD loss on a replay batch; returns (loss, mean Q of the taken actions).
 
@@ -232,10 +261,19 @@ def td_update(
     ``shortcuts``: reach the same bits through fewer ops: an :class:`MLPQNetwork`'s gradients through its
     written backward pass instead of autograd (see :meth:`MLPQNetwork.write_gradients`), and gradient
     clipping through list ops. A verifiable step takes none: its rounding log is keyed by the op sequence.
+    ``native``: with the shortcuts, an MLP's update (up to the optimizer step) is one call of
+    :func:`mlp_native`, which dispatches the same ops in the same order without a Python call per op.
     """
     obs_b, next_b = as_input(batch.obs), as_input(batch.next_obs)
     rewards = cast(torch.from_numpy(batch.rewards))  # (batch,)
     not_done = cast(1.0 - torch.from_numpy(batch.terminated))  # (batch,)
+    if shortcuts and native and isinstance(q, MLPQNetwork) and mlp_native() is not None:
+        loss_value, q_mean = mlp_native().td_update(
+            q.flat_parameters(), target.flat_parameters(), obs_b, next_b, torch.from_numpy(batch.actions),
+            rewards, not_done, a.gamma, a.double_dqn, a.loss == "huber", a.max_grad_norm,
+        )  # fmt: skip
+        optimizer.step()
+        return loss_value, q_mean
     with torch.no_grad():
         next_q = target(next_b)  # (batch, n_actions)
         if a.double_dqn:  # the online network picks the action, the target network values it
@@ -320,6 +358,7 @@ def run(
         t = torch.from_numpy(x)
         return precision.cast(t) if t.is_floating_point() else t
 
+    greedy = greedy_policy(q, precision.is_verifiable, as_input)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -335,11 +374,7 @@ def run(
             epsilon = linear_schedule(a.start_e, a.end_e, a.exploration_fraction * total, step - 1)
             rng = sources.numpy("explore")
             u, random_action = rng.random(), int(rng.integers(n_actions))
-            if u < epsilon:
-                action = random_action
-            else:
-                with torch.no_grad():  # .forward: one observation per step, module-call hooks cost as much
-                    action = int(q.forward(as_input(episodes.obs[None])).argmax())
+            action = random_action if u < epsilon else greedy(episodes.obs)
             next_obs, reward, terminated, truncated, info = env.step(action)
             buffer.add(episodes.obs, action, float(reward), next_obs, terminated, episodes.first)
             session.observe(episodes.obs, action, float(reward), next_obs, terminated, truncated)

@@ -26,6 +26,11 @@ class MLPQNetwork(nn.Module):
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self._layers(obs, None)
 
+    def flat_parameters(self) -> list[torch.Tensor]:
+        """``[weight0, bias0, weight1, bias1, ...]``, input layer first (as ``agents/mlp_native.cpp`` takes them)."""
+        params = [layer._parameters for layer in self.layers._modules.values()]
+        return [t for p in params for t in (p["weight"], p["bias"])]
+
     @torch.no_grad()
     def forward_keeping_inputs(self, obs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """:meth:`forward` outside autograd: ``Q (N, n_actions)`` and each layer's input (``obs`` first,

@@ -8,6 +8,7 @@ Runs use ``configs/dqn/tiny.yaml`` (CartPole, small networks) through :func:`age
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -501,8 +502,9 @@ def test_lean_adam_is_torch_fused_adam_bit_for_bit():
 @pytest.mark.parametrize("hardware", ["native", *(h for h in EMULATED if h != "emulated:atomic")])
 def test_the_update_shortcuts_give_the_same_bits(dtype, hardware):
     """An fp32/fp64 DQN update takes shortcuts: the MLP's written backward pass and list ops for gradient
-    clipping. For both losses and on every hardware profile, its loss and every parameter's clipped
-    gradient equal those of autograd and per-tensor ops, bit for bit."""
+    clipping, in Python or as one native call (``agents/mlp_native.cpp``, where built). For both losses,
+    with and without Double DQN and on every hardware profile, its loss and every parameter's clipped
+    gradient equal those of autograd and per-tensor ops, bit for bit; so does the native greedy action."""
     from agents.networks import MLPQNetwork
     from detrl.core.hardware import HardwareMode, get_profile
 
@@ -516,20 +518,27 @@ def test_the_update_shortcuts_give_the_same_bits(dtype, hardware):
         terminated=(rng.random(64) < 0.2).astype(np.float32),
     )  # fmt: skip
     mode = HardwareMode(get_profile(hardware)) if hardware != "native" else contextlib.nullcontext()
-    for loss in ("huber", "mse"):
-        a = SimpleNamespace(gamma=0.99, double_dqn=False, loss=loss, max_grad_norm=0.05)  # clips
+    paths = [(False, False), (True, False)] + ([(True, True)] if dqn.mlp_native() is not None else [])
+    for loss, double_dqn in itertools.product(("huber", "mse"), (False, True)):
+        a = SimpleNamespace(gamma=0.99, double_dqn=double_dqn, loss=loss, max_grad_norm=0.05)  # clips
         grads, losses = [], []
-        for shortcuts in (False, True):
-            opt = torch.optim.SGD(q.parameters(), lr=0.0)  # lr 0: both updates start from the same weights
+        for shortcuts, native in paths:
+            opt = torch.optim.SGD(q.parameters(), lr=0.0)  # lr 0: every update starts from the same weights
             with mode:
                 losses.append(
                     dqn.td_update(q, target, opt, batch, a, lambda x: torch.from_numpy(x).to(dtype),
-                                  lambda t: t.to(dtype), shortcuts)
+                                  lambda t: t.to(dtype), shortcuts, native)
                 )  # fmt: skip
             grads.append([p.grad for p in q.parameters()])
-        assert losses[0] == losses[1]
-        for autograd_grad, written_grad in zip(*grads):
-            assert autograd_grad.shape == written_grad.shape and torch.equal(autograd_grad, written_grad)
+        assert len(set(losses)) == 1, losses
+        for autograd_grad, *shortcut_grads in zip(*grads):
+            for grad in shortcut_grads:
+                assert autograd_grad.shape == grad.shape and torch.equal(autograd_grad, grad)
+    if dqn.mlp_native() is not None:
+        with mode, torch.no_grad():
+            for row in range(len(batch.obs)):
+                obs = torch.from_numpy(batch.obs[row : row + 1]).to(dtype)
+                assert dqn.mlp_native().act(q.flat_parameters(), obs) == int(q.forward(obs).argmax())
 
 
 def test_lean_adam_steps_unwrapped_yet_runs_step_hooks():
@@ -562,10 +571,10 @@ def test_bench_dqn_profile_times_each_part_and_restores_what_it_wrapped(capsys):
     from agents.buffers import ReplayBuffer
     from agents.networks import MLPQNetwork
 
-    before = (dqn.td_update, MLPQNetwork.forward, ReplayBuffer.add, Session.step)
+    before = (dqn.td_update, dqn.greedy_policy, MLPQNetwork.forward, ReplayBuffer.add, Session.step)
     assert bench.main(["--part", "profile", "--steps", "300"]) == 0
     out = capsys.readouterr().out
-    for part in ("greedy action (forward)", "env step", "env reset", "Session step", "replay buffer add"):
+    for part in ("greedy action", "env step", "env reset", "Session step", "replay buffer add"):
         row = next(line for line in out.splitlines() if line.strip().startswith(part))
         assert float(row.split()[-4]) > 0  # microseconds a call
-    assert (dqn.td_update, MLPQNetwork.forward, ReplayBuffer.add, Session.step) == before
+    assert (dqn.td_update, dqn.greedy_policy, MLPQNetwork.forward, ReplayBuffer.add, Session.step) == before

@@ -23,13 +23,13 @@ import contextlib
 import enum
 import functools
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from detrl.core import extensions
 from detrl.core.fused import SPLIT
 from detrl.core.oprules import HIDDEN_WRITES, OpKind
 from detrl.core.scale import SCALED_BY_INPUTS
@@ -98,36 +98,13 @@ _enabled = os.environ.get("DETRL_NATIVE_DISPATCH", "1") != "0"
 
 @functools.cache
 def _module() -> Any:
-    """The extension: built by ``pip install`` against this torch, else built here once (cached by torch
-    under ``~/.cache/torch_extensions``), else None (no C++ compiler or ninja): then every op takes the
-    Python mode, with the same bits."""
-    try:
-        from detrl.core import _native_dispatch  # type: ignore[attr-defined]
-
-        if _native_dispatch.built_for_torch == torch.__version__:
-            return _native_dispatch
-    except ImportError:
-        pass
-    from torch.utils import cpp_extension
-
-    source = Path(__file__).with_name("native_dispatch.cpp")
-    print(
-        f"detrl: building the native rounding route for torch {torch.__version__} (once; about a minute)",
-        file=sys.stderr,
-        flush=True,
+    """The extension (built by ``pip install``, else here once), or None: then every op takes the Python mode,
+    with the same bits."""
+    return extensions.load(
+        "detrl.core._native_dispatch",
+        Path(__file__).with_name("native_dispatch.cpp"),
+        "the native rounding route",
     )
-    try:
-        return cpp_extension.load(
-            "detrl_native_dispatch",
-            [str(source)],
-            extra_cflags=["-O3", "-fno-fast-math", "-ffp-contract=off"],  # setup.py's: they set the bits
-        )
-    except Exception as e:  # noqa: BLE001 - any build failure means: the Python mode alone
-        print(
-            f"detrl: the native rounding route did not build ({type(e).__name__}); using the Python mode",
-            file=sys.stderr,
-        )
-        return None
 
 
 def available() -> bool:

@@ -1,0 +1,43 @@
+"""Loading detrl's optional C++ extensions: the one built by ``pip install``, else a build on first use.
+
+``setup.py`` compiles each extension against the torch installed in the target environment. A checkout
+that was not installed that way, or a torch upgraded since, gets the extension built here once with
+``torch.utils.cpp_extension`` (cached by torch under ``~/.cache/torch_extensions``). Where that fails too
+(no C++ compiler, no ninja), the caller takes its Python path, which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+#: The compile flags that could change a result's bits; ``setup.py`` passes the same.
+CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off"]
+
+
+def load(prebuilt: str, source: Path, purpose: str) -> ModuleType | None:
+    """The extension module ``prebuilt`` (a dotted name, built by ``pip install``) if it was built for the
+    running torch, else ``source`` built now (``purpose`` names it in the progress and failure lines), else
+    None."""
+    try:
+        module = importlib.import_module(prebuilt)
+        if getattr(module, "built_for_torch", None) == torch.__version__:
+            return module
+    except ImportError:
+        pass
+    from torch.utils import cpp_extension
+
+    print(
+        f"detrl: building {purpose} for torch {torch.__version__} (once; about a minute)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return cpp_extension.load(prebuilt.replace(".", "_"), [str(source)], extra_cflags=CFLAGS)
+    except Exception as e:  # noqa: BLE001 - any build failure means: the Python path
+        print(f"detrl: {purpose} did not build ({type(e).__name__}); using the Python path", file=sys.stderr)
+        return None
