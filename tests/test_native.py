@@ -4,6 +4,7 @@ leave alone."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -81,16 +82,19 @@ def _record(specimen: zoo.Specimen, run_dir, hardware: str, on: bool) -> Session
         native.set_enabled(before)
 
 
-def _assert_same_bundles(specimen: zoo.Specimen, tmp_path, hardware: str) -> None:  # noqa: ANN001
+def _assert_same_bundles(specimen: zoo.Specimen, tmp_path, hardware: str) -> collections.Counter:  # noqa: ANN001
+    """Records ``specimen`` with the route and without; returns the route's counts of the first."""
     native.counts.clear()
     a = _record(specimen, tmp_path / "native", hardware, on=True)
     assert native.counts["native"] > 0, "the native route handled no op"
+    routed = native.counts.copy()
     native.counts.clear()
     b = _record(specimen, tmp_path / "python", hardware, on=False)
     assert native.counts["native"] == 0
     assert a.totals == b.totals
     for name in (bundle_mod.ROUNDLOG, bundle_mod.COMMITMENTS):
         assert (tmp_path / "native" / name).read_bytes() == (tmp_path / "python" / name).read_bytes(), name
+    return routed
 
 
 @needs_native
@@ -106,9 +110,22 @@ def test_every_zoo_model_is_the_same_bundle_on_every_profile(tmp_path, name: str
 
 
 @needs_native
+@pytest.mark.parametrize("name", ["lstm", "transformer_encoder"])
+def test_without_the_c_kernel_the_route_leaves_entries_to_the_mode(tmp_path, name: str) -> None:  # noqa: ANN001
+    """The route takes log entries through the C kernel's API; with the kernel switched off (the torch
+    reference rounds), an output with a near element goes to the mode, and the bundle is the same."""
+    from detrl.core import kernel
+
+    with kernel.disabled():
+        assert _assert_same_bundles(zoo.SPECIMENS[name], tmp_path, "native")["entries"] == 0
+    assert _assert_same_bundles(zoo.SPECIMENS[name], tmp_path / "kernel", "native")["entries"] > 0
+
+
+@needs_native
 def test_a_dqn_calibrating_for_a_hundred_steps_is_the_same_bundle(tmp_path) -> None:  # noqa: ANN001
     """A DQN calibrates until its first update: a hundred steps of the same acting calls, which the
-    calibrator declines to measure after two of each class and the native route then rounds itself."""
+    calibrator declines to measure after two of each class and the native route then rounds itself, with
+    their log entries."""
     from detrl.cli import main
 
     def record(where: str, on: bool) -> None:
@@ -127,6 +144,7 @@ def test_a_dqn_calibrating_for_a_hundred_steps_is_the_same_bundle(tmp_path) -> N
     native.counts.clear()
     record("native", on=True)
     assert native.counts["native"] > 0
+    assert native.counts["entries"] > 0  # its log is dense: entries taken natively, as the mode takes them
     record("python", on=False)
     for name in (bundle_mod.ROUNDLOG, bundle_mod.COMMITMENTS):
         assert (tmp_path / "native" / name).read_bytes() == (tmp_path / "python" / name).read_bytes(), name

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "roundkernel.h"
+
 static const uint64_t EXPONENT_BITS = 0x7FF0000000000000ULL;
 
 /* 2**floor(log2(d)) of a non-negative double by clearing its mantissa (scale._power_of_two): NaN and inf
@@ -179,6 +181,19 @@ VECTOR_CLONES static void strided_row_abs_max(const double *x, Py_ssize_t rows, 
         if (bad[r] != bad[r]) out[r] = (double)NAN;
 }
 
+static int unit_factors_into(const double *x, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t row_stride,
+                             Py_ssize_t col_stride, double times, double *out) {
+    double *bad = NULL;
+    if (col_stride != 1 && rows > 0 && !(bad = PyMem_RawMalloc((size_t)rows * sizeof(double)))) return -1;
+    strided_row_abs_max(x, rows, cols, row_stride, col_stride, out, bad);
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        double p = power_of_two(out[r]);
+        out[r] = (p < 0x1p-149 ? 0x1p-149 : p) * times;
+    }
+    PyMem_RawFree(bad);
+    return 0;
+}
+
 static PyObject *unit_factors(PyObject *self, PyObject *args) {
     unsigned long long address, out_address;
     Py_ssize_t rows, cols, row_stride, col_stride;
@@ -189,33 +204,20 @@ static PyObject *unit_factors(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "unit_factors: negative size");
         return NULL;
     }
-    double *out = (double *)(uintptr_t)out_address, *bad = NULL;
-    if (col_stride != 1 && rows > 0 && !(bad = PyMem_RawMalloc((size_t)rows * sizeof(double))))
-        return PyErr_NoMemory();
+    int status;
     Py_BEGIN_ALLOW_THREADS
-    strided_row_abs_max((const double *)(uintptr_t)address, rows, cols, row_stride, col_stride, out, bad);
-    for (Py_ssize_t r = 0; r < rows; r++) {
-        double p = power_of_two(out[r]);
-        out[r] = (p < 0x1p-149 ? 0x1p-149 : p) * times;
-    }
+    status = unit_factors_into((const double *)(uintptr_t)address, rows, cols, row_stride, col_stride, times,
+                               (double *)(uintptr_t)out_address);
     Py_END_ALLOW_THREADS
-    PyMem_RawFree(bad);
+    if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
-/* channel_thresholds(address, outer, channels, inner, tau, out): out[c] = T of channel c. */
-static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
-    unsigned long long address, out_address;
-    Py_ssize_t outer, channels, inner;
-    double tau;
-    if (!PyArg_ParseTuple(args, "KnnndK", &address, &outer, &channels, &inner, &tau, &out_address))
-        return NULL;
-    const double *x = (const double *)(uintptr_t)address;
-    double *out = (double *)(uintptr_t)out_address;
+/* out[c] = T of channel c of a dense (outer, channels, inner) buffer; -1 where it could not allocate. */
+static int channel_thresholds_into(const double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
+                                   double tau, double *out) {
     double *bad = NULL;
-    if (inner == 1 && channels > 0 && !(bad = PyMem_RawMalloc((size_t)channels * sizeof(double))))
-        return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
+    if (inner == 1 && channels > 0 && !(bad = PyMem_RawMalloc((size_t)channels * sizeof(double)))) return -1;
     if (bad) { /* (outer, channels): a channel is a column, every row updates all maxima side by side */
         strided_row_abs_max(x, channels, outer, 1, channels, out, bad);
         for (Py_ssize_t c = 0; c < channels; c++) out[c] = channel_threshold((float)out[c], out[c] != out[c], tau);
@@ -227,8 +229,23 @@ static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
             out[c] = channel_threshold((float)amax, amax != amax, tau);
         }
     }
-    Py_END_ALLOW_THREADS
     PyMem_RawFree(bad);
+    return 0;
+}
+
+/* channel_thresholds(address, outer, channels, inner, tau, out): out[c] = T of channel c. */
+static PyObject *channel_thresholds(PyObject *self, PyObject *args) {
+    unsigned long long address, out_address;
+    Py_ssize_t outer, channels, inner;
+    double tau;
+    if (!PyArg_ParseTuple(args, "KnnndK", &address, &outer, &channels, &inner, &tau, &out_address))
+        return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = channel_thresholds_into((const double *)(uintptr_t)address, outer, channels, inner, tau,
+                                     (double *)(uintptr_t)out_address);
+    Py_END_ALLOW_THREADS
+    if (status) return PyErr_NoMemory();
     return Py_BuildValue("");
 }
 
@@ -258,16 +275,7 @@ static inline uint16_t low16_key(float r) {
     return (uint16_t)(key & 0xFFFFu);
 }
 
-/* Where a pass writes an op's entries, with room for max_ of each kind; n_ counts them. */
-typedef struct {
-    int64_t *kept;
-    uint8_t *up;
-    int64_t *pinned;
-    float *pinned_values;
-    int64_t *short_indices;
-    uint16_t *short_bits;
-    Py_ssize_t max_kept, max_pinned, max_short, n_kept, n_pinned, n_short;
-} Entries;
+typedef DetrlEntries Entries; /* roundkernel.h */
 
 /* The near-midpoint pass over the elements from flat index start (the start of a row or of a block in it;
  * 0 or a stop this pass returned). With out == NULL it only counts (into *counts: directions, pinned and
@@ -420,4 +428,17 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_roundkernel", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__roundkernel(void) { return PyModule_Create(&module); }
+/* The C API (roundkernel.h): the same passes, for native code that calls them without a Python frame. */
+static DetrlKernelApi api = {DETRL_KERNEL_API_VERSION, near_pass, channel_thresholds_into, unit_factors_into};
+
+PyMODINIT_FUNC PyInit__roundkernel(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *capsule = PyCapsule_New(&api, DETRL_KERNEL_API_CAPSULE, NULL);
+    if (!capsule || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -38,6 +38,12 @@ def available() -> bool:
     return _native is not None and _enabled
 
 
+def c_api() -> object | None:
+    """The kernel's C API (``roundkernel.h``) as a capsule for native code, or None where the kernel is not
+    built or switched off (see :mod:`detrl.core.native`)."""
+    return getattr(_native, "_C_API", None) if available() else None
+
+
 def set_enabled(on: bool) -> None:
     """Switch the kernel on or off for this process (off: every op takes the pure-torch reference)."""
     global _enabled

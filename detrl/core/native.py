@@ -27,12 +27,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from detrl.core import extensions
+from detrl.core import extensions, kernel
 from detrl.core.fused import SPLIT
 from detrl.core.oprules import HIDDEN_WRITES, OpKind
 from detrl.core.scale import SCALED_BY_INPUTS
+from detrl.formats.roundlog import OpEntries
 
 MM = torch.ops.aten.mm.default
 
@@ -139,7 +141,7 @@ def _overload(name: str, overload: str) -> Any:
 
 
 #: Ops of this process's verifiable steps the native route ran (``native``) and handed to the mode
-#: (``python``), for benchmarks and tests.
+#: (``python``), and the logged outputs whose entries it took (``entries``), for benchmarks and tests.
 counts: collections.Counter[str] = collections.Counter()
 
 
@@ -212,6 +214,13 @@ def scope(
     def logged(func: Any, elementwise: bool, t: torch.Tensor, a: Any, b: Any) -> None:
         round_logged(func, elementwise, t, () if a is None else (a, b))
 
+    def entries(name: str, *arrays: np.ndarray) -> None:  # ... and one the fallback rounded with log entries
+        entry = OpEntries(step.seq, *arrays)
+        step.seq += 1
+        step.op_names.append(name)
+        step.recorded.append(entry)
+        step.stats.logged += len(entry.indices) + len(entry.pinned_indices) + len(entry.short_indices)
+
     hooks: tuple = (None, None, None)
     if calibrator is not None:
 
@@ -224,10 +233,11 @@ def scope(
             return thresholds.tau(name)
 
         hooks = (routes.declined(module), tally, declined_call)
-    module.enter(routes.table(module, profile, thresholds), logs, number, logged, *hooks)
+    table = routes.table(module, profile, thresholds)
+    module.enter(table, logs, number, logged, kernel.c_api(), entries, *hooks)
     try:
         yield
     finally:
-        rounded, native_ops, python_ops = module.leave()
+        rounded, native_ops, python_ops, entry_ops = module.leave()
         step.stats.rounded_elements += rounded
-        counts.update(native=native_ops, python=python_ops)
+        counts.update(native=native_ops, python=python_ops, entries=entry_ops)

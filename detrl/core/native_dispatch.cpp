@@ -5,8 +5,9 @@
 // only move values; correctly rounded IEEE ops (EXACT: add, mul, div, sqrt, fills, casts) and the fused
 // updates split into them (detrl/core/fused.py) need only their FP64 result rounded to FP32; a logged op
 // (ELEMENTWISE, or a REDUCTION whose unit needs no more than its output, or mm's) needs an op position,
-// and log entries only where an element lies near an FP32 midpoint, which is rare. This file runs and
-// rounds those ops in C++; a logged op with a near element, and every other op, goes to the Python mode.
+// and log entries where an element lies near an FP32 midpoint. This file runs and rounds those ops in C++,
+// their entries written by the C kernel's pass (detrl/core/_roundkernel.c, through its C API); every other
+// op goes to the Python mode.
 //
 // How: a boxed dispatcher fallback on DispatchKey::Fake (reserved for a C++ fake-tensor mode that eager
 // code does not use). Fake sits just below Python, so while a step runs, Fake is included in the thread's
@@ -20,6 +21,7 @@
 // A process that uses this must not use torch's C++ fake-tensor mode at the same time.
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <pybind11/numpy.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -33,6 +35,8 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
+
+#include "roundkernel.h"
 
 namespace py = pybind11;
 
@@ -75,8 +79,8 @@ struct Table {
   std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
 };
 
-// Outputs of more elements than this are tested by the mode's vectorised C kernel (detrl/core/kernel.py):
-// a Python call costs a few microseconds, the scalar test here about a nanosecond an element.
+// Without the C kernel, logged outputs of more elements than this go to the mode, whose torch reference is
+// vectorised: a Python call costs a few microseconds, the scalar test here about a nanosecond an element.
 constexpr int64_t kLargeOutput = 8192;
 
 // One step on this thread.
@@ -102,9 +106,15 @@ struct Step {
   // (OpOverload, elementwise, tensor, a, b) -> None: the mode's logged rounding (a and b: a matrix
   // product's inputs, else None)
   py::object round_logged;
+  // The C kernel's entry pass, or null (not built, or switched off: then the mode's logged rounding takes
+  // an output with a near element); with it, (name, indices, up, pinned indices, pinned values, short
+  // indices, short bits) -> None: a logged op rounded here takes the next op position and its entries.
+  const DetrlKernelApi* kernel = nullptr;
+  py::object entries;
   int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
   int64_t native_ops = 0;
   int64_t python_ops = 0;
+  int64_t entry_ops = 0;  // logged outputs whose entries were taken here
 };
 
 thread_local Step* current = nullptr;
@@ -308,15 +318,20 @@ struct Product {
   at::Tensor a, b;  // (M, K) and (K, N), FP64 on the CPU
 };
 
-// Whether any element of the dense product out (M, N) lies within T = max(row[i] col[j], 2**-149) tau of
-// an FP32 midpoint: row[i] from a's row i, col[j] from b's column j times 2**-23 terms_factor(K).
-bool any_near_product(const at::Tensor& out, const Product& p, double tau) {
-  const int64_t m = p.a.size(0), k = p.a.size(1), n = p.b.size(1);
-  std::vector<double> rows, cols;
+// A matrix product's unit as scale.reduction_scale gives it: row[i] from a's row i, col[j] from b's column
+// j times 2**-23 terms_factor(K). False where a factor is infinite (a NaN or an infinity): the mode decides.
+bool product_unit(const Product& p, std::vector<double>& rows, std::vector<double>& cols) {
   // terms_factor(K) = 2**(floor(log2 K) // 2), floor(log2 K) from the bit length (K >= 1)
-  int log2k = 63 - __builtin_clzll(static_cast<unsigned long long>(k));
+  int log2k = 63 - __builtin_clzll(static_cast<unsigned long long>(p.a.size(1)));
   double terms = std::ldexp(1.0, log2k / 2);
-  if (!unit_factors(p.a, 1.0, rows) || !unit_factors(p.b.t(), 0x1p-23 * terms, cols)) return true;
+  return unit_factors(p.a, 1.0, rows) && unit_factors(p.b.t(), 0x1p-23 * terms, cols);
+}
+
+// Whether any element of the dense product out (M, N) lies within T = max(rows[i] cols[j], 2**-149) tau of
+// an FP32 midpoint.
+bool any_near_product(const at::Tensor& out, const std::vector<double>& rows, const std::vector<double>& cols,
+                      double tau) {
+  const int64_t m = out.size(0), n = out.size(1);
   const double* x = out.data_ptr<double>();
   int any = 0;
   for (int64_t i = 0; i < m; ++i) {
@@ -334,17 +349,125 @@ bool any_near_product(const at::Tensor& out, const Product& p, double tau) {
 
 // rounding.near_midpoint's test for a logged op's dense output: at the element (ELEMENTWISE) or at its
 // channel's scale, the channel being dim 1 of an output of rank >= 2 (kernel._layout).
-bool output_near(int route, const at::Tensor& dense, double tau, const Product* product) {
-  const double* x = dense.data_ptr<double>();
-  if (route == LOGGED) return any_near(x, dense.numel(), tau);
-  if (route == LOGGED_MM) return any_near_product(dense, *product, tau);
+struct Layout {
+  int64_t outer, channels, inner;
+};
+
+// kernel._layout with scaled = True: the channel of an output of rank >= 2 is dim 1, else one channel.
+Layout channel_layout(const at::Tensor& dense) {
   if (dense.dim() >= 2) {
     const int64_t outer = dense.size(0), channels = dense.size(1);
-    return any_near_channels(x, outer, channels, dense.numel() / (outer * channels), tau);
+    return {outer, channels, dense.numel() / (outer * channels)};
   }
-  return any_near_channels(x, 1, 1, dense.numel(), tau);
+  return {1, 1, dense.numel()};
 }
 
+// The unit of a matrix product's output (LOGGED_MM): row and column factors.
+struct Unit {
+  std::vector<double> rows, cols;
+};
+
+bool output_near(int route, const at::Tensor& dense, double tau, const Unit& unit) {
+  const double* x = dense.data_ptr<double>();
+  if (route == LOGGED) return any_near(x, dense.numel(), tau);
+  if (route == LOGGED_MM) return any_near_product(dense, unit.rows, unit.cols, tau);
+  const Layout l = channel_layout(dense);
+  return any_near_channels(x, l.outer, l.channels, l.inner, tau);
+}
+
+// The kernel's entry buffers, kept per thread and reused: an op's pass starts with room for kFirstRoom
+// entries of each kind, and an output with more grows them (as kernel.take_entries_ does).
+constexpr Py_ssize_t kFirstRoom = 4096;
+
+struct Found {
+  std::vector<int64_t> kept, pinned, short_indices;
+  std::vector<uint8_t> up;
+  std::vector<float> pinned_values;
+  std::vector<uint16_t> short_bits;
+
+  // Room for (k, p, s) more entries after the first (k0, p0, s0), which are kept.
+  DetrlEntries after(Py_ssize_t k0, Py_ssize_t p0, Py_ssize_t s0, Py_ssize_t k, Py_ssize_t p, Py_ssize_t s) {
+    auto fit = [](auto& v, Py_ssize_t n) {
+      if (static_cast<Py_ssize_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+    };
+    fit(kept, k0 + k), fit(up, k0 + k), fit(pinned, p0 + p), fit(pinned_values, p0 + p);
+    fit(short_indices, s0 + s), fit(short_bits, s0 + s);
+    return {kept.data() + k0, up.data() + k0, pinned.data() + p0, pinned_values.data() + p0,
+            short_indices.data() + s0, short_bits.data() + s0, k, p, s, 0, 0, 0};
+  }
+};
+
+thread_local Found found;
+
+template <typename T, typename Stored = T>
+py::array_t<T> array_of(const Stored* p, Py_ssize_t n) {
+  static_assert(sizeof(T) == sizeof(Stored));
+  py::array_t<T> a(n);
+  if (n) std::memcpy(a.mutable_data(), p, static_cast<size_t>(n) * sizeof(T));
+  return a;
+}
+
+// RoundingMode._round_logged's recording path for one dense FP64 output, with the kernel's pass as
+// kernel.take_entries_ calls it: rounds it in place, and the op takes its position and its entries (if any).
+// thresholds/rows: a matrix product's column and row factors (LOGGED_MM), else null.
+void take_entries(Step* step, const Entry& e, double tau, at::Tensor& dense, const double* thresholds,
+                  const double* rows) {
+  const DetrlKernelApi* api = step->kernel;
+  const Py_ssize_t n = dense.numel();
+  double* x = dense.data_ptr<double>();
+  Layout l{1, 1, n};
+  std::vector<double> per_channel;
+  if (e.route == LOGGED_MM) {  // scale.Scale(outer=M, channels=N, inner=1, col, row)
+    l = {dense.size(0), dense.size(1), 1};
+  } else if (e.route == LOGGED_REDUCTION) {  // at the output's channel scale
+    l = channel_layout(dense);
+    per_channel.resize(static_cast<size_t>(l.channels));
+    if (api->channel_thresholds(x, l.outer, l.channels, l.inner, tau, per_channel.data()) != 0)
+      throw std::bad_alloc();
+    thresholds = per_channel.data();
+  }
+  const double c1 = tau * 0x1p-23, lo = tau * 0x1p-149, hi = tau * 0x1p104;
+  auto pass = [&](Py_ssize_t start, DetrlEntries* out, DetrlEntries* counts) {
+    return api->near_pass(x, l.outer, l.channels, l.inner, thresholds, rows, tau, c1, lo, hi, start, out, counts);
+  };
+  const Py_ssize_t room = std::min(n, kFirstRoom);
+  DetrlEntries out = found.after(0, 0, 0, room, room, room);
+  const Py_ssize_t stop = pass(0, &out, nullptr);
+  Py_ssize_t n_kept = out.n_kept, n_pinned = out.n_pinned, n_short = out.n_short;
+  if (stop < n) {  // more entries than the first room: count the rest, then take them into grown buffers
+    DetrlEntries more;
+    pass(stop, nullptr, &more);
+    DetrlEntries rest = found.after(n_kept, n_pinned, n_short, more.n_kept, more.n_pinned, more.n_short);
+    TORCH_CHECK(pass(stop, &rest, nullptr) == n, "native dispatch: the kernel's second pass stopped early");
+    n_kept += rest.n_kept, n_pinned += rest.n_pinned, n_short += rest.n_short;
+  }
+  step->rounded += n;
+  py::gil_scoped_acquire gil;
+  if (n_kept == 0 && n_pinned == 0 && n_short == 0) {
+    step->number(e.name);
+    return;
+  }
+  ++step->entry_ops;
+  step->entries(e.name, array_of<int64_t>(found.kept.data(), n_kept), array_of<bool>(found.up.data(), n_kept),
+                array_of<int64_t>(found.pinned.data(), n_pinned),
+                array_of<float>(found.pinned_values.data(), n_pinned),
+                array_of<int64_t>(found.short_indices.data(), n_short),
+                array_of<uint16_t>(found.short_bits.data(), n_short));
+}
+
+// A matrix product's unit with the kernel: scale.reduction_scale's row factors of a and column factors of b
+// (unit_factors of b's transpose, times 2**-23 terms_factor(K)).
+void kernel_product_unit(const DetrlKernelApi* api, const Product& p, Unit& unit) {
+  const int64_t m = p.a.size(0), k = p.a.size(1), n = p.b.size(1);
+  int log2k = 63 - __builtin_clzll(static_cast<unsigned long long>(k));
+  const double terms = std::ldexp(1.0, log2k / 2);
+  unit.rows.resize(static_cast<size_t>(m));
+  unit.cols.resize(static_cast<size_t>(n));
+  if (api->unit_factors(p.a.data_ptr<double>(), m, k, p.a.stride(0), p.a.stride(1), 1.0, unit.rows.data()) != 0 ||
+      api->unit_factors(p.b.data_ptr<double>(), n, k, p.b.stride(1), p.b.stride(0), 0x1p-23 * terms,
+                        unit.cols.data()) != 0)
+    throw std::bad_alloc();
+}
 
 void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   if (step != nullptr) ++step->python_ops;
@@ -354,43 +477,60 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Python) | (keys & kBelowOurs), stack);
 }
 
-// A logged op's FP64 outputs (written arguments, else outputs), rounded as logged: here when no element of
-// any is near a midpoint (no entries: only an op position each), else all by the Python mode.
+// A logged op's FP64 outputs (written arguments, else outputs), rounded as logged, each taking an op
+// position. With the C kernel: all here, log entries included (device tensors go to the Python mode).
+// Without it: here when no element of any is near a midpoint, else by the mode, as are large outputs (the
+// mode's torch reference is vectorised) and units with an infinite factor.
 void round_logged(Step* step, const Entry& e, double tau, std::vector<at::Tensor>& targets,
                   const Product* product) {
-  std::vector<at::Tensor> dense;
+  std::vector<at::Tensor> dense;  // each rounded output, contiguous (itself, or a copy written back)
+  Unit unit;
   int64_t total = 0;
   for (const auto& t : targets) total += t.defined() ? t.numel() : 0;
-  // A large output goes to the mode's vectorised kernel directly: its call costs less than the pass here.
-  bool near = total > kLargeOutput;
-  if (!near) {
+  bool to_mode = step->kernel == nullptr && total > kLargeOutput;
+  if (!to_mode) {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     for (const auto& t : targets) {
       if (!rounded_output(t)) continue;
       if (!plain_cpu(t)) {
-        near = true;  // a device tensor: the mode's path
+        to_mode = true;  // a device tensor: the mode's path
         break;
       }
       dense.push_back(t.contiguous());
-      if (output_near(e.route, dense.back(), tau, product)) {
-        near = true;
+    }
+  }
+  if (!to_mode && product != nullptr) {
+    if (step->kernel != nullptr) {
+      kernel_product_unit(step->kernel, *product, unit);
+    } else {
+      to_mode = !product_unit(*product, unit.rows, unit.cols);
+    }
+  }
+  if (!to_mode && step->kernel == nullptr) {
+    for (const auto& d : dense) {
+      if (output_near(e.route, d, tau, unit)) {
+        to_mode = true;
         break;
       }
     }
   }
-  if (!near) {
+  if (!to_mode) {
     size_t k = 0;
     for (const auto& t : targets) {
       if (!rounded_output(t)) continue;
       at::Tensor& d = dense[k++];
-      round_dense(d.data_ptr<double>(), d.numel());
+      if (step->kernel != nullptr) {
+        take_entries(step, e, tau, d, product ? unit.cols.data() : nullptr, product ? unit.rows.data() : nullptr);
+      } else {
+        round_dense(d.data_ptr<double>(), d.numel());
+        step->rounded += t.numel();
+        py::gil_scoped_acquire gil;
+        step->number(e.name);
+      }
       if (!d.is_same(t)) {
         c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
         t.copy_(d);
       }
-      step->rounded += t.numel();
-      py::gil_scoped_acquire gil;
-      step->number(e.name);
     }
     return;
   }
@@ -631,8 +771,8 @@ struct Scope {
 
 thread_local std::vector<std::unique_ptr<Scope>> scopes;
 
-void enter(py::object table, bool logs, py::object number_fn, py::object round_logged_fn, py::object declined,
-           py::object tally, py::object declined_call) {
+void enter(py::object table, bool logs, py::object number_fn, py::object round_logged_fn, py::object kernel,
+           py::object entries_fn, py::object declined, py::object tally, py::object declined_call) {
   auto scope = std::make_unique<Scope>();
   scope->table_owner = table;
   scope->declined_owner = declined;
@@ -645,6 +785,14 @@ void enter(py::object table, bool logs, py::object number_fn, py::object round_l
   }
   scope->step.number = std::move(number_fn);
   scope->step.round_logged = std::move(round_logged_fn);
+  if (!kernel.is_none()) {
+    auto* api = static_cast<const DetrlKernelApi*>(PyCapsule_GetPointer(kernel.ptr(), DETRL_KERNEL_API_CAPSULE));
+    if (api == nullptr) throw py::error_already_set();
+    if (api->version == DETRL_KERNEL_API_VERSION) {  // a kernel built with another API: the mode's path
+      scope->step.kernel = api;
+      scope->step.entries = std::move(entries_fn);
+    }
+  }
   scope->previous = current;
   scope->include = std::make_unique<c10::impl::IncludeDispatchKeyGuard>(kOurs);
   scope->exclude = std::make_unique<c10::impl::ExcludeDispatchKeyGuard>(c10::DispatchKey::Python);
@@ -652,8 +800,8 @@ void enter(py::object table, bool logs, py::object number_fn, py::object round_l
   scopes.push_back(std::move(scope));
 }
 
-// Leave the innermost scope; returns (rounded elements, ops handled
-// here, ops handed to the Python mode).
+// Leave the innermost scope; returns (rounded elements, ops handled here, ops handed to the Python mode,
+// outputs whose log entries were taken here).
 py::tuple leave() {
   TORCH_CHECK(!scopes.empty(), "native dispatch: leave() without enter()");
   auto scope = std::move(scopes.back());
@@ -662,7 +810,7 @@ py::tuple leave() {
   scope->include.reset();
   current = scope->previous;
   Step& s = scope->step;
-  return py::make_tuple(s.rounded, s.native_ops, s.python_ops);
+  return py::make_tuple(s.rounded, s.native_ops, s.python_ops, s.entry_ops);
 }
 
 }  // namespace
@@ -687,5 +835,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("__len__", [](const Declined& d) { return d.keys.size(); });
   m.def("enter", &enter, "start a step: ops that need no Python are handled natively on this thread");
-  m.def("leave", &leave, "end the innermost step; returns (rounded elements, native ops, Python ops)");
+  m.def("leave", &leave, "end the innermost step; returns (rounded elements, native ops, Python ops, entry ops)");
 }

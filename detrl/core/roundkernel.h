@@ -1,0 +1,47 @@
+/* The rounding kernel's C API (detrl/core/_roundkernel.c), for the native dispatch route
+ * (detrl/core/native_dispatch.cpp): the pass that rounds a logged op's output and writes its log entries,
+ * called without a Python frame. The kernel module exports it as the capsule _C_API. */
+#ifndef DETRL_ROUNDKERNEL_H
+#define DETRL_ROUNDKERNEL_H
+
+#include <Python.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Where a pass writes an op's entries, with room for max_ of each kind; n_ counts them. */
+typedef struct {
+    int64_t *kept;
+    uint8_t *up;
+    int64_t *pinned;
+    float *pinned_values;
+    int64_t *short_indices;
+    uint16_t *short_bits;
+    Py_ssize_t max_kept, max_pinned, max_short, n_kept, n_pinned, n_short;
+} DetrlEntries;
+
+#define DETRL_KERNEL_API_VERSION 1
+#define DETRL_KERNEL_API_CAPSULE "detrl.core._roundkernel._C_API"
+
+typedef struct {
+    int version; /* DETRL_KERNEL_API_VERSION */
+    /* The near-midpoint pass of take_entries (see near_pass in _roundkernel.c). */
+    Py_ssize_t (*near_pass)(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
+                            const double *thresholds, const double *rows, double tau, double c1, double lo,
+                            double hi, Py_ssize_t start, DetrlEntries *out, DetrlEntries *counts);
+    /* channel_thresholds: out[c] = T of channel c; returns -1 where it could not allocate. */
+    int (*channel_thresholds)(const double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
+                              double tau, double *out);
+    /* unit_factors: a matrix product's unit factor of each row of a strided matrix (strides in elements);
+     * returns -1 where it could not allocate. */
+    int (*unit_factors)(const double *x, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t row_stride,
+                        Py_ssize_t col_stride, double times, double *out);
+} DetrlKernelApi;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
