@@ -208,8 +208,31 @@ def _check_uint(name: str, value: object, limit: int) -> int:
     return v
 
 
-def _validated_arrays(e: OpEntries) -> tuple[np.ndarray, np.ndarray]:
-    """Return (indices int64 (n,), up bool (n,)) of ``e`` after validating them; raise ValueError."""
+def _deltas(idx: np.ndarray) -> np.ndarray:
+    """The delta code of int64 indices (n,): the first absolute, then each minus the one before."""
+    deltas = np.empty(idx.size, dtype=np.int64)
+    if idx.size:
+        deltas[0] = idx[0]
+        np.subtract(idx[1:], idx[:-1], out=deltas[1:])
+    return deltas
+
+
+def _valid_deltas(idx: object) -> np.ndarray | None:
+    """The deltas of ``idx`` when it is what the engine writes, a 1-D int64 array of strictly increasing
+    indices >= 0, which its deltas prove; else None (a validator then says what is wrong)."""
+    if not (type(idx) is np.ndarray and idx.dtype == np.int64 and idx.ndim == 1 and idx.size < _U32_LIMIT):
+        return None
+    deltas = _deltas(idx)
+    return deltas if not idx.size or (deltas[0] >= 0 and bool((deltas[1:] > 0).all())) else None
+
+
+def _validated_arrays(e: OpEntries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (indices int64 (n,), up bool (n,), their deltas) of ``e`` after validating them; raise
+    ValueError."""
+    deltas = _valid_deltas(e.indices)
+    up = e.up
+    if deltas is not None and type(up) is np.ndarray and up.dtype == np.bool_ and up.shape == e.indices.shape:
+        return e.indices, up, deltas
     idx = np.asarray(e.indices)
     up = np.asarray(e.up)
     if idx.ndim != 1 or up.ndim != 1:
@@ -234,7 +257,8 @@ def _validated_arrays(e: OpEntries) -> tuple[np.ndarray, np.ndarray]:
             if not np.all((up == 0) | (up == 1)):
                 raise ValueError(f"op {e.op}: up must contain only 0/1")
             up = up.astype(bool)
-    return idx.astype(np.int64, copy=False), up.astype(bool, copy=False)
+    idx = idx.astype(np.int64, copy=False)
+    return idx, up.astype(bool, copy=False), _deltas(idx)
 
 
 def _planes(deltas: np.ndarray, width: int) -> bytes:
@@ -250,12 +274,16 @@ def _validated_values(
     dtype: type,
     dtype_text: str,
     others: tuple[tuple[str, np.ndarray], ...],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Return the indices (int64) and values (``dtype``) of ``e``'s entries of one value kind after
-    validating them: ``fields`` names their two attributes, ``what`` the kind (``"pinned"``, ``"short"``);
-    ``others`` are ``(entry kind, indices)`` the indices must be disjoint from."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return the indices (int64), values (``dtype``) and index deltas of ``e``'s entries of one value kind
+    after validating them: ``fields`` names their two attributes, ``what`` the kind (``"pinned"``,
+    ``"short"``); ``others`` are ``(entry kind, indices)`` the indices must be disjoint from."""
     idx_name, val_name = fields
-    kidx, vals = np.asarray(getattr(e, idx_name)), np.asarray(getattr(e, val_name))
+    kidx, vals = getattr(e, idx_name), getattr(e, val_name)
+    arrays = type(kidx) is np.ndarray and type(vals) is np.ndarray
+    if arrays and kidx.size == 0 == vals.size and kidx.ndim == 1 == vals.ndim:  # none, the usual case
+        return kidx.astype(np.int64, copy=False), vals.astype(dtype, copy=False), _deltas(kidx[:0])
+    kidx, vals = np.asarray(kidx), np.asarray(vals)
     if kidx.ndim != 1 or vals.ndim != 1 or kidx.shape != vals.shape:
         raise ValueError(f"op {e.op}: {idx_name} and {val_name} must be 1-D and of equal length")
     if kidx.size:
@@ -270,26 +298,31 @@ def _validated_values(
         for other_kind, other in others:
             if np.intersect1d(kidx, other, assume_unique=True).size:
                 raise ValueError(f"op {e.op}: an element cannot have both a {other_kind} and a {entry}")
-    return kidx.astype(np.int64, copy=False), vals.astype(dtype, copy=False)
+    kidx = kidx.astype(np.int64, copy=False)
+    return kidx, vals.astype(dtype, copy=False), _deltas(kidx)
 
 
-def _validated_pinned(e: OpEntries, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return (pinned indices int64 (m,), values float32 (m,)) of ``e`` after validating them."""
+def _validated_pinned(e: OpEntries, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (pinned indices int64 (m,), values float32 (m,), index deltas) of ``e`` after validating
+    them."""
     fields = ("pinned_indices", "pinned_values")
     return _validated_values(e, "pinned", fields, np.float32, "values float32", (("direction", idx),))
 
 
-def _validated_short(e: OpEntries, idx: np.ndarray, pidx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return (short indices int64 (k,), low key bits uint16 (k,)) of ``e`` after validating them."""
+def _validated_short(
+    e: OpEntries, idx: np.ndarray, pidx: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (short indices int64 (k,), low key bits uint16 (k,), index deltas) of ``e`` after validating
+    them."""
     fields, others = ("short_indices", "short_bits"), (("direction", idx), ("pinned", pidx))
     return _validated_values(e, "short", fields, np.uint16, "short bits uint16", others)
 
 
-def _encode_record(op: int, idx: np.ndarray, payload: np.ndarray, kind: int) -> bytes:
-    """One payload record: header, delta-coded indices (first absolute), then packed direction bits
-    (a direction record), FP32 values in byte planes (a pinned record, 0x80 in the width byte) or the
-    low 16 key bits in 2 byte planes (a short record, 0x40 in the width byte)."""
-    deltas = np.diff(idx, prepend=np.int64(0))  # deltas[0] = idx[0]; all >= 0 after validation
+def _encode_record(op: int, deltas: np.ndarray, payload: np.ndarray, kind: int) -> bytes:
+    """One payload record: header, delta-coded indices (``deltas``: the first absolute; all >= 0 after
+    validation), then packed direction bits (a direction record), FP32 values in byte planes (a pinned
+    record, 0x80 in the width byte) or the low 16 key bits in 2 byte planes (a short record, 0x40 in the
+    width byte)."""
     width = 4 if int(deltas.max()) < _U32_LIMIT else 8
     if kind == _PINNED:
         tail = np.asarray(payload, dtype="<f4").view(np.uint8).reshape(-1, 4).T.tobytes()
@@ -300,7 +333,7 @@ def _encode_record(op: int, idx: np.ndarray, payload: np.ndarray, kind: int) -> 
     else:
         tail = np.packbits(payload).tobytes()  # MSB-first, zero padding bits
         flag = 0
-    return RECORD_HEADER.pack(op, idx.size, width | flag) + _planes(deltas, width) + tail
+    return RECORD_HEADER.pack(op, deltas.size, width | flag) + _planes(deltas, width) + tail
 
 
 def segment_compressor(level: int = 3) -> zstandard.ZstdCompressor:
@@ -332,15 +365,15 @@ def encode_segment(step: int, ops: Iterable[OpEntries], cctx: zstandard.ZstdComp
         if op <= prev_op:
             raise ValueError(f"op positions must be strictly increasing, got {op} after {prev_op}")
         prev_op = op
-        idx, up = _validated_arrays(e)
-        pidx, vals = _validated_pinned(e, idx)
-        sidx, low = _validated_short(e, idx, pidx)
+        idx, up, deltas = _validated_arrays(e)
+        pidx, vals, pinned_deltas = _validated_pinned(e, idx)
+        sidx, low, short_deltas = _validated_short(e, idx, pidx)
         if idx.size:
-            records.append(_encode_record(op, idx, up, _DIRECTION))
+            records.append(_encode_record(op, deltas, up, _DIRECTION))
         if pidx.size:
-            records.append(_encode_record(op, pidx, vals, _PINNED))
+            records.append(_encode_record(op, pinned_deltas, vals, _PINNED))
         if sidx.size:
-            records.append(_encode_record(op, sidx, low, _SHORT))
+            records.append(_encode_record(op, short_deltas, low, _SHORT))
     raw = b"".join(records)
     comp = cctx.compress(raw)
     head = SEGMENT_HEADER.pack(SEGMENT_TAG, step, len(records), len(raw), len(comp), 0)[:-4]
