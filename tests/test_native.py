@@ -121,6 +121,29 @@ def test_without_the_c_kernel_the_route_leaves_entries_to_the_mode(tmp_path, nam
     assert _assert_same_bundles(zoo.SPECIMENS[name], tmp_path / "kernel", "native")["entries"] > 0
 
 
+def _float32_ops(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
+    """A loss through float32 islands: numbers float32 holds (the route computes those ops in float32) and
+    numbers it does not (0.1, 1/3: the mode's FP64 twins), in place and out of place, mixed with FP64."""
+    h = model(batch[0]).float()
+    h = (h * 3 + 0.5) / 7 - 0.1
+    h = torch.where(h > 0, h.clamp(max=0.25).sqrt(), h.square() * (1 / 3))
+    h.add_(1).mul_(2.0)
+    return (h.double() * batch[0][:, :1]).sum()
+
+
+@needs_native
+def test_float32_islands_of_exact_ops_run_natively_with_the_same_bits(tmp_path) -> None:  # noqa: ANN001
+    """An exact op on float32 operands and numbers float32 holds gives its FP64 twin's rounded result in
+    float32 itself (one IEEE rounding, or none); the route runs those natively, and the bundle is the same."""
+
+    def batch() -> tuple[torch.Tensor, ...]:  # the same every step and every recording
+        return (torch.randn(16, 4, generator=torch.Generator().manual_seed(5)),)
+
+    specimen = zoo.Specimen("float32_ops", lambda: torch.nn.Linear(4, 3), batch, _float32_ops)
+    for hardware in ("native", "emulated:pairwise"):
+        _assert_same_bundles(specimen, tmp_path / hardware, hardware)
+
+
 @needs_native
 def test_a_dqn_calibrating_for_a_hundred_steps_is_the_same_bundle(tmp_path) -> None:  # noqa: ANN001
     """A DQN calibrates until its first update: a hundred steps of the same acting calls, which the

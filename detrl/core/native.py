@@ -32,7 +32,7 @@ import torch
 
 from detrl.core import extensions, kernel
 from detrl.core.fused import SPLIT
-from detrl.core.oprules import HIDDEN_WRITES, OpKind
+from detrl.core.oprules import FLOAT32_EXACT, HIDDEN_WRITES, OpKind
 from detrl.core.scale import SCALED_BY_INPUTS
 from detrl.formats.roundlog import OpEntries
 
@@ -166,10 +166,10 @@ class Routes:
         if self._table is None or key != self._key:
             reorders, plan_of = profile.reorders, self._plan_of
 
-            def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any]:
+            def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any, bool]:
                 func = _overload(name, overload)
                 if func is None:  # an operator Python cannot name: the mode takes it as it comes
-                    return int(Route.PYTHON), False, 0.0, name, None
+                    return int(Route.PYTHON), False, 0.0, name, None, False
                 short = func.overloadpacket.__name__
                 return (
                     int(route(func, plan_of(func), reorders)),
@@ -177,6 +177,7 @@ class Routes:
                     thresholds.tau(short),
                     short,
                     func,
+                    func.overloadpacket in FLOAT32_EXACT,
                 )
 
             self._table, self._key = module.Table(resolve), key

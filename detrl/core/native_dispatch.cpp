@@ -70,6 +70,7 @@ struct Entry {
   double tau = 0.0;       // LOGGED: its threshold, in FP32 spacings (at the element, or the channel scale)
   py::object name;        // LOGGED: its op name, for the step's list of logged ops
   py::object func;        // LOGGED: its OpOverload, for the mode's logged rounding
+  bool float32_exact = false;  // EXACT: a float32 island of it may run natively (oprules.FLOAT32_EXACT)
 };
 
 // The routes of the operators seen, kept across steps (the Python side clears it when thresholds or the
@@ -133,6 +134,7 @@ const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
     e.tau = r[2].cast<double>();
     e.name = r[3];
     e.func = r[4];
+    e.float32_exact = r[5].cast<bool>();
   }
   return table->entries.emplace(key, std::move(e)).first->second;
 }
@@ -163,6 +165,68 @@ bool has_narrow_argument(const c10::FunctionSchema& schema, const torch::jit::St
     if (v.isInt() && args[i].name() == "dtype" && narrow(static_cast<c10::ScalarType>(v.toInt()))) return true;
   }
   return false;
+}
+
+// A number float32 holds exactly (a float32 kernel converts its numbers to float32 first; the FP64 twin
+// of an island computes with them as they are).
+bool float32_holds(const c10::IValue& v) {
+  if (v.isDouble()) {
+    const double d = v.toDouble();
+    return static_cast<double>(static_cast<float>(d)) == d;  // not NaN: its payload is the kernel's to pass on
+  }
+  if (v.isInt()) {
+    const int64_t i = v.toInt();
+    return i > -(int64_t{1} << 24) && i < (int64_t{1} << 24);
+  }
+  return v.isBool();
+}
+
+// Every element of a dense CPU float tensor is finite (neither NaN nor infinite).
+template <typename T>
+bool all_finite(const T* x, int64_t n) {
+  T bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad += x[i] - x[i];  // 0 for a finite value, NaN otherwise
+  return bad == 0;
+}
+
+// A float32 island the route may compute natively in float32 (an op of oprules.FLOAT32_EXACT): finite
+// float32 tensors, bool tensors, finite FP64 tensors of one or more dimensions (they make the result FP64,
+// computed from exact conversions, as the twins are), 0-dim tensors and numbers whose value float32 holds
+// (a float32 kernel converts them to float32 first), no narrow dtype= and no string (div's rounding mode).
+// Finite, because which NaN an op passes on (its sign and payload) is the kernel's choice, and a float32
+// kernel's need not be an FP64 one's: an op on finite values makes no NaN but the one default NaN. Anything
+// else takes the Python mode's FP64 twins.
+bool float32_island(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+  auto tensor_ok = [](const at::Tensor& t) {
+    if (!t.defined()) return true;
+    const auto type = t.scalar_type();
+    if (type == c10::ScalarType::Bool) return true;
+    const bool dense = t.is_cpu() && t.is_contiguous();
+    if (type == c10::ScalarType::Float) return dense && all_finite(t.const_data_ptr<float>(), t.numel());
+    if (type == c10::ScalarType::Double && t.dim() != 0)
+      return dense && all_finite(t.const_data_ptr<double>(), t.numel());
+    if (t.dim() != 0 || !t.is_cpu()) return false;
+    if (type == c10::ScalarType::Double) return float32_holds(c10::IValue(*t.const_data_ptr<double>()));
+    if (type == c10::ScalarType::Long) return float32_holds(c10::IValue(*t.const_data_ptr<int64_t>()));
+    return false;
+  };
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& v = stack[first + i];
+    if (v.isTensor()) {
+      if (!tensor_ok(v.toTensor())) return false;
+    } else if (v.isTensorList() || v.isOptionalTensorList() || v.isList()) {
+      for (const auto& x : v.toListRef()) {
+        if (x.isTensor() ? !tensor_ok(x.toTensor()) : !(x.isNone() || x.isInt() || float32_holds(x))) return false;
+      }
+    } else if (v.isDouble() || v.isInt() || v.isBool()) {
+      if (args[i].name() == "dtype" ? narrow(static_cast<c10::ScalarType>(v.toInt())) : !float32_holds(v))
+        return false;
+    } else if (v.isString() || v.isComplexDouble() || v.isSymInt() || v.isSymFloat() || v.isObject()) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // A number argument is exactly 1 (fused.py's `factor == 1`, where the factor is an int, float or bool);
@@ -699,8 +763,11 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       route = PYTHON;
     }
   }
+  bool island = false;
   if (route != PYTHON && route != KEEP && route != CAST && has_narrow_argument(schema, *stack, first)) {
-    route = PYTHON;  // a float32 or half island
+    // a float32 or half island: the Python mode's FP64 twins, except an op float32 computes as they would
+    island = true;
+    if (!(route == EXACT && e.float32_exact && float32_island(schema, *stack, first))) route = PYTHON;
   }
   if (route == CAST) {  // a cast from a narrower float is on the FP32 grid already: nothing to round
     const auto& source = (*stack)[first];
@@ -757,7 +824,11 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     }
     return round_logged(step, e, tau, written, route == LOGGED_MM ? &product : nullptr);
   }
-  for (const auto& t : written) round_exact(step, t);
+  for (const auto& t : written) {
+    round_exact(step, t);
+    // an island's float32 results: the mode counts its FP64 twins as rounded
+    if (island && t.defined() && t.scalar_type() == c10::ScalarType::Float) step->rounded += t.numel();
+  }
 }
 
 // The step scope: our key in, Python out, for this thread; restored in reverse on leave.

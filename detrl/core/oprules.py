@@ -71,6 +71,22 @@ _EXACT = _packets(
     "random_", "rand_like", "randn_like",
 )  # fmt: skip
 
+#: EXACT ops whose float32 result is the FP64 result rounded to FP32, for float32 operands and numbers that
+#: float32 holds exactly: one IEEE add, subtract, multiply or divide (FP64 has more than twice float32's
+#: precision, so rounding twice gives the same value), or no arithmetic at all (fills, selections, clamps,
+#: padding). A float32 "island" of one of them may run natively in float32 (the native route does): the same
+#: bits as its FP64 twin rounded (detrl/core/islands.py). Not the others: torch's float32 sqrt and
+#: reciprocal are vectorised approximations that can round the other way (measured: sqrt of 0.2091 came out
+#: one ulp above the correctly rounded value), mse_loss_backward is several operations, div with a rounding
+#: mode rounds in between, arange accumulates.
+FLOAT32_EXACT = _packets(
+    "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "fill", "fill_", "full", "full_like",
+    "scalar_tensor", "masked_fill", "masked_fill_", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max",
+    "clamp_max_", "hardtanh", "hardtanh_", "constant_pad_nd", "where", "square", "_foreach_add",
+    "_foreach_add_", "_foreach_sub", "_foreach_sub_", "_foreach_mul", "_foreach_mul_", "_foreach_div",
+    "_foreach_div_", "_foreach_maximum_", "_foreach_clamp_min_", "_foreach_clamp_max_",
+)  # fmt: skip
+
 _ELEMENTWISE = _packets(
     "exp", "exp_", "log", "log_", "log1p", "expm1", "tanh", "tanh_", "sigmoid", "sigmoid_", "gelu",
     "gelu_backward", "erf", "erfinv", "pow", "pow_", "rsqrt", "rsqrt_", "sin", "cos", "silu",
