@@ -1,7 +1,7 @@
 """Builds the C++ extensions that need torch's headers at install time: the native dispatch route of verifiable
 precision (detrl/core/native_dispatch.cpp) and the DQN's MLP action and update (agents/mlp_native.cpp).
 
-Everything else about the package is in pyproject.toml. The extension compiles against the torch already
+Everything else about the package is in pyproject.toml. Each extension compiles against the torch already
 installed in the environment being installed into (the README installs torch first), found on disk rather
 than imported: pip builds in an isolated environment that must not pull a torch of its own (PyPI's default
 build is a CUDA one). Where there is no such torch, or no C++ compiler, an extension is skipped and the

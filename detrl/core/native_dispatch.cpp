@@ -382,13 +382,16 @@ struct Product {
   at::Tensor a, b;  // (M, K) and (K, N), FP64 on the CPU
 };
 
+// scale.terms_factor(K) = 2**(floor(log2 K) // 2), floor(log2 K) from the bit length (K >= 1).
+double terms_factor(int64_t k) {
+  const int log2k = 63 - __builtin_clzll(static_cast<unsigned long long>(k));
+  return std::ldexp(1.0, log2k / 2);
+}
+
 // A matrix product's unit as scale.reduction_scale gives it: row[i] from a's row i, col[j] from b's column
 // j times 2**-23 terms_factor(K). False where a factor is infinite (a NaN or an infinity): the mode decides.
 bool product_unit(const Product& p, std::vector<double>& rows, std::vector<double>& cols) {
-  // terms_factor(K) = 2**(floor(log2 K) // 2), floor(log2 K) from the bit length (K >= 1)
-  int log2k = 63 - __builtin_clzll(static_cast<unsigned long long>(p.a.size(1)));
-  double terms = std::ldexp(1.0, log2k / 2);
-  return unit_factors(p.a, 1.0, rows) && unit_factors(p.b.t(), 0x1p-23 * terms, cols);
+  return unit_factors(p.a, 1.0, rows) && unit_factors(p.b.t(), 0x1p-23 * terms_factor(p.a.size(1)), cols);
 }
 
 // Whether any element of the dense product out (M, N) lies within T = max(rows[i] cols[j], 2**-149) tau of
@@ -411,8 +414,6 @@ bool any_near_product(const at::Tensor& out, const std::vector<double>& rows, co
   return false;
 }
 
-// rounding.near_midpoint's test for a logged op's dense output: at the element (ELEMENTWISE) or at its
-// channel's scale, the channel being dim 1 of an output of rank >= 2 (kernel._layout).
 struct Layout {
   int64_t outer, channels, inner;
 };
@@ -431,6 +432,8 @@ struct Unit {
   std::vector<double> rows, cols;
 };
 
+// rounding.near_midpoint's test for a logged op's dense output: at the element (ELEMENTWISE), at the
+// product's unit (LOGGED_MM), or at its channel's scale (channel_layout).
 bool output_near(int route, const at::Tensor& dense, double tau, const Unit& unit) {
   const double* x = dense.data_ptr<double>();
   if (route == LOGGED) return any_near(x, dense.numel(), tau);
@@ -523,8 +526,7 @@ void take_entries(Step* step, const Entry& e, double tau, at::Tensor& dense, con
 // (unit_factors of b's transpose, times 2**-23 terms_factor(K)).
 void kernel_product_unit(const DetrlKernelApi* api, const Product& p, Unit& unit) {
   const int64_t m = p.a.size(0), k = p.a.size(1), n = p.b.size(1);
-  int log2k = 63 - __builtin_clzll(static_cast<unsigned long long>(k));
-  const double terms = std::ldexp(1.0, log2k / 2);
+  const double terms = terms_factor(k);
   unit.rows.resize(static_cast<size_t>(m));
   unit.cols.resize(static_cast<size_t>(n));
   if (api->unit_factors(p.a.data_ptr<double>(), m, k, p.a.stride(0), p.a.stride(1), 1.0, unit.rows.data()) != 0 ||
