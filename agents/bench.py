@@ -296,7 +296,7 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
     # The same run without the timers (which cost the loop some time of their own), and the same greedy
     # action alone: a fresh network of the same shape, one observation, 2,000 times in a row.
     sps = run_detrl(cfg)["steps_per_second"]
-    greedy = dqn.greedy_policy(MLPQNetwork(4, 2, cfg.agent.hidden), False, torch.from_numpy)
+    greedy = dqn.greedy_policy(MLPQNetwork(4, 2, cfg.agent.hidden), torch.from_numpy)
     obs = np.zeros(4, np.float32)
     alone = min(timeit.repeat(lambda: greedy(obs), number=2000, repeat=5)) / 2000
     n, step_us = args.steps, 1e6 / timed_sps

@@ -126,6 +126,13 @@ class Config(RunBase):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+#: The op-sequence revision a DQN step records (:attr:`detrl.run.tasks.Task.ops_revision`). 2: a verifiable
+#: update takes :func:`td_update`'s shortcuts, as FP32 and FP64 do (an MLP's written backward pass and list-op
+#: clipping, in one native call where built); 1: it took autograd and per-tensor clipping. Both give the same
+#: weights, bit for bit (the golden roots did not move), but round other ops in another order.
+OPS_REVISION = 2
+
+
 def first_update_step(cfg: Config) -> int:
     """The first environment step that runs a TD update."""
     a = cfg.agent
@@ -193,11 +200,12 @@ def mlp_native() -> Any:
 
 
 def greedy_policy(
-    q: torch.nn.Module, verifiable: bool, as_input: Callable[[np.ndarray], torch.Tensor]
+    q: torch.nn.Module, as_input: Callable[[np.ndarray], torch.Tensor]
 ) -> Callable[[np.ndarray], int]:
     """The greedy action ``argmax_a Q(obs, a)`` of one observation ``obs`` (*obs_shape), through ``as_input``.
-    Outside verifiable precision an :class:`MLPQNetwork` acts through one call of :func:`mlp_native`."""
-    native = mlp_native() if not verifiable and isinstance(q, MLPQNetwork) else None
+    An :class:`MLPQNetwork` acts through one call of :func:`mlp_native`, which dispatches the ops of the
+    Python forward below, so a verifiable step rounds and logs the same ops either way."""
+    native = mlp_native() if isinstance(q, MLPQNetwork) else None
     if native is not None:
         params, act = q.flat_parameters(), native.act
         return lambda obs: act(params, as_input(obs[None]))
@@ -250,7 +258,7 @@ def td_update(
     a: Any,
     as_input: Callable[[np.ndarray], torch.Tensor],
     cast: Callable[[torch.Tensor], torch.Tensor],
-    shortcuts: bool = False,
+    shortcuts: bool = True,
     native: bool = True,
 ) -> tuple[float, float]:
     """One gradient step of the TD loss on a replay batch; returns (loss, mean Q of the taken actions).
@@ -260,7 +268,8 @@ def td_update(
     observations into network input and ``cast`` a float tensor into the run's precision.
     ``shortcuts``: reach the same bits through fewer ops: an :class:`MLPQNetwork`'s gradients through its
     written backward pass instead of autograd (see :meth:`MLPQNetwork.write_gradients`), and gradient
-    clipping through list ops. A verifiable step takes none: its rounding log is keyed by the op sequence.
+    clipping through list ops. Without them: autograd and per-tensor clipping, the ops a verifiable step
+    dispatched at op-sequence revision 1 (see :data:`OPS_REVISION`).
     ``native``: with the shortcuts, an MLP's update (up to the optimizer step) is one call of
     :func:`mlp_native`, which dispatches the same ops in the same order without a Python call per op.
     """
@@ -268,12 +277,12 @@ def td_update(
     rewards = cast(torch.from_numpy(batch.rewards))  # (batch,)
     not_done = cast(1.0 - torch.from_numpy(batch.terminated))  # (batch,)
     if shortcuts and native and isinstance(q, MLPQNetwork) and mlp_native() is not None:
-        loss_value, q_mean = mlp_native().td_update(
+        loss_value, q_taken = mlp_native().td_update(
             q.flat_parameters(), target.flat_parameters(), obs_b, next_b, torch.from_numpy(batch.actions),
             rewards, not_done, a.gamma, a.double_dqn, a.loss == "huber", a.max_grad_norm,
         )  # fmt: skip
         optimizer.step()
-        return loss_value, q_mean
+        return loss_value, float(q_taken.mean())
     with torch.no_grad():
         next_q = target(next_b)  # (batch, n_actions)
         if a.double_dqn:  # the online network picks the action, the target network values it
@@ -358,7 +367,10 @@ def run(
         t = torch.from_numpy(x)
         return precision.cast(t) if t.is_floating_point() else t
 
-    greedy = greedy_policy(q, precision.is_verifiable, as_input)
+    greedy = greedy_policy(q, as_input)
+    # Bundles of op-sequence revision 1 took autograd and per-tensor clipping in verifiable precision: a replay
+    # dispatches the ops their steps did.
+    shortcuts = session.ops_revision >= 2 or not precision.is_verifiable
     bar = None
     if progress:
         from tqdm import tqdm
@@ -397,7 +409,7 @@ def run(
                 for _ in range(a.gradient_steps):
                     batch = buffer.sample(sources.numpy("replay"), a.batch_size)
                     loss_value, q_mean = td_update(
-                        q, target, optimizer, batch, a, as_input, precision.cast, not precision.is_verifiable
+                        q, target, optimizer, batch, a, as_input, precision.cast, shortcuts
                     )
             if sync_target:
                 qnets.update_target(a.tau)
@@ -514,4 +526,5 @@ TASK = Task(
     resume_keys=frozenset({"train.log_every", "eval.episodes", "eval.seed", "eval.epsilon"}),
     caps=CAPS,
     size=size,
+    ops_revision=OPS_REVISION,
 )

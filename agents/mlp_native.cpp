@@ -38,17 +38,19 @@ at::Tensor layers(const std::vector<at::Tensor>& p, at::Tensor x, std::vector<at
   return at::linear(x, p[2 * n - 2], p[2 * n - 1]);
 }
 
-// The greedy action for one observation (1, obs_dim): int(q.forward(obs).argmax()). Inference mode: no
-// tensor here outlives the call, so none needs autograd's bookkeeping.
+// The greedy action for one observation (1, obs_dim): int(q.forward(obs).argmax()) under torch.no_grad(), as
+// dqn.greedy_policy's Python forward. Not inference mode: that skips the autograd key, where linear becomes
+// t and addmm, so a dispatch mode would see linear itself (and a verifiable step round and log another op).
 int64_t act(const std::vector<at::Tensor>& q, const at::Tensor& obs) {
-  c10::InferenceMode inference;
+  at::NoGradGuard no_grad;
   return layers(q, obs, nullptr).argmax().item<int64_t>();
 }
 
 // td_update's shortcut path up to the optimizer step: sets every parameter's .grad (clipped when
-// max_grad_norm is given) and returns (loss, mean Q of the taken actions).
+// max_grad_norm is given) and returns (loss, Q of the taken actions (batch,)). The caller takes their mean
+// after the optimizer step, where the Python paths take it: a verifiable step rounds the ops in that order.
 // obs, next_obs (batch, obs_dim); actions (batch,) int64; rewards, not_done (batch,) in the run's dtype.
-std::tuple<double, double> td_update(const std::vector<at::Tensor>& q, const std::vector<at::Tensor>& target,
+std::tuple<double, at::Tensor> td_update(const std::vector<at::Tensor>& q, const std::vector<at::Tensor>& target,
                                      const at::Tensor& obs, const at::Tensor& next_obs,
                                      const at::Tensor& actions, const at::Tensor& rewards,
                                      const at::Tensor& not_done, double gamma, bool double_dqn, bool huber,
@@ -95,7 +97,7 @@ std::tuple<double, double> td_update(const std::vector<at::Tensor>& q, const std
     at::Tensor scale = at::mul(at::add(total, number(1e-6)).reciprocal(), number(*max_grad_norm));
     at::_foreach_mul_(grads, at::clamp(scale, std::nullopt, 1.0));
   }
-  return {loss.item<double>(), q_taken.mean().item<double>()};
+  return {loss.item<double>(), q_taken};
 }
 
 }  // namespace
@@ -108,5 +110,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "An MLP Q-network's greedy action and TD update as single native calls (agents/mlp_native.cpp)";
   m.attr("built_for_torch") = DETRL_BUILT_FOR_TORCH;
   m.def("act", &act, "the greedy action of one observation (1, obs_dim)");
-  m.def("td_update", &td_update, "a TD update's gradients, clipped; returns (loss, mean Q taken)");
+  m.def("td_update", &td_update, "a TD update's gradients, clipped; returns (loss, Q of the taken actions)");
 }

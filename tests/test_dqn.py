@@ -8,6 +8,7 @@ Runs use ``configs/dqn/tiny.yaml`` (CartPole, small networks) through :func:`age
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -384,6 +385,85 @@ def test_tampered_transition_is_caught_at_its_step(tmp_path, what, capsys):
     out = capsys.readouterr().out
     assert rc == 1
     assert f"diverged at step {s}" in out and "batch the trainer committed differs" in out
+
+
+def test_each_op_sequence_revision_replays_as_it_was_recorded(tmp_path, monkeypatch, capsys):
+    """A verifiable update of op-sequence revision 2 takes the shortcuts (revision 1 took autograd and a
+    per-tensor clip): the same weights, bit for bit, from other ops in another order. A bundle says its
+    revision and replays with its own ops; the native MLP path and the Python one replay each other's; a
+    bundle of a revision this detrl does not know is bad input, in one line."""
+    from detrl.formats.bundle import MANIFEST, ROUNDLOG
+
+    cfg = tiny(**{"train.steps": 500})
+    old, new = tmp_path / "revision1", tmp_path / "revision2"
+    run(cfg, mode="record", run_dir=old, ops_revision=1)
+    run(cfg, mode="record", run_dir=new)
+    manifests = [json.loads((d / MANIFEST).read_text()) for d in (old, new)]
+    assert [m["ops_revision"] for m in manifests] == [1, dqn.OPS_REVISION] == [1, 2]
+    assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
+    assert (old / ROUNDLOG).read_bytes() != (new / ROUNDLOG).read_bytes()  # other op positions
+    for bundle in (old, new):
+        assert main(["audit", str(bundle), "--quiet"]) == 0, capsys.readouterr().out
+    monkeypatch.setattr(dqn, "mlp_native", lambda: None)  # an auditor without the native extension
+    assert main(["audit", str(new), "--quiet"]) == 0, capsys.readouterr().out
+    capsys.readouterr()
+    manifests[1]["ops_revision"] = 3
+    (new / MANIFEST).write_text(json.dumps(manifests[1]))
+    assert main(["audit", str(new), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "recorded by a newer detrl (op-sequence revision 3; this one runs revisions 1 to 2)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_native_and_python_paths_round_the_same_ops_in_a_verifiable_step():
+    """Under verifiable precision the native MLP update and greedy action dispatch the Python shortcut path's
+    ops: the rounding mode sees the same ops, in the same order, with the same rounded outputs (so a bundle
+    recorded with the extension replays without it). Inference mode would not: linear would reach the mode
+    whole instead of as t and addmm."""
+    from detrl.core.optrace import OpTrace
+
+    if dqn.mlp_native() is None:
+        pytest.skip("the native MLP path is not built here")
+    from agents.networks import MLPQNetwork, QNetworks
+
+    cfg = tiny()
+    s = sessions.session_for(cfg, None, "off", sources=Sources.from_config(cfg.sources))
+    rng = np.random.default_rng(0)
+    batch = SimpleNamespace(
+        obs=rng.normal(size=(32, 4)).astype(np.float32), next_obs=rng.normal(size=(32, 4)).astype(np.float32),
+        actions=rng.integers(0, 2, 32), rewards=rng.normal(size=32).astype(np.float32),
+        terminated=(rng.random(32) < 0.2).astype(np.float32),
+    )  # fmt: skip
+    a = SimpleNamespace(gamma=0.99, double_dqn=True, loss="huber", max_grad_norm=0.05)
+    with s:
+        nets = s.init(lambda: QNetworks(MLPQNetwork(4, 2, (32, 32))))
+        opt = torch.optim.Adam(nets.online.parameters(), lr=1e-3, foreach=True)
+        s.track(opt)
+
+        def as_input(x: np.ndarray) -> torch.Tensor:
+            return s.precision.cast(torch.from_numpy(x))
+
+        def traced(fn: Any) -> list[tuple[str, bytes]]:
+            s.rounding.trace = trace = OpTrace()
+            with s.step():
+                fn()
+            return [(r.op, r.digest) for r in trace.records]
+
+        def update(native: bool) -> None:
+            dqn.td_update(nets.online, nets.target, opt, batch, a, as_input, s.precision.cast, True, native)
+
+        steps = []
+        for native in (False, True):
+            opt.state.clear()  # each path's Adam starts afresh, from the same weights
+            weights = [p.detach().clone() for p in nets.parameters()]
+            steps.append(traced(functools.partial(update, native)))
+            with torch.no_grad():
+                for p, w in zip(nets.parameters(), weights):
+                    p.copy_(w)
+        assert len(steps[0]) > 30 and steps[0] == steps[1]
+        python = traced(lambda: torch.no_grad()(nets.online.forward)(as_input(batch.obs[:1])).argmax())
+        native = traced(lambda: dqn.greedy_policy(nets.online, as_input)(batch.obs[0]))
+        assert [op for op, _ in python] == ["addmm"] * 3 and python == native
 
 
 # --- config errors ------------------------------------------------------------------------------

@@ -297,6 +297,10 @@ class Session:
                     s.verify_checkpoints()
 
             The default (``start=0, stop=None``) is the whole replay.
+        ops_revision: the op-sequence revision of the code that runs the steps (a task's
+            :attr:`~detrl.run.tasks.Task.ops_revision`). A fresh recording writes it in the manifest; replay
+            and resume take the bundle's instead (1 where the manifest has none), so the code can dispatch the
+            ops those steps dispatched, and refuse a bundle of a revision above this one as bad input.
     """
 
     def __init__(
@@ -322,6 +326,7 @@ class Session:
         caps: bundle_mod.Caps | None = None,
         start: int = 0,
         stop: int | None = None,
+        ops_revision: int = 1,
     ) -> None:
         if mode not in ("record", "replay", "off"):
             raise ValueError(f"mode must be record, replay or off, not {mode!r}")
@@ -350,6 +355,8 @@ class Session:
         self.calibration_steps = 0
         #: replay: the segment's first and last step (see ``start`` and ``stop`` above)
         self.start, self.stop = start, stop
+        #: the op-sequence revision the steps run: the argument's, or the bundle's when replaying or resuming
+        self.ops_revision = int(ops_revision)
         if mode == "replay" or resume:  # precision, sources and thresholds come from the bundle
             if resume and mode != "record":
                 raise ValueError("resume needs mode='record'")
@@ -457,9 +464,15 @@ class Session:
             self.thresholds = Thresholds.from_json(m.thresholds)
             if self.precision.is_verifiable:
                 _check_claims(self.thresholds, m.calibration_steps, calibrates, m.task is not None)
+            if m.ops_revision > self.ops_revision:
+                raise ValueError(
+                    f"ops_revision: recorded by a newer detrl (op-sequence revision {m.ops_revision}; this one "
+                    f"runs revisions 1 to {self.ops_revision})"
+                )
         except ValueError as e:
             raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
         self._initial_sources = m.sources
+        self.ops_revision = m.ops_revision
         self.calibration_steps = m.calibration_steps
         self.margin = m.margin
         self.checkpoint_every = m.checkpoint_every
@@ -553,6 +566,7 @@ class Session:
             "planned_steps": self.planned_steps,
             "data_fingerprint": self.data_fingerprint,
             "torch": torch.__version__,
+            "ops_revision": self.ops_revision,
         }
 
     # ------------------------------------------------------------------ building the run

@@ -149,6 +149,12 @@ class Manifest(_Strict):
     data_fingerprint: str | None = Field(None, pattern=_HEX64)
     stats: dict[str, int] = Field(default_factory=dict)
     torch: str = Field(max_length=64)
+    ops_revision: int = Field(
+        1,
+        ge=1,
+        lt=1 << 16,
+        description="the task's op-sequence revision the steps ran (1: written before revisions)",
+    )
 
 
 def _manifest_error(e: ValidationError) -> BundleError:

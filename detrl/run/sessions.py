@@ -50,6 +50,7 @@ def session_for(
         "config": cfg.model_dump(mode="json"),
         "planned_steps": task.planned_steps(cfg),
         "data_fingerprint": fingerprint,
+        "ops_revision": task.ops_revision,
         **task.session_options(cfg),
         **overrides,
     }

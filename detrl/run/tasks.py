@@ -52,6 +52,10 @@ class Task:
             name of the ``audit`` argument that carries each (``data``, ``init_from``; ``detrl audit --data``,
             ``--init-from``), with the reason shown when one is missing. A bundle never names a file the
             auditor opens; ``fingerprint`` and ``run`` receive each supplied one as a keyword argument.
+        ops_revision: the op-sequence revision ``run`` records. A verifiable bundle's rounding log is keyed
+            by the position of each rounded op in its step, so a change to the ops a step dispatches (their
+            kind, order or number) raises it, and ``run`` keeps the older path for bundles of an older
+            revision (``session.ops_revision`` says which). Bundles record it; an auditor refuses a higher one.
     """
 
     name: str
@@ -64,6 +68,7 @@ class Task:
     caps: Mapping[str, float] = dataclasses.field(default_factory=dict)
     size: Callable[[Any], dict[str, int]] = lambda cfg: {}
     inputs: Callable[[Any], dict[str, str]] = lambda cfg: {}
+    ops_revision: int = 1
 
 
 #: Default caps on the totals ``Task.size`` reports (``detrl audit --cap size.params=N`` raises one).
