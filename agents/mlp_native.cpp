@@ -50,11 +50,11 @@ int64_t act(const std::vector<at::Tensor>& q, const at::Tensor& obs) {
 // max_grad_norm is given) and returns (loss, Q of the taken actions (batch,)). The caller takes their mean
 // after the optimizer step, where the Python paths take it: a verifiable step rounds the ops in that order.
 // obs, next_obs (batch, obs_dim); actions (batch,) int64; rewards, not_done (batch,) in the run's dtype.
-std::tuple<double, at::Tensor> td_update(const std::vector<at::Tensor>& q, const std::vector<at::Tensor>& target,
-                                     const at::Tensor& obs, const at::Tensor& next_obs,
-                                     const at::Tensor& actions, const at::Tensor& rewards,
-                                     const at::Tensor& not_done, double gamma, bool double_dqn, bool huber,
-                                     std::optional<double> max_grad_norm) {
+std::tuple<double, at::Tensor> td_update(const std::vector<at::Tensor>& q,
+                                         const std::vector<at::Tensor>& target, const at::Tensor& obs,
+                                         const at::Tensor& next_obs, const at::Tensor& actions,
+                                         const at::Tensor& rewards, const at::Tensor& not_done, double gamma,
+                                         bool double_dqn, bool huber, std::optional<double> max_grad_norm) {
   at::NoGradGuard no_grad;
   // The TD target: r + gamma * max_a' Q_target(s', a') * (1 - terminated).
   at::Tensor next_q = layers(target, next_obs, nullptr);  // (batch, n_actions)

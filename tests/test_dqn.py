@@ -413,6 +413,9 @@ def test_each_op_sequence_revision_replays_as_it_was_recorded(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert "recorded by a newer detrl (op-sequence revision 3; this one runs revisions 1 to 2)" in err
     assert len(err.strip().splitlines()) == 1
+    for bad in (0, True, 2.0, 1 << 16):
+        with pytest.raises(ValueError, match="ops_revision must be an integer"):
+            Session(None, mode="off", ops_revision=bad)
 
 
 def test_native_and_python_paths_round_the_same_ops_in_a_verifiable_step():

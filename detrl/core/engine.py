@@ -336,6 +336,12 @@ class Session:
             raise ValueError(f"a replayed segment needs 0 <= start < stop, not start={start}, stop={stop}")
         if mode != "off" and run_dir is None:
             raise ValueError(f"mode={mode!r} needs the bundle directory")
+        if (
+            isinstance(ops_revision, bool)
+            or not isinstance(ops_revision, int)
+            or not 1 <= ops_revision < 1 << 16
+        ):
+            raise ValueError(f"ops_revision must be an integer in [1, 65536), not {ops_revision!r}")
         self.mode = mode
         self.dir = Path(run_dir) if run_dir is not None else None
         self.profile = hardware if isinstance(hardware, Profile) else get_profile(hardware)
@@ -356,7 +362,7 @@ class Session:
         #: replay: the segment's first and last step (see ``start`` and ``stop`` above)
         self.start, self.stop = start, stop
         #: the op-sequence revision the steps run: the argument's, or the bundle's when replaying or resuming
-        self.ops_revision = int(ops_revision)
+        self.ops_revision = ops_revision
         if mode == "replay" or resume:  # precision, sources and thresholds come from the bundle
             if resume and mode != "record":
                 raise ValueError("resume needs mode='record'")
