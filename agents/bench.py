@@ -14,7 +14,8 @@ Parts (``--part all`` runs each in turn):
     the switchboard's cost.
 ``verifiable``
     ``configs/dqn/cartpole.yaml`` for ``--verifiable-steps`` steps recorded in verifiable precision
-    against plain FP32 (both record a bundle): the cost of verifiability.
+    against plain FP32 (both record a bundle): the cost of verifiability. Then one more run of each, timed
+    part by part inside the loop: where a recorded step goes in each precision.
 ``learning``
     ``configs/dqn/cartpole.yaml`` (100k steps) for ``--seeds`` seeds; final greedy evaluation of 10
     episodes for detrl and for SB3 with the same hyperparameters (SB3 has no Double DQN: it runs vanilla).
@@ -197,6 +198,14 @@ def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
                 cfg = load(base, **sets, precision=precision)
                 out = run_detrl(cfg, mode="record", run_dir=f"{tmp}/{precision}{r}")
                 res[precision].append(out["steps_per_second"])
+        breakdown, parts = {}, _recorded_parts()
+        for precision in ("fp32", "verifiable"):
+            _log(f"verifiable: where a step goes: {precision}")
+            timer = _PartTimer()
+            with _timed_parts(timer, parts):
+                cfg = load(base, **sets, precision=precision)
+                sps = run_detrl(cfg, mode="record", run_dir=f"{tmp}/{precision}-parts")["steps_per_second"]
+            breakdown[precision] = {**timer.seconds, "step": args.verifiable_steps / sps}
     a, b = statistics.median(res["fp32"]), statistics.median(res["verifiable"])
     print(
         f"\nVerifiable DQN (configs/dqn/cartpole.yaml, {args.verifiable_steps} steps, learning from step "
@@ -206,7 +215,24 @@ def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
     print(f"  verifiable  {b:8.0f} steps/s   {_spread(res['verifiable'])}")
     verdict = "MET" if a / b <= VERIFIABLE_GOAL else "MISSED"
     print(f"  verifiable is {a / b:.1f}x slower (goal <= {VERIFIABLE_GOAL:g}x: {verdict})")
-    return {**res, "slowdown": a / b}
+    _print_breakdown(breakdown, [label for _, _, label in parts], args.verifiable_steps)
+    return {**res, "slowdown": a / b, "breakdown": breakdown}
+
+
+def _print_breakdown(breakdown: dict[str, dict[str, float]], labels: list[str], steps: int) -> None:
+    """Per part, the microseconds a step of each precision spent in it (one more run of each, timed inside
+    the loop; the timers cost the loop a little of their own)."""
+    fp32, verifiable = breakdown["fp32"], breakdown["verifiable"]
+    print(f"\nWhere a recorded step goes, us a step ({steps} steps, one run of each, timed inside the loop):")
+    print(f"  {'part':<38} {'fp32':>8} {'verifiable':>11} {'ratio':>6}")
+    rest = {p: t["step"] - sum(t.get(label, 0.0) for label in labels) for p, t in breakdown.items()}
+    for label, x, y in [
+        *((label, fp32.get(label, 0.0), verifiable.get(label, 0.0)) for label in labels),
+        ("the rest (loop, env, Session step)", rest["fp32"], rest["verifiable"]),
+        ("a step", fp32["step"], verifiable["step"]),
+    ]:
+        ratio = f"{y / x:6.1f}" if x > 0 else f"{'-':>6}"
+        print(f"  {label:<38} {x / steps * 1e6:8.1f} {y / steps * 1e6:11.1f} {ratio}")
 
 
 class _PartTimer:
@@ -237,6 +263,43 @@ class _PartTimer:
         return wrapper
 
 
+@contextlib.contextmanager
+def _timed_parts(timer: _PartTimer, parts: list[tuple[Any, str, str]]) -> Any:
+    """Within: each ``(owner, attribute, label)`` of ``parts`` timed by ``timer``, restored on exit. For
+    ``dqn.greedy_policy``, the policy it returns is what acts, so that is timed."""
+    originals = [getattr(owner, name) for owner, name, _ in parts]
+    try:
+        for (owner, name, label), original in zip(parts, originals):
+            if name == "greedy_policy":
+                setattr(owner, name, lambda *a, policy=original, label=label: timer.timed(policy(*a), label))
+            else:
+                setattr(owner, name, timer.timed(original, label))
+        yield
+    finally:
+        for (owner, name, _), original in zip(parts, originals):
+            setattr(owner, name, original)
+
+
+def _recorded_parts() -> list[tuple[Any, str, str]]:
+    """The parts of a recorded step ``--part verifiable`` times in each precision: (owner, attribute, label)."""
+    from agents import dqn
+    from agents.buffers import ReplayBuffer
+    from agents.networks import QNetworks
+    from detrl.core.engine import Session
+    from detrl.formats.bundle import BundleWriter
+
+    return [
+        (dqn, "td_update", "update (its optimizer step included)"),
+        (dqn, "greedy_policy", "greedy action"),
+        (QNetworks, "update_target", "target network update"),
+        (Session, "_state_hash", "state commitment (digests)"),
+        (BundleWriter, "append_step", "bundle append (log segment, record)"),
+        (Session, "observe", "transition hash"),
+        (ReplayBuffer, "add", "replay buffer add"),
+        (ReplayBuffer, "sample", "replay buffer sample"),
+    ]
+
+
 def part_profile(args: argparse.Namespace) -> dict[str, Any]:
     """Where a step of the speed part's run goes: each part timed inside the loop, then a greedy action
     timed alone in a tight loop (the same network shape), to show what the loop's other code costs it."""
@@ -248,23 +311,19 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load(CLEANRL_CARTPOLE, **{"train.steps": args.steps})
     torch.set_num_threads(1)
     timer = _PartTimer()
-    patched = [(dqn, "td_update"), (dqn, "greedy_policy"), (ReplayBuffer, "add"), (Session, "step")]
-    originals = [getattr(owner, name) for owner, name in patched]
-    labels = ["update", "greedy action", "replay buffer add", "Session step"]
+    parts = [
+        (dqn, "td_update", "update"),
+        (dqn, "greedy_policy", "greedy action"),
+        (ReplayBuffer, "add", "replay buffer add"),
+    ]
 
     def timed_env(env: Any) -> Any:
         env.step = timer.timed(env.step, "env step")
         env.reset = timer.timed(env.reset, "env reset")
         return env
 
-    session_step = originals[patched.index((Session, "step"))]
+    session_step = Session.step
     try:
-        for (owner, name), label in zip(patched, labels):
-            if name == "greedy_policy":  # the policy it returns is what acts
-                policy = getattr(owner, name)
-                setattr(owner, name, lambda *a, policy=policy, label=label: timer.timed(policy(*a), label))
-            elif name != "step":
-                setattr(owner, name, timer.timed(getattr(owner, name), label))
 
         @contextlib.contextmanager
         def step(self: Session, *a: Any, **kw: Any) -> Any:  # times entering and leaving, not the body
@@ -288,11 +347,10 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
 
         Session.step = step  # type: ignore[method-assign]
         session = sessions.session_for(cfg, None, "off", sources=Sources.from_config(cfg.sources), force=True)
-        with session:
+        with session, _timed_parts(timer, parts):
             timed_sps = dqn.run(cfg, session, wrap_env=timed_env)["steps_per_second"]
     finally:
-        for (owner, name), original in zip(patched, originals):
-            setattr(owner, name, original)
+        Session.step = session_step  # type: ignore[method-assign]
     # The same run without the timers (which cost the loop some time of their own), and the same greedy
     # action alone: a fresh network of the same shape, one observation, 2,000 times in a row.
     sps = run_detrl(cfg)["steps_per_second"]

@@ -661,3 +661,32 @@ def test_bench_dqn_profile_times_each_part_and_restores_what_it_wrapped(capsys):
         row = next(line for line in out.splitlines() if line.strip().startswith(part))
         assert float(row.split()[-4]) > 0  # microseconds a call
     assert (dqn.td_update, dqn.greedy_policy, MLPQNetwork.forward, ReplayBuffer.add, Session.step) == before
+
+
+def test_bench_dqn_verifiable_breaks_a_recorded_step_down_and_restores_what_it_wrapped(capsys):
+    from agents import bench
+    from agents.networks import QNetworks
+    from detrl.formats.bundle import BundleWriter
+
+    before = (
+        dqn.td_update,
+        dqn.greedy_policy,
+        QNetworks.update_target,
+        Session._state_hash,
+        BundleWriter.append_step,
+    )
+    assert bench.main(["--part", "verifiable", "--verifiable-steps", "300", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "verifiable is" in out and "Where a recorded step goes" in out
+    for part in ("update", "greedy action", "state commitment", "bundle append", "a step"):
+        row = next(line for line in out.splitlines() if line.strip().startswith(part))
+        fp32, verifiable = (float(x) for x in row.split()[-3:-1])
+        assert fp32 > 0 and verifiable > 0  # microseconds a step, in each precision
+    after = (
+        dqn.td_update,
+        dqn.greedy_policy,
+        QNetworks.update_target,
+        Session._state_hash,
+        BundleWriter.append_step,
+    )
+    assert after == before
