@@ -16,8 +16,15 @@ from torch import nn
 
 from detrl import Session, Sources
 from detrl.core import calibrate
-from detrl.core.calibrate import CLASSES_KEY, DEFAULT_MAX_PER_CLASS, MIN_SAMPLED_ROWS, Calibrator, shape_class
-from detrl.core.oprules import op_name
+from detrl.core.calibrate import (
+    CLASS_WORST_KEY,
+    CLASSES_KEY,
+    DEFAULT_MAX_PER_CLASS,
+    MIN_SAMPLED_ROWS,
+    Calibrator,
+    shape_class,
+)
+from detrl.core.oprules import call_class, op_name
 from detrl.core.rounding import Thresholds
 
 PROFILES = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
@@ -95,28 +102,37 @@ def record(run_dir: Path, steps: int, calibration_steps: int = 1, **kw: Any) -> 
     return s
 
 
-def count_measurements(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
-    """Counts, per shape class, the op calls the calibrator actually reran under its profiles."""
+def count_measurements(
+    monkeypatch: pytest.MonkeyPatch, sized: dict[str, set[str]] | None = None
+) -> collections.Counter[str]:
+    """Counts, per shape class, the op calls the calibrator actually reran under its profiles; ``sized``
+    collects each shape class's call classes (with sizes) seen."""
     counts: collections.Counter[str] = collections.Counter()
     orig = Calibrator.__call__
 
     def counting(self: Calibrator, func: Any, before: tuple, kwargs: dict, produced: list, kind: Any) -> None:
-        n = self.calibrated_calls
+        n, calls = self.calibrated_calls, self.calls
         orig(self, func, before, kwargs, produced, kind)
+        key = shape_class(op_name(func), before, kwargs)
+        if sized is not None and self.calls > calls:  # a call it takes (one with an FP64 result)
+            sized.setdefault(key, set()).add(call_class(op_name(func), before, kwargs))
         if self.calibrated_calls > n:
-            counts[shape_class(op_name(func), before, kwargs)] += 1
+            counts[key] += 1
 
     monkeypatch.setattr(Calibrator, "__call__", counting)
     return counts
 
 
 def test_repeated_layers_are_calibrated_a_bounded_number_of_times_and_replicate(tmp_path, monkeypatch):
-    counts = count_measurements(monkeypatch)
+    sized: dict[str, set[str]] = {}
+    counts = count_measurements(monkeypatch, sized)
     steps = 6
     rec = record(tmp_path / "run", steps, calibration_steps=2)
     cal = rec._calibrator
     assert cal is not None and cal.max_per_class == DEFAULT_MAX_PER_CLASS
-    assert counts and max(counts.values()) <= cal.max_per_class  # the bound holds over both steps
+    # the bound holds over both steps: twice a class, and once more for each further size of it
+    assert counts and all(n <= cal.max_per_class + len(sized[k]) - 1 for k, n in counts.items()), counts
+    assert set(cal.class_worst) == set().union(*sized.values())  # every call class measured
     assert dict(counts) == cal.classes
     # the repeated layers do share classes: most calls were not rerun
     assert cal.calibrated_calls < cal.calls / 2, (cal.calibrated_calls, cal.calls)
@@ -167,11 +183,11 @@ def test_resuming_inside_calibration_gives_the_uninterrupted_thresholds_and_log(
 
 def test_calibration_state_round_trips_and_is_checked():
     cal = Calibrator(Thresholds(), [])
-    state = {"mm": 0.5, CLASSES_KEY: {"mm(float64[01])": 2}}
+    state = {"mm": 0.5, CLASSES_KEY: {"mm(float64[01])": 2}, CLASS_WORST_KEY: {"mm(float64[01])": 0.25}}
     cal.load_state(state)
     assert cal.state() == state and cal.worst == {"mm": 0.5}
     cal.load_state({"mm": 0.25})  # written before classes were counted: disagreements only
-    assert cal.state() == {"mm": 0.25, CLASSES_KEY: {}}
+    assert cal.state() == {"mm": 0.25, CLASSES_KEY: {}, CLASS_WORST_KEY: {}}
     bad = [
         [1.0],
         {"mm": -1.0},
@@ -182,6 +198,10 @@ def test_calibration_state_round_trips_and_is_checked():
         {"mm": 0.5, CLASSES_KEY: {"mm(x)": 1.0}},
         {"mm": 0.5, CLASSES_KEY: {"add(x)": 1}},  # a class of an op never measured
         {"mm": 0.5, CLASSES_KEY: []},
+        {"mm": 0.5, CLASS_WORST_KEY: {"mm(x)": 0.75}},  # a class above its op
+        {"mm": 0.5, CLASS_WORST_KEY: {"add(x)": 0.25}},  # a class of an op never measured
+        {"mm": 0.5, CLASS_WORST_KEY: {"mm(x)": -1.0}},
+        {"mm": 0.5, CLASS_WORST_KEY: []},
     ]
     for state in bad:
         with pytest.raises((TypeError, ValueError)):

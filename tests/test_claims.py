@@ -279,3 +279,38 @@ def test_a_missing_default_threshold_is_bad_input(bundle: Path, capsys: pytest.C
     write_manifest(bundle, m)
     rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
     assert rc == 2 and "manifest.json: thresholds.default: missing" in err, out + err
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("below the floor", "below 2**-26"),
+        ("above its op", "is above its op's"),
+        ("an op with no threshold", "a class of an op with no per_op threshold"),
+        ("not a number", "is '0.1', not a number"),
+        ("not a class", "is not a call class"),
+    ],
+)
+def test_class_thresholds_no_recorder_writes_are_bad_input(
+    bundle: Path, case: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A class's threshold is a claim like an op's: below calibration's floor, above its op's (the op's is
+    the largest of its classes'), for an op the bundle claims nothing of, or malformed: exit 2, one line."""
+    m = read_manifest(bundle)
+    per_class = m["thresholds"]["per_class"]  # the digits CNN's calibration measures classes
+    key = next(iter(per_class))
+    op = key.partition("(")[0]
+    if case == "below the floor":
+        per_class[key] = 2.0**-27
+    elif case == "above its op":
+        per_class[key] = m["thresholds"]["per_op"][op] * 2
+    elif case == "an op with no threshold":
+        per_class["nosuchop" + key[len(op) :]] = per_class[key]
+    elif case == "not a number":
+        per_class[key] = "0.1"
+    else:
+        per_class["mm"] = per_class[key]
+    write_manifest(bundle, m)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet")
+    assert rc == 2, out + err
+    assert message in err and err.count("\n") == 1, err

@@ -184,9 +184,9 @@ def test_an_island_widens_positional_dtype_arguments_so_decompositions_apply(tmp
     logged: list[str] = []
     original = RoundingMode._round_logged
 
-    def spy(self, func, x, kind, args=()):  # noqa: ANN001, ANN202
+    def spy(self, func, x, kind, args, tau):  # noqa: ANN001, ANN202
         logged.append(op_name(func))
-        return original(self, func, x, kind, args)
+        return original(self, func, x, kind, args, tau)
 
     monkeypatch.setattr(RoundingMode, "_round_logged", spy)
     zoo.record(specimen("upcast_mlp"), tmp_path / "run", steps=1)

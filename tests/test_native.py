@@ -19,6 +19,7 @@ from detrl.core import native
 from detrl.core.engine import Session
 from detrl.core.hardware import get_profile, profile_names
 from detrl.core.native import Route
+from detrl.core.oprules import RULES_REVISION
 from detrl.core.rounding import plan_of
 from detrl.core.sources import Sources
 from detrl.formats import bundle as bundle_mod
@@ -47,8 +48,8 @@ def test_the_environment_can_switch_the_route_off() -> None:
 def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     plain, pairwise = get_profile("native"), get_profile("emulated:pairwise", seed=0)
 
-    def route(func, profile=plain) -> Route:  # noqa: ANN001
-        return native.route(func, plan_of(func), profile.reorders)
+    def route(func, profile=plain, rules_revision=RULES_REVISION) -> Route:  # noqa: ANN001
+        return native.route(func, plan_of(func), profile.reorders, rules_revision)
 
     assert route(aten.view.default) is Route.KEEP
     assert route(aten.mul.Tensor) is Route.EXACT
@@ -56,7 +57,11 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.addcdiv_.default) is Route.SPLIT_ADDCDIV
     assert route(aten._to_copy.default) is Route.CAST
     assert route(aten.sigmoid.default) is Route.LOGGED
-    assert route(aten.sum.dim_IntList) is Route.LOGGED_REDUCTION  # at its output's channel scale
+    assert route(aten.sum.dim_IntList, rules_revision=1) is Route.LOGGED_REDUCTION  # at its channel scale
+    assert route(aten.pow.Tensor_Scalar, rules_revision=1) is Route.LOGGED
+    # from rules revision 2, pow is exact for exponent 2: the mode decides per call
+    assert route(aten.pow.Tensor_Scalar) is Route.PYTHON
+    assert route(aten.sum.dim_IntList) is Route.LOGGED_REDUCTION
     # another libm, another summation order: only the mode knows how
     assert route(aten.sigmoid.default, pairwise) is Route.PYTHON
     assert route(aten.sum.dim_IntList, pairwise) is Route.PYTHON
@@ -199,3 +204,45 @@ def test_a_mode_entered_inside_a_step_still_sees_every_op(tmp_path) -> None:  # 
 
     assert dispatched(seen[True]) == dispatched(seen[False])
     assert "aten.tanh.default" in seen[True] and "aten.tanh_backward.default" in seen[True]
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_call_is_logged_at_its_class_threshold(on: bool) -> None:
+    """Two classes of ``mm`` (``a @ b`` and ``a @ c.T``, the product and its transposed operand): where the
+    thresholds give the second class its own, smaller threshold, its calls log as under an op threshold
+    that small, and the first class's as under the op's; the native route, which learns a call's threshold
+    from the mode once per call key, logs the same entries as the mode (``on``: the route, else the mode)."""
+    from detrl.core.oprules import call_class
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    torch.manual_seed(0)
+    a = torch.randn(64, 96, dtype=torch.float64).float().double()
+    b = torch.randn(96, 80, dtype=torch.float64).float().double()
+    c = b.t().contiguous()
+    transposed = call_class("mm", (a, c.t()), {})
+    assert transposed != call_class("mm", (a, b), {})
+    big, small = 2.0**-6, 2.0**-12
+
+    def logged(thresholds: Thresholds) -> list[int]:
+        step = StepRounding()
+        mode = RoundingMode(get_profile("native"), thresholds)
+        before = native._enabled
+        native.set_enabled(on)
+        try:
+            with mode.step_scope(step):
+                for _ in range(2):  # the second call of each key: learned, where the route is on
+                    torch.mm(a, b)
+                    torch.mm(a, c.t())
+        finally:
+            native.set_enabled(before)
+        assert len(step.op_names) == 4
+        per_op = [0] * 4
+        for e in step.recorded:
+            per_op[e.op] += len(e.indices) + len(e.pinned_indices) + len(e.short_indices)
+        return per_op
+
+    classed = logged(Thresholds(per_op={"mm": big}, per_class={transposed: small}))
+    all_big = logged(Thresholds(per_op={"mm": big}))
+    all_small = logged(Thresholds(per_op={"mm": small}))
+    assert all_big[1] > 4 * all_small[1] > 0  # the thresholds matter here
+    assert classed == [all_big[0], all_small[1], all_big[2], all_small[3]]

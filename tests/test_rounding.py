@@ -326,3 +326,42 @@ def test_verifiable_sessions_pin_optimizers_to_one_op_sequence_on_every_device(t
         plain = s.track(torch.optim.AdamW(params))
         s.track(torch.optim.Adam(params, fused=True))
     assert plain.param_groups[0]["foreach"] is None
+
+
+def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
+    """Rules revision 2 takes ``pow(x, 2)`` as exact (``x * x``): a GPT-2 (tanh GELU: squares in its
+    backward) records the same weights under revisions 1 and 2, a smaller log under 2 (its squares' ties
+    are not logged), and each bundle replays on its own rules on two profiles with nothing unlogged or
+    refused. A bundle of a revision this detrl does not know is bad input, in one line."""
+    import json
+
+    from detrl.core import engine
+    from detrl.core.oprules import RULES_REVISION
+    from detrl.formats import bundle as bundle_mod
+    from detrl.testing import zoo
+
+    specimen = zoo.SPECIMENS["hf_gpt2"]
+    if not zoo.available(specimen):
+        pytest.skip("this transformers has no GPT2LMHeadModel")
+    old, new = tmp_path / "rules1", tmp_path / "rules2"
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 1)
+        before = zoo.record(specimen, old, steps=3)
+    after = zoo.record(specimen, new, steps=3)
+    manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, new)]
+    assert [m["rules_revision"] for m in manifests] == [1, RULES_REVISION] == [1, 2]
+    assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
+    assert 0 < after.totals.logged < before.totals.logged
+    for bundle in (old, new):
+        for hardware in ("native", get_profile("emulated:splitk", seed=0)):
+            replayed = zoo.replay(specimen, bundle, hardware, steps=3)  # raises Divergence if it differs
+            assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
+    manifests[1]["rules_revision"] = 3
+    (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[1]))
+    with pytest.raises(engine.BundleError) as raised:
+        zoo.replay(specimen, new, "native", steps=3)
+    message = str(raised.value)
+    assert (
+        "recorded by a newer detrl (rounding-rule revision 3; this one applies revisions 1 to 2)" in message
+    )
+    assert "\n" not in message

@@ -15,9 +15,15 @@ Calibration is bounded: each *shape class* of calls (:func:`shape_class`: the op
 stride order of every tensor argument, and the values of its structural arguments) is measured at most
 ``max_per_class`` times over all calibration steps. A model's layers make the same kinds of calls again
 and again, with disagreements alike, so measuring every one of them (the old rule) mostly repeated work:
-ten times a later step's time for ResNet-50. A call that is not measured is logged with
-its op kind's threshold so far, which always includes a measurement of that op kind: the first call of a
-kind opens a new class and is measured before it is rounded.
+ten times a later step's time for ResNet-50. A call of sizes not measured yet (its *call class*,
+:func:`call_class`) is measured too, and the class gets a threshold of its own,
+
+    tau(call class) = clamp(margin x the class's largest disagreement, floor, TAU_CAP),
+
+where the profiles disagree on it at all; the op kind's threshold is the largest of its classes'. A call
+that is not measured is logged with its class's threshold, else its op kind's so far, which always
+includes a measurement of that op kind: the first call of a kind opens a new class and is measured
+before it is rounded.
 
 A measured call is rerun only where a profile can change its bits (an op no emulated profile reorders,
 on the CPU, disagrees by 0), and a call too large to rerun whole (GPT-2's 50,257-wide logits and their
@@ -35,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrl.core.dispatch import registrar
-from detrl.core.oprules import OpKind, op_name
+from detrl.core.oprules import OpKind, call_class, op_name, shape_class
 from detrl.core.rounding import TAU_FLOOR, TAU_FLOOR_MEASURED, Thresholds, snapshot, written_tensors
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
 
@@ -59,50 +65,14 @@ PROFILES = ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulat
 DEFAULT_MAX_PER_CLASS = 2
 #: The key of :meth:`Calibrator.state` under which the class counts are (not a possible op name).
 CLASSES_KEY = "#classes"
+#: ... and the largest disagreement measured per call class (:func:`call_class`: with sizes).
+CLASS_WORST_KEY = "#class-worst"
 #: A measured call whose largest tensor (an argument or a result) holds more elements than this is measured
 #: on a sample of its rows (:func:`_sample`): evenly spread rows of about this many elements of that tensor,
 #: at least :data:`MIN_SAMPLED_ROWS` of them. GPT-2 small's logits and their gradients (50,257 wide: 25.7M
 #: elements, products of 20 GFLOP) were measured whole under each of the four profiles.
 DEFAULT_SAMPLE_ELEMENTS = 1 << 16
 MIN_SAMPLED_ROWS = 8
-
-
-def shape_class(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """The class of an op call whose calibrations stand for each other: ``name``; for every tensor argument
-    its dtype, rank and the order of its strides (which operand of a product is transposed, which dims are
-    broadcast), but not its sizes; every structural argument (int, bool, str, None, dtype: conv stride
-    and padding, reduction dims, keepdim, output masks) as it is; float scalars (learning rates, alphas,
-    epsilons) by their type only. Arguments in order, keyword ones sorted by name.
-
-    Why not the sizes: the disagreement is measured in FP32 spacings of the result (at its largest
-    magnitude for reductions), which takes out the scale, and what is left depends on the sizes far
-    less than the margin allows: in a ResNet-50 step at batch 8, the 104 convolution calls (forward and
-    backward) past the 3-channel stem disagree by 3.7e-9 to 2.8e-8 spacings, 80% of them within a factor
-    4, across widths 64-2048 and resolutions 32-4. With sizes, each stage of a network is a new class
-    (67 classes for the step's 328 calibrated calls, still 65% of the full calibration time at two per
-    class); without them, 19 classes. Float values would make every step of a learning-rate schedule a
-    new class, and they scale values, which the units take out too.
-
-    A string (deterministic, JSON-safe): it is a key of the checkpointed calibration state."""
-    parts = [_arg_class(a) for a in args]
-    parts += [f"{k}={_arg_class(kwargs[k])}" for k in sorted(kwargs)]
-    return f"{name}({','.join(parts)})"
-
-
-def _arg_class(a: Any) -> str:
-    if isinstance(a, torch.Tensor):
-        dtype = str(a.dtype).removeprefix("torch.")
-        if a.layout != torch.strided:
-            return f"{dtype}<{a.layout}>"
-        strides = a.stride()
-        # dims from the outermost in memory to the innermost; a broadcast (stride 0) dim is marked
-        order = sorted(range(a.dim()), key=lambda i: (-strides[i], i))
-        return f"{dtype}[{''.join('b' if strides[i] == 0 else str(i) for i in order)}]"
-    if isinstance(a, (list, tuple)):
-        return "[" + ",".join(_arg_class(x) for x in a) + "]"
-    if isinstance(a, bool) or a is None or isinstance(a, (int, str, torch.dtype, torch.device)):
-        return repr(a)
-    return type(a).__name__  # float, complex, SymFloat, memory formats...: by type only
 
 
 class Calibrator:
@@ -137,6 +107,8 @@ class Calibrator:
         self.sample_elements = sample_elements
         self.profiles = list(profiles)
         self.worst: dict[str, float] = {}
+        #: the largest disagreement measured per call class (:func:`call_class`), each measured at least once
+        self.class_worst: dict[str, float] = {}
         #: measurements so far per shape class (only counted when bounded)
         self.classes: dict[str, int] = {}
         #: op calls seen, measured, and declined for a class measured enough (this session, for reports and
@@ -155,26 +127,27 @@ class Calibrator:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint inside calibration carries: the largest disagreement measured so far per op,
-        and under :data:`CLASSES_KEY` (no op's name) the measurements per shape class. Flat, as it was
-        before classes were counted, so a state still reads as ``{op: disagreement}``."""
-        return {**dict(sorted(self.worst.items())), CLASSES_KEY: dict(sorted(self.classes.items()))}
+        under :data:`CLASSES_KEY` (no op's name) the measurements per shape class and under
+        :data:`CLASS_WORST_KEY` the largest disagreement per call class. Flat, as it was before classes were
+        counted, so a state still reads as ``{op: disagreement}``."""
+        return {
+            **dict(sorted(self.worst.items())),
+            CLASSES_KEY: dict(sorted(self.classes.items())),
+            CLASS_WORST_KEY: dict(sorted(self.class_worst.items())),
+        }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state` (read from a bundle: every entry checked). A state without
-        :data:`CLASSES_KEY` (written before classes were counted) loads with no class measured yet."""
+        :data:`CLASSES_KEY` (written before classes were counted) loads with no class measured yet; one
+        without :data:`CLASS_WORST_KEY` (before classes had thresholds) with no class threshold."""
         if not isinstance(state, Mapping):
             raise TypeError(f"calibration state: a mapping, not {type(state).__name__}")
-        worst = {k: v for k, v in state.items() if k != CLASSES_KEY}
+        worst = {k: v for k, v in state.items() if k not in (CLASSES_KEY, CLASS_WORST_KEY)}
         classes = state.get(CLASSES_KEY, {})
-        if not isinstance(classes, Mapping):
-            raise TypeError(f"calibration state: {CLASSES_KEY} must be a mapping")
-        parsed_worst: dict[str, float] = {}
-        for k, v in worst.items():
-            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"calibration state: disagreement {k!r}: {v!r}")
-            if not 0.0 <= float(v) < float("inf"):
-                raise ValueError(f"calibration state: disagreement {k!r} out of range: {v!r}")
-            parsed_worst[k] = float(v)
+        class_worst = state.get(CLASS_WORST_KEY, {})
+        if not isinstance(classes, Mapping) or not isinstance(class_worst, Mapping):
+            raise TypeError(f"calibration state: {CLASSES_KEY} and {CLASS_WORST_KEY} must be mappings")
+        parsed_worst = _disagreements(worst, "disagreement")
         parsed_classes: dict[str, int] = {}
         for k, v in classes.items():
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -183,7 +156,11 @@ class Calibrator:
             if k.partition("(")[0] not in parsed_worst:
                 raise ValueError(f"calibration state: class {k!r} of an op with no measurement")
             parsed_classes[k] = v
-        self.worst, self.classes = parsed_worst, parsed_classes
+        parsed_class_worst = _disagreements(class_worst, "class disagreement")
+        for k, v in parsed_class_worst.items():
+            if parsed_worst.get(k.partition("(")[0], -1.0) < v:  # an op's is the largest of its classes'
+                raise ValueError(f"calibration state: class disagreement {k!r} above its op's")
+        self.worst, self.classes, self.class_worst = parsed_worst, parsed_classes, parsed_class_worst
 
     def __call__(
         self, func: Any, before: tuple, kwargs: dict, produced: list[torch.Tensor], kind: OpKind
@@ -193,17 +170,19 @@ class Calibrator:
             return
         name = op_name(func)
         self.calls += 1
+        sized = call_class(name, before, kwargs)
         if self.max_per_class is not None:
             key = shape_class(name, before, kwargs)
             seen = self.classes.get(key, 0)
             # A new class is measured, so an op kind's first call always is: the threshold an unmeasured
-            # call is logged with (``thresholds.per_op[name]``) always rests on a measurement.
-            if seen >= self.max_per_class and name in self.worst:
+            # call is logged with (``thresholds.per_op[name]``) always rests on a measurement. So is a
+            # call of new sizes, which has a threshold of its own (``thresholds.per_class``).
+            if seen >= self.max_per_class and name in self.worst and sized in self.class_worst:
                 self.declined += 1
                 return
             self.classes[key] = seen + 1
         self.calibrated_calls += 1
-        worst = self.worst.get(name, 0.0)
+        class_worst = self.class_worst.get(sized, 0.0)
         if self._reruns_can_differ(func, produced):
             sample = _sample(func, before, produced, self.sample_elements)
             if sample is None:
@@ -227,10 +206,18 @@ class Calibrator:
                 alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
                 for a, b, unit in zip(produced, alt, units):
                     if unit is not None and b.dtype == torch.float64 and a.shape == b.shape:
-                        worst = max(worst, _disagreement(a, b, unit))
-        self.worst[name] = worst
+                        class_worst = max(class_worst, _disagreement(a, b, unit))
+        worst = self.worst[name] = max(self.worst.get(name, 0.0), class_worst)
+        self.thresholds.per_op[name] = self._tau(kind, worst)
+        self.class_worst[sized] = class_worst
+        if class_worst > 0:
+            # A class the profiles reorder has its own threshold; one they do not (measured 0 here, for
+            # want of a profile that changes it) keeps its op's, which rests on the op's other classes.
+            self.thresholds.per_class[sized] = self._tau(kind, class_worst)
+
+    def _tau(self, kind: OpKind, worst: float) -> float:
         floor = TAU_FLOOR_MEASURED if kind is OpKind.REDUCTION and worst > 0 else TAU_FLOOR
-        self.thresholds.per_op[name] = min(TAU_CAP, max(floor, self.margin * worst))
+        return min(TAU_CAP, max(floor, self.margin * worst))
 
     def _reruns_can_differ(self, func: Any, produced: list[torch.Tensor]) -> bool:
         """Whether rerunning ``func`` under the profiles can give other bits than ``produced``. Not when
@@ -240,6 +227,18 @@ class Calibrator:
         if any(prof.reorders(func) for prof in self.profiles):
             return True
         return any(t.device.type != "cpu" for t in produced)
+
+
+def _disagreements(state: Mapping[Any, Any], what: str) -> dict[str, float]:
+    """``{key: largest disagreement}`` from a checkpoint's calibration state, every entry checked."""
+    parsed: dict[str, float] = {}
+    for k, v in state.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"calibration state: {what} {k!r}: {v!r}")
+        if not 0.0 <= float(v) < float("inf"):
+            raise ValueError(f"calibration state: {what} {k!r} out of range: {v!r}")
+        parsed[k] = float(v)
+    return parsed
 
 
 def _unit(

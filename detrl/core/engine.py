@@ -37,6 +37,7 @@ from torch.utils.module_tracker import ModuleTracker
 from detrl.core import calibrate
 from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
+from detrl.core.oprules import RULES_REVISION
 from detrl.core.portable import portable_kernels
 from detrl.core.precision import Precision
 from detrl.core.randomness import StreamRandomMode
@@ -162,6 +163,16 @@ def _check_claims(
             raise ValueError(
                 f"thresholds.per_op.{name[:64]}: {tau:g} is below 2**-26, the least threshold calibration writes"
             )
+    for key, tau in sorted(thresholds.per_class.items()):
+        op = thresholds.per_op.get(key.partition("(")[0])
+        if op is None:
+            raise ValueError(f"thresholds.per_class.{key[:64]}: a class of an op with no per_op threshold")
+        if tau < TAU_FLOOR_MEASURED:
+            raise ValueError(
+                f"thresholds.per_class.{key[:64]}: {tau:g} is below 2**-26, the least threshold calibration writes"
+            )
+        if tau > op:
+            raise ValueError(f"thresholds.per_class.{key[:64]}: {tau:g} is above its op's {op:g}")
     if thresholds.default < TAU_FLOOR:
         raise ValueError(
             f"thresholds.default: {thresholds.default:g} is below 2**-22, the least a run declares"
@@ -363,6 +374,8 @@ class Session:
         self.start, self.stop = start, stop
         #: the op-sequence revision the steps run: the argument's, or the bundle's when replaying or resuming
         self.ops_revision = ops_revision
+        #: the rounding rules the steps follow (oprules.RULES_REVISION): the bundle's when replaying or resuming
+        self.rules_revision = RULES_REVISION
         if mode == "replay" or resume:  # precision, sources and thresholds come from the bundle
             if resume and mode != "record":
                 raise ValueError("resume needs mode='record'")
@@ -379,6 +392,7 @@ class Session:
         if track_modules if track_modules is not None else mode == "replay":
             self._tracker = _OrderedTracker()
         self.rounding = RoundingMode(self.profile, self.thresholds, _weakly(self._module_path))
+        self.rounding.rules_revision = self.rules_revision
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.step_index = 0
@@ -475,10 +489,16 @@ class Session:
                     f"ops_revision: recorded by a newer detrl (op-sequence revision {m.ops_revision}; this one "
                     f"runs revisions 1 to {self.ops_revision})"
                 )
+            if m.rules_revision > RULES_REVISION:
+                raise ValueError(
+                    f"rules_revision: recorded by a newer detrl (rounding-rule revision {m.rules_revision}; "
+                    f"this one applies revisions 1 to {RULES_REVISION})"
+                )
         except ValueError as e:
             raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
         self._initial_sources = m.sources
         self.ops_revision = m.ops_revision
+        self.rules_revision = m.rules_revision
         self.calibration_steps = m.calibration_steps
         self.margin = m.margin
         self.checkpoint_every = m.checkpoint_every
@@ -573,6 +593,7 @@ class Session:
             "data_fingerprint": self.data_fingerprint,
             "torch": torch.__version__,
             "ops_revision": self.ops_revision,
+            "rules_revision": self.rules_revision,
         }
 
     # ------------------------------------------------------------------ building the run

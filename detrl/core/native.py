@@ -32,7 +32,7 @@ import torch
 
 from detrl.core import extensions, kernel
 from detrl.core.fused import SPLIT
-from detrl.core.oprules import FLOAT32_EXACT, HIDDEN_WRITES, OpKind
+from detrl.core.oprules import FLOAT32_EXACT, HIDDEN_WRITES, RULES_REVISION, SQUARES, OpKind
 from detrl.core.scale import SCALED_BY_INPUTS
 from detrl.formats.roundlog import OpEntries
 
@@ -61,14 +61,19 @@ _SPLITS = {"add": Route.SPLIT_ADD, "sub": Route.SPLIT_SUB, "addcmul": Route.SPLI
 _SPLITS.update({"addcdiv": Route.SPLIT_ADDCDIV, "lerp": Route.SPLIT_LERP})
 
 
-def route(func: Any, plan: Any, reorders: Callable[[Any], bool]) -> Route:
+def route(
+    func: Any, plan: Any, reorders: Callable[[Any], bool], rules_revision: int = RULES_REVISION
+) -> Route:
     """The route of aten overload ``func``, given the rounding mode's ``plan`` of it
     (:func:`detrl.core.rounding.plan_of`), under a profile whose ``reorders(func)`` says whether it computes
     ``func`` other than the native kernel. What the mode does beyond running, rounding and numbering an op
     stays with the mode: profiles' emulations, decompositions, random ops, reductions whose unit needs
     their arguments in a way the fallback does not compute (a convolution's input gradient) or that write
-    what their schema does not say (batch norm), and fused ops no native split covers."""
+    what their schema does not say (batch norm), fused ops no native split covers, and ops whose kind
+    depends on more than ``alpha`` (``pow(x, 2)``, from rules revision 2)."""
     if plan.random or plan.decomposes or reorders(func):
+        return Route.PYTHON
+    if rules_revision >= 2 and func in SQUARES:
         return Route.PYTHON
     if plan.keep:
         return Route.KEEP
@@ -161,23 +166,31 @@ class Routes:
             self._declined = module.Declined()
         return self._declined
 
-    def table(self, module: Any, profile: Any, thresholds: Any) -> Any:
-        key = (id(profile), thresholds.default, tuple(sorted(thresholds.per_op.items())))
+    def table(self, module: Any, profile: Any, thresholds: Any, rules_revision: int) -> Any:
+        key = (
+            id(profile),
+            rules_revision,
+            thresholds.default,
+            tuple(sorted(thresholds.per_op.items())),
+            tuple(sorted(thresholds.per_class.items())),
+        )
         if self._table is None or key != self._key:
             reorders, plan_of = profile.reorders, self._plan_of
+            classed = thresholds.classed_ops()
 
-            def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any, bool]:
+            def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any, bool, bool]:
                 func = _overload(name, overload)
                 if func is None:  # an operator Python cannot name: the mode takes it as it comes
-                    return int(Route.PYTHON), False, 0.0, name, None, False
+                    return int(Route.PYTHON), False, 0.0, name, None, False, False
                 short = func.overloadpacket.__name__
                 return (
-                    int(route(func, plan_of(func), reorders)),
+                    int(route(func, plan_of(func), reorders, rules_revision)),
                     short.endswith("_"),
                     thresholds.tau(short),
                     short,
                     func,
                     func.overloadpacket in FLOAT32_EXACT,
+                    short in classed,
                 )
 
             self._table, self._key = module.Table(resolve), key
@@ -191,14 +204,19 @@ def scope(
     thresholds: Any,
     step: Any,
     logs: bool,
-    round_logged: Callable[[Any, bool, torch.Tensor, tuple], None],
+    round_logged: Callable[[Any, bool, torch.Tensor, tuple, float], None],
+    learned: Callable[[], tuple[float, bool] | None],
+    rules_revision: int,
     calibrator: Any = None,
 ) -> Iterator[None]:
     """Within: the ops of ``step`` (a :class:`detrl.core.rounding.StepRounding`) that need no Python are run
     and rounded natively on this thread (see the module doc). ``logs``: elementwise ops may be rounded here
-    (recording); ``round_logged(func, elementwise, t, args)`` is the mode's logged rounding
+    (recording); ``round_logged(func, elementwise, t, args, tau)`` is the mode's logged rounding
     of an elementwise op's output or a reduction's (``args``: a matrix product's two inputs, for its unit),
-    for an output with an element near a midpoint. In a calibration step (``calibrator``: the
+    for an output with an element near a midpoint. ``learned()``: the threshold the mode gave the last
+    logged call it rounded, and whether it is its class's own (``RoundingMode.learned``): a call of an op
+    whose threshold depends on the call's class goes to the mode once per call key, and the fallback
+    keeps what it learns. In a calibration step (``calibrator``: the
     :class:`~detrl.core.calibrate.Calibrator`) logged calls go to the mode until the calibrator declines
     to measure one (its shape class is measured enough); the fallback then rounds calls like it itself,
     with the live threshold. Without the extension, or under a profile that cannot say which ops it
@@ -212,8 +230,8 @@ def scope(
         step.seq += 1
         step.op_names.append(name)
 
-    def logged(func: Any, elementwise: bool, t: torch.Tensor, a: Any, b: Any) -> None:
-        round_logged(func, elementwise, t, () if a is None else (a, b))
+    def logged(func: Any, elementwise: bool, t: torch.Tensor, a: Any, b: Any, tau: float) -> None:
+        round_logged(func, elementwise, t, () if a is None else (a, b), tau)
 
     def entries(name: str, *arrays: np.ndarray) -> None:  # ... and one the fallback rounded with log entries
         entry = OpEntries(step.seq, *arrays)
@@ -234,8 +252,8 @@ def scope(
             return thresholds.tau(name)
 
         hooks = (routes.declined(module), tally, declined_call)
-    table = routes.table(module, profile, thresholds)
-    module.enter(table, logs, number, logged, kernel.c_api(), entries, *hooks)
+    table = routes.table(module, profile, thresholds, rules_revision)
+    module.enter(table, logs, number, logged, kernel.c_api(), entries, learned, *hooks)
     try:
         yield
     finally:

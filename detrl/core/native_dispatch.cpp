@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -71,13 +72,17 @@ struct Entry {
   py::object name;        // LOGGED: its op name, for the step's list of logged ops
   py::object func;        // LOGGED: its OpOverload, for the mode's logged rounding
   bool float32_exact = false;  // EXACT: a float32 island of it may run natively (oprules.FLOAT32_EXACT)
+  bool classed = false;        // LOGGED: its threshold depends on the call's class (Thresholds.per_class)
 };
 
 // The routes of the operators seen, kept across steps (the Python side clears it when thresholds or the
 // profile change).
 struct Table {
-  py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload)
+  py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload, ...)
   std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
+  // The thresholds of classed ops' calls, by call key (call_key), as the mode gave them: the class is a
+  // function of the call's arguments, and the table's thresholds are fixed.
+  std::unordered_map<std::string, double> class_taus;
 };
 
 // Without the C kernel, logged outputs of more elements than this go to the mode, whose torch reference is
@@ -89,8 +94,10 @@ constexpr int64_t kLargeOutput = 8192;
 // declines to measure them again), by a key finer than the class: the operator and every argument's
 // dtype, layout, sizes and strides, and every other argument's value. The class is a function of the
 // call's arguments and its count only grows, so a key once declined is declined for good.
+// Each with its class's own threshold where it has one (final: a declined class is measured no more), else
+// NaN: the op's live threshold.
 struct Declined {
-  std::unordered_set<std::string> keys;
+  std::unordered_map<std::string, double> keys;
 };
 
 struct Step {
@@ -112,6 +119,8 @@ struct Step {
   // indices, short bits) -> None: a logged op rounded here takes the next op position and its entries.
   const DetrlKernelApi* kernel = nullptr;
   py::object entries;
+  // () -> None or (tau, its class's own): the threshold the mode gave the last logged call it rounded
+  py::object learned;
   int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
   int64_t native_ops = 0;
   int64_t python_ops = 0;
@@ -135,6 +144,7 @@ const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
     e.name = r[3];
     e.func = r[4];
     e.float32_exact = r[5].cast<bool>();
+    e.classed = r[6].cast<bool>();
   }
   return table->entries.emplace(key, std::move(e)).first->second;
 }
@@ -606,7 +616,7 @@ void round_logged(Step* step, const Entry& e, double tau, std::vector<at::Tensor
   if (product != nullptr) a = py::cast(product->a), b = py::cast(product->b);
   for (const auto& t : targets) {
     if (!rounded_output(t)) continue;
-    step->round_logged(e.func, e.route == LOGGED, t, a, b);
+    step->round_logged(e.func, e.route == LOGGED, t, a, b, tau);
   }
 }
 
@@ -692,8 +702,25 @@ void to_python_learning(Step* step, const std::string& key, const c10::OperatorH
   if (key.empty()) return;
   py::gil_scoped_acquire gil;
   auto after = step->tally().cast<std::pair<int64_t, int64_t>>();
+  py::object learned = step->learned();
   // exactly one call counted, and declined: this one
-  if (after.first == before.first + 1 && after.second == before.second + 1) step->declined->keys.insert(key);
+  if (after.first == before.first + 1 && after.second == before.second + 1) {
+    double tau = std::numeric_limits<double>::quiet_NaN();
+    if (!learned.is_none()) {
+      auto r = learned.cast<std::pair<double, bool>>();
+      if (r.second) tau = r.first;
+    }
+    step->declined->keys.emplace(key, tau);
+  }
+}
+
+// A classed op's call whose threshold the table has not learned: to the mode, learning it.
+void to_python_classed(Step* step, const std::string& key, const c10::OperatorHandle& op,
+                       c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  to_python(step, op, keys, stack);
+  py::gil_scoped_acquire gil;
+  py::object learned = step->learned();
+  if (!learned.is_none()) step->table->class_taus.emplace(key, learned.cast<std::pair<double, bool>>().first);
 }
 
 // fused.py's split rules: the step to add to self, from separate correctly rounded IEEE operations.
@@ -778,9 +805,20 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   at::Tensor split;
   if (route >= SPLIT_ADD && !split_step(route, *stack, first, split)) route = PYTHON;
   if (route == PYTHON) return to_python(step, op, keys, stack);
+  double class_tau = std::numeric_limits<double>::quiet_NaN();  // the call's class's, where it has one
   if (logged && step->declined != nullptr) {  // a calibration step: only calls known declined stay here
     std::string key = call_key(op, *stack, first, n_args);
-    if (key.empty() || step->declined->keys.count(key) == 0) return to_python_learning(step, key, op, keys, stack);
+    auto found = key.empty() ? step->declined->keys.end() : step->declined->keys.find(key);
+    if (found == step->declined->keys.end()) return to_python_learning(step, key, op, keys, stack);
+    class_tau = found->second;
+  } else if (logged && e.classed) {  // the threshold is its class's: learned from the mode once per call key
+    std::string key = call_key(op, *stack, first, n_args);
+    auto found = key.empty() ? step->table->class_taus.end() : step->table->class_taus.find(key);
+    if (found == step->table->class_taus.end()) {
+      if (key.empty()) return to_python(step, op, keys, stack);
+      return to_python_classed(step, key, op, keys, stack);
+    }
+    class_tau = found->second;
   }
   ++step->native_ops;
   std::vector<at::Tensor> written;
@@ -822,8 +860,9 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       for (const auto& t : written) produced |= t.defined() && t.scalar_type() == c10::ScalarType::Double;
       if (!produced) return;
       py::gil_scoped_acquire gil;
-      tau = step->declined_call(e.name).cast<double>();
+      tau = step->declined_call(e.name).cast<double>();  // counts the call, as the calibrator would
     }
+    if (!std::isnan(class_tau)) tau = class_tau;
     return round_logged(step, e, tau, written, route == LOGGED_MM ? &product : nullptr);
   }
   for (const auto& t : written) {
@@ -845,7 +884,8 @@ struct Scope {
 thread_local std::vector<std::unique_ptr<Scope>> scopes;
 
 void enter(py::object table, bool logs, py::object number_fn, py::object round_logged_fn, py::object kernel,
-           py::object entries_fn, py::object declined, py::object tally, py::object declined_call) {
+           py::object entries_fn, py::object learned, py::object declined, py::object tally,
+           py::object declined_call) {
   auto scope = std::make_unique<Scope>();
   scope->table_owner = table;
   scope->declined_owner = declined;
@@ -858,6 +898,7 @@ void enter(py::object table, bool logs, py::object number_fn, py::object round_l
   }
   scope->step.number = std::move(number_fn);
   scope->step.round_logged = std::move(round_logged_fn);
+  scope->step.learned = std::move(learned);
   if (!kernel.is_none()) {
     auto* api = static_cast<const DetrlKernelApi*>(PyCapsule_GetPointer(kernel.ptr(), DETRL_KERNEL_API_CAPSULE));
     if (api == nullptr) throw py::error_already_set();

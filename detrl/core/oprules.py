@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -133,6 +134,85 @@ def _base_kind(func: Any) -> OpKind:
     return OpKind.REDUCTION
 
 
+#: The revision of the rules that decide, per call, an op's kind and the unit its threshold is measured in.
+#: A verifiable bundle's log is keyed by the position of each logged op and checked in its unit, so a bundle
+#: replays under the rules it was recorded with: its manifest says which (``rules_revision``, 1 where
+#: absent), and the engine keeps every older rule for as long as bundles of it should replay.
+#:
+#: 1. The rules before revisions.
+#: 2. ``pow(x, 2)`` is EXACT: torch computes it as ``x * x`` on every device, and the square of an FP32
+#:    value is exact in FP64 (48 significant bits), so every machine rounds the same FP64 value. (Squares
+#:    land on an FP32 midpoint far more often than other results: 118 of a million random FP32 values.)
+RULES_REVISION = 2
+#: Revision 2: the overloads whose call with exponent 2 is exact.
+SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
+
+
+def squares(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a call of an overload in :data:`SQUARES` raises to exactly 2 (a Python or tensor-free number)."""
+    exponent = args[1] if len(args) > 1 else kwargs.get("exponent")
+    return not isinstance(exponent, bool) and isinstance(exponent, (int, float)) and exponent == 2
+
+
 def op_name(func: Any) -> str:
-    """Short stable name of an op kind, the key of the threshold table (``"mm"``, ``"convolution"``)."""
+    """Short stable name of an op kind, a key of the threshold table (``"mm"``, ``"convolution"``)."""
     return func.overloadpacket.__name__
+
+
+def shape_class(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """The class of an op call whose calibrations stand for each other: ``name``; for every tensor argument
+    its dtype, rank and the order of its strides (which operand of a product is transposed, which dims are
+    broadcast), but not its sizes; every structural argument (int, bool, str, None, dtype: conv stride
+    and padding, reduction dims, keepdim, output masks) as it is; float scalars (learning rates, alphas,
+    epsilons) by their type only. Arguments in order, keyword ones sorted by name.
+
+    Why not the sizes: the disagreement is measured in FP32 spacings of the result (at its largest
+    magnitude for reductions), which takes out the scale, and what is left depends on the sizes far
+    less than the margin allows: in a ResNet-50 step at batch 8, the 104 convolution calls (forward and
+    backward) past the 3-channel stem disagree by 3.7e-9 to 2.8e-8 spacings, 80% of them within a factor
+    4, across widths 64-2048 and resolutions 32-4. With sizes, each stage of a network is a new class
+    (67 classes for the step's 328 calibrated calls, still 65% of the full calibration time at two per
+    class); without them, 19 classes. Float values would make every step of a learning-rate schedule a
+    new class, and they scale values, which the units take out too.
+
+    A string (deterministic, JSON-safe): a key of the checkpointed calibration state."""
+    parts = [_arg_class(a) for a in args]
+    parts += [f"{k}={_arg_class(kwargs[k])}" for k in sorted(kwargs)]
+    return f"{name}({','.join(parts)})"
+
+
+def call_class(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """The class of an op call that has its own threshold: its :func:`shape_class` with every tensor's
+    sizes, ``"mm(float64[10]{768,512},float64[01]{512,3072})"``.
+
+    Why a threshold per class, not only per op: one op's calls disagree by far more in some classes than
+    in others. In a GPT-2 small step, ``mm``'s weight gradients (``x.T @ dy``, sums over the batch)
+    disagree by up to 2.2e-7 spacings where the tied output embedding's is computed and by 4.5e-8 in the
+    MLP's first layer, its input gradients (``dy @ W.T``) by 3e-8 and the output embedding's input
+    gradient by 4.5e-9; one threshold per op logged every ``mm`` at the worst call's. Sizes, because
+    one stride class holds calls as different as the output embedding's weight gradient and a layer's.
+
+    A string (deterministic, JSON-safe): the same for the same call on every machine (no value and no
+    stride enters it but the order of the strides), a key of a bundle's thresholds
+    (:attr:`detrl.core.rounding.Thresholds.per_class`), so its format is part of the bundle format
+    (docs/verifiable.md)."""
+    parts = [_arg_class(a, sized=True) for a in args]
+    parts += [f"{k}={_arg_class(kwargs[k], sized=True)}" for k in sorted(kwargs)]
+    return f"{name}({','.join(parts)})"
+
+
+def _arg_class(a: Any, sized: bool = False) -> str:
+    if isinstance(a, torch.Tensor):
+        dtype = str(a.dtype).removeprefix("torch.")
+        sizes = "{" + ",".join(str(n) for n in a.shape) + "}" if sized else ""
+        if a.layout != torch.strided:
+            return f"{dtype}<{a.layout}>{sizes}"
+        strides = a.stride()
+        # dims from the outermost in memory to the innermost; a broadcast (stride 0) dim is marked
+        order = sorted(range(a.dim()), key=lambda i: (-strides[i], i))
+        return f"{dtype}[{''.join('b' if strides[i] == 0 else str(i) for i in order)}]{sizes}"
+    if isinstance(a, (list, tuple)):
+        return "[" + ",".join(_arg_class(x, sized) for x in a) + "]"
+    if isinstance(a, bool) or a is None or isinstance(a, (int, str, torch.dtype, torch.device)):
+        return repr(a)
+    return type(a).__name__  # float, complex, SymFloat, memory formats...: by type only

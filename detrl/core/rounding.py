@@ -26,7 +26,16 @@ from torch.utils._pytree import tree_flatten
 from detrl.core import decompose, islands, kernel, native, randomness
 from detrl.core.dispatch import EagerDispatchMode
 from detrl.core.fused import run_split, split_needed
-from detrl.core.oprules import HIDDEN_WRITES, OpKind, classify, op_name
+from detrl.core.oprules import (
+    HIDDEN_WRITES,
+    RULES_REVISION,
+    SQUARES,
+    OpKind,
+    call_class,
+    classify,
+    op_name,
+    squares,
+)
 from detrl.core.optrace import OpTrace
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
 from detrl.formats.roundlog import OpEntries, key32, nearest_with_low16
@@ -47,39 +56,73 @@ def auditor_floor(reduction: bool) -> float:
     return TAU_FLOOR_MEASURED if reduction else TAU_FLOOR
 
 
+#: Most per-class thresholds a bundle may declare, and the longest class key (a bundle is untrusted input).
+MAX_CLASSES = 1 << 16
+MAX_CLASS_KEY = 1 << 12
+
+
 @dataclasses.dataclass
 class Thresholds:
     """Per-op-kind threshold tau, in FP32 spacings (at the element or at the output's scale, see oprules).
 
-    ``per_op`` maps op names (``"mm"``, ``"convolution_backward"``) to tau; ops not in it use ``default``.
+    ``per_class`` maps call classes (:func:`detrl.core.oprules.call_class`:
+    ``"mm(float64[10]{768,512},float64[01]{512,3072})"``) to tau: calibration writes one for every class
+    whose disagreement it measured. ``per_op`` maps op
+    names (``"mm"``, ``"convolution_backward"``) to tau, the largest of the op's classes: a call of a
+    class not in ``per_class`` (one no profile reorders, or first seen after calibration) uses it. Ops in
+    neither use ``default``.
     """
 
     per_op: dict[str, float] = dataclasses.field(default_factory=dict)
     default: float = 2.0**-16
+    per_class: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def tau(self, name: str) -> float:
         return self.per_op.get(name, self.default)
 
+    def tau_of(self, name: str, cls: str | None) -> float:
+        """The threshold of a call of op ``name`` in class ``cls`` (None: the op's)."""
+        if cls is not None and (tau := self.per_class.get(cls)) is not None:
+            return tau
+        return self.per_op.get(name, self.default)
+
+    def classed_ops(self) -> frozenset[str]:
+        """The op names with a per-class threshold (their calls' thresholds depend on the class)."""
+        return frozenset(k.partition("(")[0] for k in self.per_class)
+
     def to_json(self) -> dict[str, Any]:
-        return {"default": self.default, "per_op": dict(sorted(self.per_op.items()))}
+        obj: dict[str, Any] = {"default": self.default, "per_op": dict(sorted(self.per_op.items()))}
+        if self.per_class:  # absent where there are none: such a manifest reads as it did before classes
+            obj["per_class"] = dict(sorted(self.per_class.items()))
+        return obj
 
     @classmethod
     def from_json(cls, obj: Any) -> Thresholds:
         if not isinstance(obj, dict) or not isinstance(obj.get("per_op", {}), dict):
             raise ValueError("thresholds must be an object with 'default' and 'per_op'")
+        classes = obj.get("per_class", {})
+        if not isinstance(classes, dict):
+            raise ValueError("thresholds.per_class must be an object")
+        if len(classes) > MAX_CLASSES:
+            raise ValueError(f"thresholds.per_class: {len(classes)} classes, more than {MAX_CLASSES}")
         raw = {
             **{str(k): v for k, v in obj.get("per_op", {}).items()},
             "default": obj.get("default", cls.default),
         }
-        for name, value in raw.items():
+        for name, value in [*raw.items(), *classes.items()]:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"threshold for {name} is {value!r}, not a number")
+                raise ValueError(f"threshold for {str(name)[:64]} is {value!r}, not a number")
         default = float(raw.pop("default"))
         per_op = {k: float(v) for k, v in raw.items()}
-        for name, tau in [*per_op.items(), ("default", default)]:
+        per_class: dict[str, float] = {}
+        for key, value in classes.items():
+            if not isinstance(key, str) or not 0 < len(key) <= MAX_CLASS_KEY or "(" not in key:
+                raise ValueError(f"thresholds.per_class: {str(key)[:64]!r} is not a call class")
+            per_class[key] = float(value)
+        for name, tau in [*per_op.items(), *per_class.items(), ("default", default)]:
             if not (0.0 <= tau <= 0.5):
-                raise ValueError(f"threshold for {name} is {tau}, outside [0, 0.5]")
-        return cls(per_op=per_op, default=default)
+                raise ValueError(f"threshold for {name[:64]} is {tau}, outside [0, 0.5]")
+        return cls(per_op=per_op, default=default, per_class=per_class)
 
 
 class Scratch:
@@ -353,6 +396,10 @@ class RoundingMode(EagerDispatchMode):
         #: default) costs each op one attribute test
         self.trace: OpTrace | None = None
         self._native_routes = native.Routes(plan_of)
+        #: the rounding rules the step follows (:data:`detrl.core.oprules.RULES_REVISION`; a replay: its bundle's)
+        self.rules_revision = RULES_REVISION
+        self._learned: tuple[float, bool] | None = None
+        self._classed: tuple[tuple[str, ...] | None, frozenset[str]] = (None, frozenset())
 
     @contextlib.contextmanager
     def step_scope(
@@ -383,6 +430,8 @@ class RoundingMode(EagerDispatchMode):
                     step,
                     logs,
                     self._round_for_native,
+                    self.learned,
+                    self.rules_revision,
                     calibrate if logs else None,
                 )
                 if self.trace is None
@@ -396,6 +445,8 @@ class RoundingMode(EagerDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if not self._nested:
+            self._learned = None
         plan = _PLANS.get(id(func)) or _plan(func)
         if not (plan.keep or plan.widening) and (narrow := islands.narrow_dtype(args, kwargs)) is not None:
             return self._island(func, types, args, kwargs, plan, narrow)
@@ -416,6 +467,8 @@ class RoundingMode(EagerDispatchMode):
         else:  # the usual call: decided once, in the plan
             split = plan.splits_plain
             kind = OpKind.EXACT if split else plan.kind
+        if plan.square and self.rules_revision >= 2 and squares(func, args, kwargs):
+            kind = OpKind.EXACT  # x * x: exact in FP64 (oprules.RULES_REVISION)
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
         before = snapshot(func, args) if calibrating else args
         draw = randomness.handler_for(func, args, kwargs) if plan.random and self.random is not None else None
@@ -430,11 +483,14 @@ class RoundingMode(EagerDispatchMode):
         targets = written_tensors(func, args, kwargs, out)
         if calibrating:
             self.calibrate(func, before, kwargs, targets, kind)
+        tau: float | None = None
         for t in targets:
             if kind is OpKind.EXACT or self.step is None:
                 self._round_exact(t)
             elif t.dtype == torch.float64 and t.numel():
-                self._round_logged(func, t, kind, args)
+                if tau is None:
+                    tau = self._call_tau(func, args, kwargs)
+                self._round_logged(func, t, kind, args, tau)
         if self.trace is not None:
             self._trace(func, targets)
         return out
@@ -490,12 +546,38 @@ class RoundingMode(EagerDispatchMode):
             self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
-    def _round_for_native(self, func: Any, elementwise: bool, x: torch.Tensor, args: tuple) -> None:
-        """An elementwise op's output, or a reduction's (``args``: what its unit needs), rounded with its log
-        entries: for the native route, which ran the op and found an element near a midpoint."""
-        self._round_logged(func, x, OpKind.ELEMENTWISE if elementwise else OpKind.REDUCTION, args)
+    def _call_tau(self, func: Any, args: tuple, kwargs: dict) -> float:
+        """The threshold of a logged call: its class's (:func:`call_class`) where the thresholds have one,
+        else its op's. The native route learns it from here, per call key (``learned``)."""
+        name = op_name(func)
+        per_class = self.thresholds.per_class
+        cls = call_class(name, args, kwargs) if per_class and name in self._classed_ops() else None
+        tau = self.thresholds.tau_of(name, cls)
+        if not self._nested:
+            self._learned = (tau, cls is not None and cls in per_class)
+        return tau
 
-    def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple = ()) -> None:
+    def _classed_ops(self) -> frozenset[str]:
+        key = tuple(self.thresholds.per_class)
+        if self._classed[0] != key:
+            self._classed = (key, self.thresholds.classed_ops())
+        return self._classed[1]
+
+    def learned(self) -> tuple[float, bool] | None:
+        """The threshold of the last logged call rounded here, and whether it is its class's own (final
+        once calibration declines the class), then forgotten; None if none was (for the native route)."""
+        learned, self._learned = self._learned, None
+        return learned
+
+    def _round_for_native(
+        self, func: Any, elementwise: bool, x: torch.Tensor, args: tuple, tau: float
+    ) -> None:
+        """An elementwise op's output, or a reduction's (``args``: what its unit needs), rounded with its log
+        entries at threshold ``tau``: for the native route, which ran the op and found an element near a
+        midpoint."""
+        self._round_logged(func, x, OpKind.ELEMENTWISE if elementwise else OpKind.REDUCTION, args, tau)
+
+    def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple, tau: float) -> None:
         step = self.step
         assert step is not None
         seq = step.seq
@@ -504,7 +586,6 @@ class RoundingMode(EagerDispatchMode):
         step.op_names.append(name)
         if not self._nested:
             step.stats.rounded_elements += x.numel()
-        tau = self.thresholds.tau(name)
         scaled: bool | Scale = kind is OpKind.REDUCTION
         if scaled:
             scaled = reduction_scale(func, args, x) or True
@@ -653,6 +734,7 @@ class _Plan:
     random: bool  # draws randomness (randomness.handler_for routes it)
     keep: bool  # a view, or a KEEP op: its outputs are its inputs' values
     widening: bool  # a cast: to FP64 from a narrower float type, its output is on the FP32 grid already
+    square: bool  # pow by a number: its kind depends on the exponent (oprules.squares decides per call)
 
 
 _PLANS: dict[int, _Plan] = {}  # by id(): an OpOverload's __hash__ is Python code, called at every op
@@ -676,6 +758,7 @@ def _plan(func: Any) -> _Plan:
         random=randomness.draws_randomness(func),
         keep=bool(func.is_view) or kind is OpKind.KEEP,
         widening=func in CASTS,
+        square=func in SQUARES,
     )
     _PLANS[id(func)] = plan
     return plan

@@ -155,6 +155,12 @@ class Manifest(_Strict):
         lt=1 << 16,
         description="the task's op-sequence revision the steps ran (1: written before revisions)",
     )
+    rules_revision: int = Field(
+        1,
+        ge=1,
+        lt=1 << 16,
+        description="the rounding rules' revision the steps followed (1: written before revisions)",
+    )
 
 
 def _manifest_error(e: ValidationError) -> BundleError:

@@ -46,7 +46,7 @@ import torch
 from torch.nn import functional as F
 
 from detrl.core.engine import Batch, Loader, Session, StepRounding
-from detrl.core.oprules import OpKind, op_name
+from detrl.core.oprules import OpKind
 from detrl.core.rounding import RoundingMode, _put, _take, split_short
 from detrl.core.scale import reduction_scale
 from detrl.formats.roundlog import OpEntries
@@ -94,20 +94,27 @@ class SteeringMode(RoundingMode):
         with super().step_scope(step, *args, **kwargs) as s:
             yield s
 
-    def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple = ()) -> None:
+    def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple, tau: float) -> None:
         step = self.step
         assert step is not None
         if step.replay is not None or self.policy == "nearest":
-            super()._round_logged(func, x, kind, args)
+            super()._round_logged(func, x, kind, args, tau)
             return
         exact = x.detach().clone()  # the FP64 values: which side of its rounding each element lay on
         before = len(step.recorded)
-        super()._round_logged(func, x, kind, args)
+        super()._round_logged(func, x, kind, args, tau)
         if len(step.recorded) > before:
-            step.recorded[-1] = self._steer(func, x, exact, kind, args, step.recorded[-1])
+            step.recorded[-1] = self._steer(func, x, exact, kind, args, tau, step.recorded[-1])
 
     def _steer(
-        self, func: Any, x: torch.Tensor, exact: torch.Tensor, kind: OpKind, args: tuple, e: OpEntries
+        self,
+        func: Any,
+        x: torch.Tensor,
+        exact: torch.Tensor,
+        kind: OpKind,
+        args: tuple,
+        tau: float,
+        e: OpEntries,
     ) -> OpEntries:
         """Move the logged elements of ``x`` (already rounded to nearest) the policy picks to their other
         neighbour, and return ``e`` rewritten to log the values ``x`` now holds."""
@@ -147,8 +154,7 @@ class SteeringMode(RoundingMode):
             pinned_values=values[order],
         )
         # Stored short again where the replayer's own rounding names the (moved) value: the same rule, and
-        # the same unit, as the honest recorder's (rounding._round_logged).
-        tau = self.thresholds.tau(op_name(func))
+        # the same unit and threshold, as the honest recorder's (rounding._round_logged).
         scaled: Any = kind is OpKind.REDUCTION
         if scaled:
             scaled = reduction_scale(func, args, x) or True
