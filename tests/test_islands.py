@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from detrl import Divergence
-from detrl.core import islands, randomness
+from detrl.core import engine, islands, randomness
 from detrl.core.hardware import profile_names
 from detrl.core.islands import UnroundableOp
 from detrl.core.oprules import op_name
@@ -41,7 +41,7 @@ def weights(session) -> dict[str, torch.Tensor]:
 def test_models_that_upcast_or_use_fused_attention_replicate_on_every_emulated_profile(tmp_path, name):
     s = specimen(name)
     rec = zoo.record(s, tmp_path / "run", steps=2)
-    assert rec.step_index == 2 and rec.totals.logged > 0
+    assert rec.step_index == 2  # (several log nothing in two steps: their near elements are exact sums)
     want = weights(rec)
     for hw in EMULATED:
         rep = zoo.replay(s, tmp_path / "run", hw, steps=2)
@@ -56,8 +56,11 @@ def test_without_islands_float32_ops_diverge_at_step_1_and_the_report_blames_ups
 ):
     # The control: float32 ops run natively (what detrl did before) make the honest run diverge, and the
     # first refused entry is far from any midpoint: the report says an op before it produced other bits.
+    # Under rounding-rule revision 1, whose logs hold entries for these models' sums (revision 2 finds
+    # them exact and logs none: the divergence then has no entry to blame).
     s = specimen(name)
     monkeypatch.setattr(islands, "narrow_dtype", lambda args, kwargs: None)
+    monkeypatch.setattr(engine, "RULES_REVISION", 1)
     zoo.record(s, tmp_path / "run", steps=2)
     with pytest.raises(Divergence) as e:
         zoo.replay(s, tmp_path / "run", "emulated:splitk", steps=2)

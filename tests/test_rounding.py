@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -365,3 +366,61 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         "recorded by a newer detrl (rounding-rule revision 3; this one applies revisions 1 to 2)" in message
     )
     assert "\n" not in message
+
+
+def test_sums_exact_in_every_order_are_found():
+    """An element of a sum of FP32 values is exact in FP64 in every order when its terms' exponents span
+    at most 29 - ceil(log2(n)) binades: every permutation gives the same bits there. Terms off the FP32
+    grid, or an embedding gradient scaled by frequency, are not plain sums: no element is claimed."""
+    from detrl.core.scale import exact_sum_elements
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(64, 16, generator=g, dtype=torch.float64) + 1.0).float().double()  # one binade
+    x[5, 8:] *= 2.0**-24  # spread 24 + ceil(log2(64)) = 30 binades: not exact
+    x[7, :4] *= 2.0**-23  # 29: exact
+    exact = exact_sum_elements(aten.sum.dim_IntList, (x, [0]), x.sum(0))
+    assert exact is not None and exact.tolist() == [True] * 8 + [False] * 8
+    for _ in range(20):  # any order: the same FP64 sums where claimed exact
+        order = torch.randperm(64, generator=g)
+        assert torch.equal(x[order].cumsum(0)[-1][:8], x.cumsum(0)[-1][:8])
+    assert exact_sum_elements(aten.sum.dim_IntList, (x + 2.0**-40, [0]), x.sum(0)) is None  # off the grid
+
+    grad = torch.randn(4, 8, 6, generator=g, dtype=torch.float64).float().double()
+    tokens = torch.randint(0, 5, (4, 8), generator=g)
+    out = aten.embedding_dense_backward(grad, tokens, 10, -1, False)
+    exact = exact_sum_elements(aten.embedding_dense_backward.default, (grad, tokens, 10, -1, False), out)
+    assert exact is not None and exact.shape == (60,) and bool(exact[30:].all())  # rows 5-9: no token
+    assert (
+        exact_sum_elements(aten.embedding_dense_backward.default, (grad, tokens, 10, -1, True), out) is None
+    )
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_an_exact_sum_needs_no_entry_and_an_entry_for_one_is_refused(on: bool) -> None:
+    """1 + 2**-24 lies exactly on an FP32 midpoint and is exact in FP64 in any order: rules revision 1 logs
+    it, revision 2 does not; a replay refuses an entry there (one could steer the tie either way), with
+    the native route on or off."""
+    from detrl.core import native
+
+    x = torch.tensor([[1.0, 3.0], [2.0**-24, 0.5]], dtype=torch.float64)
+
+    def entries(revision: int, replay: Any = None) -> StepRounding:
+        step = StepRounding(replay=replay)
+        mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
+        mode.rules_revision = revision
+        before = native._enabled
+        native.set_enabled(on)
+        try:
+            with mode.step_scope(step):
+                torch.sum(x, [0])
+        finally:
+            native.set_enabled(before)
+        return step
+
+    assert [len(e.indices) for e in entries(1).recorded] == [1]
+    assert entries(2).recorded == []
+    forged = {0: OpEntries(op=0, indices=np.array([0], dtype=np.int64), up=np.array([True]))}
+    step = entries(2, replay=forged)
+    assert step.stats.refused == 1 and [a.kind for a in step.anomalies] == ["logged-not-near"]
+    assert entries(1, replay=forged).stats.refused == 0  # revision 1 honours it

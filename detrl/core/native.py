@@ -32,7 +32,7 @@ import torch
 
 from detrl.core import extensions, kernel
 from detrl.core.fused import SPLIT
-from detrl.core.oprules import FLOAT32_EXACT, HIDDEN_WRITES, RULES_REVISION, SQUARES, OpKind
+from detrl.core.oprules import EXACT_SUMS, FLOAT32_EXACT, HIDDEN_WRITES, RULES_REVISION, SQUARES, OpKind
 from detrl.core.scale import SCALED_BY_INPUTS
 from detrl.formats.roundlog import OpEntries
 
@@ -69,11 +69,12 @@ def route(
     ``func`` other than the native kernel. What the mode does beyond running, rounding and numbering an op
     stays with the mode: profiles' emulations, decompositions, random ops, reductions whose unit needs
     their arguments in a way the fallback does not compute (a convolution's input gradient) or that write
-    what their schema does not say (batch norm), fused ops no native split covers, and ops whose kind
-    depends on more than ``alpha`` (``pow(x, 2)``, from rules revision 2)."""
+    what their schema does not say (batch norm), fused ops no native split covers, and from rules revision
+    2 ops whose kind depends on more than ``alpha`` (``pow(x, 2)``) and sums whose exact elements the
+    mode finds (``oprules.EXACT_SUMS``)."""
     if plan.random or plan.decomposes or reorders(func):
         return Route.PYTHON
-    if rules_revision >= 2 and func in SQUARES:
+    if rules_revision >= 2 and (func in SQUARES or func in EXACT_SUMS):
         return Route.PYTHON
     if plan.keep:
         return Route.KEEP

@@ -143,9 +143,13 @@ def _base_kind(func: Any) -> OpKind:
 #: 2. ``pow(x, 2)`` is EXACT: torch computes it as ``x * x`` on every device, and the square of an FP32
 #:    value is exact in FP64 (48 significant bits), so every machine rounds the same FP64 value. (Squares
 #:    land on an FP32 midpoint far more often than other results: 118 of a million random FP32 values.)
+#:    Elements of a sum (:data:`EXACT_SUMS`) that are exact in FP64 in every order need no log entry
+#:    (:func:`detrl.core.scale.exact_sum_elements`).
 RULES_REVISION = 2
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
+#: Revision 2: the sums whose elements exact in every order are found and left unlogged.
+EXACT_SUMS = frozenset({aten.sum.dim_IntList, aten.embedding_dense_backward.default})
 
 
 def squares(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -27,6 +27,7 @@ from detrl.core import decompose, islands, kernel, native, randomness
 from detrl.core.dispatch import EagerDispatchMode
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import (
+    EXACT_SUMS,
     HIDDEN_WRITES,
     RULES_REVISION,
     SQUARES,
@@ -37,7 +38,7 @@ from detrl.core.oprules import (
     squares,
 )
 from detrl.core.optrace import OpTrace
-from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
+from detrl.core.scale import Scale, exact_sum_elements, reduction_scale, scale_spacing, spacing32
 from detrl.formats.roundlog import OpEntries, key32, nearest_with_low16
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
@@ -589,6 +590,8 @@ class RoundingMode(EagerDispatchMode):
         scaled: bool | Scale = kind is OpKind.REDUCTION
         if scaled:
             scaled = reduction_scale(func, args, x) or True
+        # rules revision 2: elements every machine sums alike need no entry (scale.exact_sum_elements)
+        exact = exact_sum_elements(func, args, x) if self.rules_revision >= 2 and func in EXACT_SUMS else None
         if step.replay is None:
             if kernel.applies(x, strided=True):  # native: test, compact and round, in one pass
                 # A strided view (split, in place on it) goes as a dense copy, whose flat order is the
@@ -607,6 +610,9 @@ class RoundingMode(EagerDispatchMode):
                 x.copy_(rounded)
                 if entries is not None:
                     entries = split_short(entries, x, tau, scaled)  # x is rounded now
+            if entries is not None and exact is not None:
+                entries = _without(entries, exact)[0]
+                entries = entries if entries.last_index() >= 0 else None
             if entries is not None:
                 step.recorded.append(entries)
                 step.stats.logged += (
@@ -614,7 +620,7 @@ class RoundingMode(EagerDispatchMode):
                 )
             return
         rounded = x.to(torch.float32)
-        self._replay(step, seq, name, x, rounded, tau, scaled)
+        self._replay(step, seq, name, x, rounded, tau, scaled, exact)
         x.copy_(rounded)
 
     def _replay(
@@ -626,9 +632,11 @@ class RoundingMode(EagerDispatchMode):
         rounded: torch.Tensor,
         tau: float,
         scaled: bool | Scale,
+        exact: torch.Tensor | None = None,
     ) -> None:
         """Apply the log to ``rounded`` and check it: an entry is honoured only where this machine also
-        sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it."""
+        sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it, and
+        never for an element every machine computes alike (``exact``: a flat mask, rules revision 2)."""
         entries = step.entries(seq, x.numel())
         # The bundle's thresholds are the trainer's claim: its log is checked against at least the floor
         # an honest calibration cannot go below, so a bundle that lowers its own thresholds gains nothing.
@@ -638,10 +646,17 @@ class RoundingMode(EagerDispatchMode):
         )
         honour = max(tau, self.honour_floor)  # the largest threshold the recorder may have logged it with
         flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
+        if exact is not None:
+            flat_near = flat_near & ~exact.to(flat_near.device)
         if entries is not None and (last := entries.last_index()) >= 0:  # -1: no entry of any kind
             if last >= x.numel():
                 self._anomaly(seq, name, last, "logged-index-out-of-range")
                 raise LogOutOfRange(seq, name, last, x.numel())
+            if exact is not None:  # an entry for an element no machine rounds otherwise: refuse it
+                entries, first, refused = _without(entries, exact)
+                if refused:
+                    step.stats.refused += refused
+                    self._anomaly(seq, name, first, "logged-not-near")
             flat_near = flat_near.clone()
             if len(entries.indices):
                 self._apply_directions(step, seq, name, x, rounded, entries, honour, scaled)
@@ -762,6 +777,29 @@ def _plan(func: Any) -> _Plan:
     )
     _PLANS[id(func)] = plan
     return plan
+
+
+def _without(entries: OpEntries, exact: torch.Tensor) -> tuple[OpEntries, int, int]:
+    """``entries`` without those at elements the flat bool mask ``exact`` holds, the first such index
+    (-1: none) and how many there were."""
+    mask = exact.cpu().numpy()
+    kinds = [entries.indices, entries.pinned_indices, entries.short_indices]
+    keep = [~mask[idx] for idx in kinds]
+    dropped = [idx[~k] for idx, k in zip(kinds, keep, strict=True)]
+    n = sum(len(d) for d in dropped)
+    if n == 0:
+        return entries, -1, 0
+    first = min(int(d[0]) for d in dropped if len(d))
+    kept = OpEntries(
+        op=entries.op,
+        indices=entries.indices[keep[0]],
+        up=entries.up[keep[0]],
+        pinned_indices=entries.pinned_indices[keep[1]],
+        pinned_values=entries.pinned_values[keep[1]],
+        short_indices=entries.short_indices[keep[2]],
+        short_bits=entries.short_bits[keep[2]],
+    )
+    return kept, first, n
 
 
 def _widens_floats(args: tuple) -> bool:

@@ -167,6 +167,68 @@ def _sample_channel_scale(args: tuple, out: torch.Tensor) -> Scale | None:
     )
 
 
+def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Which elements of a sum's result ``out`` every machine computes alike, in any order: a flat bool
+    mask over ``out``'s row-major elements, or None where the call is not a plain sum of FP64 terms on the
+    FP32 grid (``aten.sum.dim_IntList``, ``aten.embedding_dense_backward``).
+
+    Terms on the FP32 grid whose largest and smallest nonzero magnitudes have frexp exponents ``e_max`` and
+    ``e_min`` are multiples of ``2**(e_min - 24)``, and ``n`` of them sum to less than ``n * 2**e_max``:
+    when ``e_max - e_min + ceil(log2(n)) <= 29``, every partial sum, in every order, is a multiple of that
+    quantum below ``2**53`` of it: exact in FP64. Such an element is the same FP64 value on every machine,
+    so it rounds to the same FP32 value and needs no log entry, even where it lies exactly on a midpoint
+    (a sum of two FP32 values of one binade does, half the time: every element of GPT-2 small's
+    token-embedding gradient is exact, and its rows of tokens seen twice were a sixth of its log). The
+    exponents are exact, and so are a max, a min and a count in any order, so recorder and replayer find
+    the same elements.
+    """
+    if func is _SUM_DIMS:
+        x = args[0] if args else None
+        dims = args[1] if len(args) > 1 else None
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not dims or not _fp32_grid(x):
+            return None
+        dims = sorted({d % x.dim() for d in dims})
+        magnitude = x.abs()
+        largest = magnitude.amax(dim=dims)
+        smallest = magnitude.masked_fill_(magnitude == 0, math.inf).amin(dim=dims)
+        terms = torch.tensor(float(math.prod(x.shape[d] for d in dims)), dtype=torch.float64)
+    elif func is _EMBEDDING_BACKWARD:
+        if len(args) < 5 or args[4] is not False:  # scale_grad_by_freq divides: not a plain sum
+            return None
+        grad, indices, rows = args[0], args[1], args[2]
+        if not isinstance(grad, torch.Tensor) or grad.dim() == 0 or not _fp32_grid(grad):
+            return None
+        if not isinstance(indices, torch.Tensor) or not isinstance(rows, int) or rows <= 0:
+            return None
+        width = grad.shape[-1]
+        flat = indices.reshape(-1)
+        if flat.numel() * width != grad.numel():
+            return None
+        index = flat.view(-1, 1).expand(-1, width)
+        magnitude = grad.reshape(-1, width).abs()
+        largest = torch.zeros(rows, width, dtype=torch.float64).scatter_reduce_(0, index, magnitude, "amax")
+        magnitude.masked_fill_(magnitude == 0, math.inf)
+        smallest = torch.full((rows, width), math.inf, dtype=torch.float64).scatter_reduce_(
+            0, index, magnitude, "amin"
+        )
+        terms = torch.bincount(flat, minlength=rows).double().view(-1, 1)
+    else:
+        return None
+    if largest.numel() != out.numel():
+        return None
+    # frexp exponents e: |x| in [2**(e - 1), 2**e); a term's FP32 quantum is 2**(e - 24) at least
+    spread = torch.frexp(largest)[1] - torch.frexp(smallest.clamp(max=1e308))[1]
+    exact = spread.double().add_(torch.log2(terms.clamp(min=1)).ceil_()) <= 29
+    exact |= torch.isinf(smallest)  # no nonzero term: the sum is zero
+    exact &= torch.isfinite(largest)
+    return exact.reshape(-1)
+
+
+def _fp32_grid(x: torch.Tensor) -> bool:
+    """Whether every element of FP64 ``x`` is an FP32 value (NaN is not)."""
+    return x.dtype == torch.float64 and bool(torch.equal(x, x.to(torch.float32).to(torch.float64)))
+
+
 def channel_scale(rounded: torch.Tensor) -> Scale:
     """:func:`scale_spacing` of an output (or its FP32 rounding) as a :class:`Scale`."""
     unit = scale_spacing(rounded).reshape(-1)
@@ -177,6 +239,8 @@ def channel_scale(rounded: torch.Tensor) -> Scale:
 
 _MM = torch.ops.aten.mm.default
 _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
+_SUM_DIMS = torch.ops.aten.sum.dim_IntList
+_EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 #: The ops :func:`reduction_scale` measures from their inputs; every other reduction is measured at its
 #: output's channel scale, from the output alone.
 SCALED_BY_INPUTS = frozenset({_MM, _CONV_BACKWARD})
