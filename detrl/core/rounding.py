@@ -590,8 +590,9 @@ class RoundingMode(EagerDispatchMode):
         scaled: bool | Scale = kind is OpKind.REDUCTION
         if scaled:
             scaled = reduction_scale(func, args, x) or True
-        # rules revision 2: elements every machine sums alike need no entry (scale.exact_sum_elements)
-        exact = exact_sum_elements(func, args, x) if self.rules_revision >= 2 and func in EXACT_SUMS else None
+        # rules revision 2: elements every machine sums alike need no entry (scale.exact_sum_elements);
+        # found only where some element is near a midpoint (most calls have none)
+        sums = self.rules_revision >= 2 and func in EXACT_SUMS
         if step.replay is None:
             if kernel.applies(x, strided=True):  # native: test, compact and round, in one pass
                 # A strided view (split, in place on it) goes as a dense copy, whose flat order is the
@@ -610,7 +611,7 @@ class RoundingMode(EagerDispatchMode):
                 x.copy_(rounded)
                 if entries is not None:
                     entries = split_short(entries, x, tau, scaled)  # x is rounded now
-            if entries is not None and exact is not None:
+            if entries is not None and sums and (exact := exact_sum_elements(func, args, x)) is not None:
                 entries = _without(entries, exact)[0]
                 entries = entries if entries.last_index() >= 0 else None
             if entries is not None:
@@ -620,6 +621,7 @@ class RoundingMode(EagerDispatchMode):
                 )
             return
         rounded = x.to(torch.float32)
+        exact = (lambda: exact_sum_elements(func, args, x)) if sums else None
         self._replay(step, seq, name, x, rounded, tau, scaled, exact)
         x.copy_(rounded)
 
@@ -632,11 +634,11 @@ class RoundingMode(EagerDispatchMode):
         rounded: torch.Tensor,
         tau: float,
         scaled: bool | Scale,
-        exact: torch.Tensor | None = None,
+        exact: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
         """Apply the log to ``rounded`` and check it: an entry is honoured only where this machine also
         sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it, and
-        never for an element every machine computes alike (``exact``: a flat mask, rules revision 2)."""
+        never for an element every machine computes alike (``exact()``: a flat mask, rules revision 2)."""
         entries = step.entries(seq, x.numel())
         # The bundle's thresholds are the trainer's claim: its log is checked against at least the floor
         # an honest calibration cannot go below, so a bundle that lowers its own thresholds gains nothing.
@@ -646,14 +648,19 @@ class RoundingMode(EagerDispatchMode):
         )
         honour = max(tau, self.honour_floor)  # the largest threshold the recorder may have logged it with
         flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
-        if exact is not None:
-            flat_near = flat_near & ~exact.to(flat_near.device)
+        mask = None
+        if exact is not None and (
+            bool(flat_near.any()) or (entries is not None and entries.last_index() >= 0)
+        ):
+            mask = exact()
+        if mask is not None:
+            flat_near = flat_near & ~mask.to(flat_near.device)
         if entries is not None and (last := entries.last_index()) >= 0:  # -1: no entry of any kind
             if last >= x.numel():
                 self._anomaly(seq, name, last, "logged-index-out-of-range")
                 raise LogOutOfRange(seq, name, last, x.numel())
-            if exact is not None:  # an entry for an element no machine rounds otherwise: refuse it
-                entries, first, refused = _without(entries, exact)
+            if mask is not None:  # an entry for an element no machine rounds otherwise: refuse it
+                entries, first, refused = _without(entries, mask)
                 if refused:
                     step.stats.refused += refused
                     self._anomaly(seq, name, first, "logged-not-near")
