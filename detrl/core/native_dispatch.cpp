@@ -879,6 +879,17 @@ struct Scope {
   std::unique_ptr<c10::impl::IncludeDispatchKeyGuard> include;
   std::unique_ptr<c10::impl::ExcludeDispatchKeyGuard> exclude;
   Step* previous = nullptr;
+
+  // A scope still entered when the process exits (a Ctrl-C between enter and the Python side's try) is
+  // destroyed with the thread's locals, after the interpreter is gone: its Python references are left
+  // alone then, since releasing them would touch freed memory.
+  ~Scope() {
+    if (Py_IsInitialized()) return;
+    for (py::object* o : {&table_owner, &declined_owner, &step.tally, &step.declined_call, &step.number,
+                           &step.round_logged, &step.entries, &step.learned}) {
+      o->release();
+    }
+  }
 };
 
 thread_local std::vector<std::unique_ptr<Scope>> scopes;
