@@ -59,9 +59,13 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.sigmoid.default) is Route.LOGGED
     assert route(aten.sum.dim_IntList, rules_revision=1) is Route.LOGGED_REDUCTION  # at its channel scale
     assert route(aten.pow.Tensor_Scalar, rules_revision=1) is Route.LOGGED
-    # from rules revision 2, pow is exact for exponent 2 and sums have exact elements: the mode decides
-    assert route(aten.pow.Tensor_Scalar) is Route.PYTHON
-    assert route(aten.sum.dim_IntList) is Route.PYTHON
+    # from rules revision 2, pow is exact for exponent 2, and a sum's near elements go to the mode with its
+    # terms, which finds those every order computes exactly
+    assert route(aten.pow.Tensor_Scalar) is Route.EXACT_IF_SQUARE
+    assert route(aten.pow_.Scalar) is Route.EXACT_IF_SQUARE
+    assert route(aten.pow.Tensor_Tensor) is Route.LOGGED
+    assert route(aten.sum.dim_IntList) is Route.LOGGED_SUM
+    assert route(aten.embedding_dense_backward.default) is Route.LOGGED_SUM
     assert route(aten.sum.default) is Route.LOGGED_REDUCTION
     # another libm, another summation order: only the mode knows how
     assert route(aten.sigmoid.default, pairwise) is Route.PYTHON
@@ -207,6 +211,38 @@ def test_a_mode_entered_inside_a_step_still_sees_every_op(tmp_path) -> None:  # 
 
     assert dispatched(seen[True]) == dispatched(seen[False])
     assert "aten.tanh.default" in seen[True] and "aten.tanh_backward.default" in seen[True]
+
+
+@needs_native
+def test_a_decompositions_sums_take_the_route_and_count_as_its_parts() -> None:
+    """Layer norm goes to the mode, which writes it out as row sums and IEEE arithmetic; the row sums come
+    back to the native route (two forward, three backward), and the elements rounded are the layer
+    norm's outputs alone, as the mode counts them: the same stats with the route on and off."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    torch.manual_seed(0)
+    values = torch.randn(8, 16, dtype=torch.float64).float().double()
+    stats = {}
+    for on in (True, False):
+        x = values.clone().requires_grad_()
+        weight = torch.ones(16, dtype=torch.float64, requires_grad=True)
+        step = StepRounding()
+        mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
+        before = native._enabled
+        native.set_enabled(on)
+        native.counts.clear()
+        try:
+            with mode.step_scope(step):
+                y = torch.nn.functional.layer_norm(x, (16,), weight)
+                y.backward(torch.ones_like(y))
+        finally:
+            native.set_enabled(before)
+        if on:
+            assert native.counts["python"] == 2  # native_layer_norm and its backward: decomposed by the mode
+            assert native.counts["native"] >= 5  # the five row sums inside the two among them
+        stats[on] = (step.stats, step.op_names, [e.op for e in step.recorded], x.grad, weight.grad)
+    assert stats[True][:3] == stats[False][:3]
+    assert torch.equal(stats[True][3], stats[False][3]) and torch.equal(stats[True][4], stats[False][4])
 
 
 @pytest.mark.parametrize("on", [True, False])

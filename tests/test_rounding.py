@@ -400,7 +400,7 @@ def test_sums_exact_in_every_order_are_found():
 def test_an_exact_sum_needs_no_entry_and_an_entry_for_one_is_refused(on: bool) -> None:
     """1 + 2**-24 lies exactly on an FP32 midpoint and is exact in FP64 in any order: rules revision 1 logs
     it, revision 2 does not; a replay refuses an entry there (one could steer the tie either way), with
-    the native route on or off."""
+    the native route on or off (on: the route runs the sum and hands its near output to the mode)."""
     from detrl.core import native
 
     x = torch.tensor([[1.0, 3.0], [2.0**-24, 0.5]], dtype=torch.float64)
@@ -411,11 +411,14 @@ def test_an_exact_sum_needs_no_entry_and_an_entry_for_one_is_refused(on: bool) -
         mode.rules_revision = revision
         before = native._enabled
         native.set_enabled(on)
+        native.counts.clear()
         try:
             with mode.step_scope(step):
                 torch.sum(x, [0])
         finally:
             native.set_enabled(before)
+        if on and native.available() and replay is None:
+            assert native.counts["native"] == 1 and native.counts["python"] == 0
         return step
 
     assert [len(e.indices) for e in entries(1).recorded] == [1]

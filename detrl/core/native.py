@@ -50,6 +50,8 @@ class Route(enum.IntEnum):
     LOGGED = 5  # ELEMENTWISE: rounded natively when no element is near a midpoint, else by the mode
     LOGGED_REDUCTION = 6  # REDUCTION at its output's channel scale: the same
     LOGGED_MM = 7  # ``aten.mm``: the same, its unit from its inputs (scale.reduction_scale)
+    EXACT_IF_SQUARE = 8  # ``pow(x, 2)`` (rules revision 2): EXACT; any other exponent: LOGGED
+    LOGGED_SUM = 9  # LOGGED_REDUCTION; near elements go to the mode with the call's arguments (revision 2)
     SPLIT_ADD = 10  # fused ops split into IEEE steps (detrl/core/fused.py), then EXACT
     SPLIT_SUB = 11
     SPLIT_ADDCMUL = 12
@@ -69,12 +71,10 @@ def route(
     ``func`` other than the native kernel. What the mode does beyond running, rounding and numbering an op
     stays with the mode: profiles' emulations, decompositions, random ops, reductions whose unit needs
     their arguments in a way the fallback does not compute (a convolution's input gradient) or that write
-    what their schema does not say (batch norm), fused ops no native split covers, and from rules revision
-    2 ops whose kind depends on more than ``alpha`` (``pow(x, 2)``) and sums whose exact elements the
-    mode finds (``oprules.EXACT_SUMS``)."""
+    what their schema does not say (batch norm), fused ops no native split covers, and the outputs of a sum
+    with an element near a midpoint, whose exact elements the mode finds from its terms (rules revision 2,
+    ``oprules.EXACT_SUMS``)."""
     if plan.random or plan.decomposes or reorders(func):
-        return Route.PYTHON
-    if rules_revision >= 2 and (func in SQUARES or func in EXACT_SUMS):
         return Route.PYTHON
     if plan.keep:
         return Route.KEEP
@@ -82,6 +82,8 @@ def route(
         return _SPLITS.get(func.overloadpacket.__name__.rstrip("_"), Route.PYTHON)
     if plan.splits:
         return Route.PYTHON
+    if rules_revision >= 2 and func in SQUARES:
+        return Route.EXACT_IF_SQUARE if plan.kind is OpKind.ELEMENTWISE and not plan.alpha else Route.PYTHON
     if plan.kind is OpKind.ELEMENTWISE and not plan.alpha:
         return Route.LOGGED
     if plan.kind is OpKind.REDUCTION:
@@ -89,6 +91,8 @@ def route(
             return Route.LOGGED_MM
         if func in SCALED_BY_INPUTS or func in HIDDEN_WRITES:
             return Route.PYTHON
+        if rules_revision >= 2 and func in EXACT_SUMS:
+            return Route.LOGGED_SUM
         return Route.LOGGED_REDUCTION
     if plan.kind is not OpKind.EXACT:
         return Route.PYTHON
@@ -135,6 +139,18 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         set_enabled(before)
+
+
+def nest() -> bool:
+    """Inside the rounding mode's handler (where the route is off), turn it on again for this thread's
+    step, if it has one: a decomposition's sums and exps then take the route like any op. Returns whether
+    it did; if so, :func:`unnest` must follow."""
+    return _enabled and (module := _module()) is not None and bool(module.nest())
+
+
+def unnest() -> None:
+    """Undo the last :func:`nest` that returned True."""
+    _module().unnest()
 
 
 def _overload(name: str, overload: str) -> Any:
@@ -213,8 +229,8 @@ def scope(
     """Within: the ops of ``step`` (a :class:`detrl.core.rounding.StepRounding`) that need no Python are run
     and rounded natively on this thread (see the module doc). ``logs``: elementwise ops may be rounded here
     (recording); ``round_logged(func, elementwise, t, args, tau)`` is the mode's logged rounding
-    of an elementwise op's output or a reduction's (``args``: a matrix product's two inputs, for its unit),
-    for an output with an element near a midpoint. ``learned()``: the threshold the mode gave the last
+    of an elementwise op's output or a reduction's (``args``: a matrix product's two inputs, for its unit;
+    a sum's arguments, for its exact elements; else empty), for an output with an element near a midpoint. ``learned()``: the threshold the mode gave the last
     logged call it rounded, and whether it is its class's own (``RoundingMode.learned``): a call of an op
     whose threshold depends on the call's class goes to the mode once per call key, and the fallback
     keeps what it learns. In a calibration step (``calibrator``: the
@@ -230,9 +246,6 @@ def scope(
     def number(name: str) -> None:  # a logged op the fallback rounded takes the next op position
         step.seq += 1
         step.op_names.append(name)
-
-    def logged(func: Any, elementwise: bool, t: torch.Tensor, a: Any, b: Any, tau: float) -> None:
-        round_logged(func, elementwise, t, () if a is None else (a, b), tau)
 
     def entries(name: str, *arrays: np.ndarray) -> None:  # ... and one the fallback rounded with log entries
         entry = OpEntries(step.seq, *arrays)
@@ -254,7 +267,7 @@ def scope(
 
         hooks = (routes.declined(module), tally, declined_call)
     table = routes.table(module, profile, thresholds, rules_revision)
-    module.enter(table, logs, number, logged, kernel.c_api(), entries, learned, *hooks)
+    module.enter(table, logs, number, round_logged, kernel.c_api(), entries, learned, *hooks)
     try:
         yield
     finally:

@@ -26,6 +26,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <cmath>
 #include <cstdint>
@@ -34,7 +35,6 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "roundkernel.h"
@@ -53,6 +53,10 @@ enum Route : int {
   LOGGED = 5,  // an ELEMENTWISE op: rounded here when no element is near a midpoint, else by Python
   LOGGED_REDUCTION = 6,  // a REDUCTION measured at its output's channel scale: the same, with that unit
   LOGGED_MM = 7,         // aten.mm: the same, with its unit from its inputs (scale.reduction_scale)
+  EXACT_IF_SQUARE = 8,   // pow(x, 2) (rules revision 2): EXACT; any other exponent: LOGGED
+  // a sum whose elements exact in every order need no entry (rules revision 2): LOGGED_REDUCTION, except
+  // that an output with a near element goes to the mode with the call's arguments, where it finds them
+  LOGGED_SUM = 9,
   // fused ops computed as separate IEEE steps (detrl/core/fused.py), then rounded as EXACT
   SPLIT_ADD = 10, SPLIT_SUB = 11, SPLIT_ADDCMUL = 12, SPLIT_ADDCDIV = 13, SPLIT_LERP = 14,
 };
@@ -111,8 +115,8 @@ struct Step {
   // (name) -> None: a logged op rounded here takes the next op position. At once, not batched: the mode
   // may number the next logged op on another thread (autograd's device threads take the Python route).
   py::object number;
-  // (OpOverload, elementwise, tensor, a, b) -> None: the mode's logged rounding (a and b: a matrix
-  // product's inputs, else None)
+  // (OpOverload, elementwise, tensor, args, tau) -> None: the mode's logged rounding (args: what its unit
+  // or its exact elements need: a matrix product's two inputs, a sum's arguments, else empty)
   py::object round_logged;
   // The C kernel's entry pass, or null (not built, or switched off: then the mode's logged rounding takes
   // an output with a near element); with it, (name, indices, up, pinned indices, pinned values, short
@@ -121,6 +125,9 @@ struct Step {
   py::object entries;
   // () -> None or (tau, its class's own): the threshold the mode gave the last logged call it rounded
   py::object learned;
+  // Depth inside the mode's decompositions (RoundingMode._nested): their sums and exps come back here
+  // (nest), and their outputs are parts of the decomposed op's, not counted as rounded.
+  int nested = 0;
   int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
   int64_t native_ops = 0;
   int64_t python_ops = 0;
@@ -249,6 +256,17 @@ int is_one(const c10::IValue& v) {
 }
 
 // alpha (where the schema has one) is exactly 1: an add or sub that is neither fused nor split.
+// oprules.squares: the call's exponent is the number 2 (an int or a float; not a bool, not symbolic).
+bool exponent_is_two(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].name() != "exponent") continue;
+    const auto& v = stack[first + i];
+    return (v.isInt() && v.toInt() == 2) || (v.isDouble() && v.toDouble() == 2.0);
+  }
+  return false;
+}
+
 bool alpha_is_one(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
   const auto& args = schema.arguments();
   for (size_t i = 0; i < args.size(); ++i) {
@@ -288,6 +306,11 @@ VECTOR_CLONES void round_dense(double* p, int64_t n) {
 }
 
 // RoundingMode._round_exact: an FP64 tensor to the nearest FP32 value, in place.
+// Elements rounded as a step's output (not inside a decomposition: the mode counts only the decomposed op's).
+void count_rounded(Step* step, int64_t n) {
+  if (step->nested == 0) step->rounded += n;
+}
+
 void round_exact(Step* step, const at::Tensor& t) {
   if (!rounded_output(t)) return;
   if (plain_cpu(t) && t.is_contiguous()) {
@@ -296,7 +319,7 @@ void round_exact(Step* step, const at::Tensor& t) {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     t.copy_(t.to(c10::ScalarType::Float));
   }
-  step->rounded += t.numel();
+  count_rounded(step, t.numel());
 }
 
 // rounding.near_midpoint's test of one element x against its threshold t: x - t and x + t round to
@@ -486,17 +509,18 @@ py::array_t<T> array_of(const Stored* p, Py_ssize_t n) {
 
 // RoundingMode._round_logged's recording path for one dense FP64 output, with the kernel's pass as
 // kernel.take_entries_ calls it: rounds it in place, and the op takes its position and its entries (if any).
-// thresholds/rows: a matrix product's column and row factors (LOGGED_MM), else null.
-void take_entries(Step* step, const Entry& e, double tau, at::Tensor& dense, const double* thresholds,
+// route: the call's (LOGGED, LOGGED_REDUCTION or LOGGED_MM); thresholds/rows: a matrix product's column and
+// row factors (LOGGED_MM), else null.
+void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor& dense, const double* thresholds,
                   const double* rows) {
   const DetrlKernelApi* api = step->kernel;
   const Py_ssize_t n = dense.numel();
   double* x = dense.data_ptr<double>();
   Layout l{1, 1, n};
   std::vector<double> per_channel;
-  if (e.route == LOGGED_MM) {  // scale.Scale(outer=M, channels=N, inner=1, col, row)
+  if (route == LOGGED_MM) {  // scale.Scale(outer=M, channels=N, inner=1, col, row)
     l = {dense.size(0), dense.size(1), 1};
-  } else if (e.route == LOGGED_REDUCTION) {  // at the output's channel scale
+  } else if (route == LOGGED_REDUCTION) {  // at the output's channel scale
     l = channel_layout(dense);
     per_channel.resize(static_cast<size_t>(l.channels));
     if (api->channel_thresholds(x, l.outer, l.channels, l.inner, tau, per_channel.data()) != 0)
@@ -518,7 +542,7 @@ void take_entries(Step* step, const Entry& e, double tau, at::Tensor& dense, con
     TORCH_CHECK(pass(stop, &rest, nullptr) == n, "native dispatch: the kernel's second pass stopped early");
     n_kept += rest.n_kept, n_pinned += rest.n_pinned, n_short += rest.n_short;
   }
-  step->rounded += n;
+  count_rounded(step, n);
   py::gil_scoped_acquire gil;
   if (n_kept == 0 && n_pinned == 0 && n_short == 0) {
     step->number(e.name);
@@ -556,9 +580,11 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
 // A logged op's FP64 outputs (written arguments, else outputs), rounded as logged, each taking an op
 // position. With the C kernel: all here, log entries included (device tensors go to the Python mode).
 // Without it: here when no element of any is near a midpoint, else by the mode, as are large outputs (the
-// mode's torch reference is vectorised) and units with an infinite factor.
-void round_logged(Step* step, const Entry& e, double tau, std::vector<at::Tensor>& targets,
-                  const Product* product) {
+// mode's torch reference is vectorised) and units with an infinite factor. A LOGGED_SUM (sum_inputs: the
+// call's arguments) is rounded as a LOGGED_REDUCTION where no element is near, else by the mode, which
+// leaves out the elements every order computes exactly (scale.exact_sum_elements) and needs the terms.
+void round_logged(Step* step, const Entry& e, int route, double tau, std::vector<at::Tensor>& targets,
+                  const Product* product, const std::vector<c10::IValue>* sum_inputs) {
   std::vector<at::Tensor> dense;  // each rounded output, contiguous (itself, or a copy written back)
   Unit unit;
   int64_t total = 0;
@@ -582,9 +608,10 @@ void round_logged(Step* step, const Entry& e, double tau, std::vector<at::Tensor
       to_mode = !product_unit(*product, unit.rows, unit.cols);
     }
   }
-  if (!to_mode && step->kernel == nullptr) {
+  if (route == LOGGED_SUM) route = LOGGED_REDUCTION;  // its unit, here
+  if (!to_mode && (step->kernel == nullptr || sum_inputs != nullptr)) {
     for (const auto& d : dense) {
-      if (output_near(e.route, d, tau, unit)) {
+      if (output_near(route, d, tau, unit)) {
         to_mode = true;
         break;
       }
@@ -596,10 +623,11 @@ void round_logged(Step* step, const Entry& e, double tau, std::vector<at::Tensor
       if (!rounded_output(t)) continue;
       at::Tensor& d = dense[k++];
       if (step->kernel != nullptr) {
-        take_entries(step, e, tau, d, product ? unit.cols.data() : nullptr, product ? unit.rows.data() : nullptr);
+        take_entries(step, e, route, tau, d, product ? unit.cols.data() : nullptr,
+                     product ? unit.rows.data() : nullptr);
       } else {
         round_dense(d.data_ptr<double>(), d.numel());
-        step->rounded += t.numel();
+        count_rounded(step, t.numel());
         py::gil_scoped_acquire gil;
         step->number(e.name);
       }
@@ -612,11 +640,16 @@ void round_logged(Step* step, const Entry& e, double tau, std::vector<at::Tensor
   }
   c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // as inside the mode's handler
   py::gil_scoped_acquire gil;
-  py::object a = py::none(), b = py::none();
-  if (product != nullptr) a = py::cast(product->a), b = py::cast(product->b);
+  py::tuple args;  // what the op's unit or its exact elements need
+  if (product != nullptr) {
+    args = py::make_tuple(product->a, product->b);
+  } else if (sum_inputs != nullptr) {
+    args = py::tuple(sum_inputs->size());
+    for (size_t i = 0; i < sum_inputs->size(); ++i) args[i] = torch::jit::toPyObject((*sum_inputs)[i]);
+  }
   for (const auto& t : targets) {
     if (!rounded_output(t)) continue;
-    step->round_logged(e.func, e.route == LOGGED, t, a, b, tau);
+    step->round_logged(e.func, route == LOGGED, t, args, tau);
   }
 }
 
@@ -771,9 +804,10 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   const size_t first = stack->size() - n_args;
   bool rounds = route != KEEP;
   if (route == EXACT_IF_ALPHA_ONE) route = alpha_is_one(schema, *stack, first) ? EXACT : PYTHON;
+  if (route == EXACT_IF_SQUARE) route = exponent_is_two(schema, *stack, first) ? EXACT : LOGGED;
   // add and sub with alpha 1 are the plain IEEE op, not split (fused.split_needed)
   if ((route == SPLIT_ADD || route == SPLIT_SUB) && alpha_is_one(schema, *stack, first)) route = EXACT;
-  const bool logged = route == LOGGED || route == LOGGED_REDUCTION || route == LOGGED_MM;
+  const bool logged = route == LOGGED || route == LOGGED_REDUCTION || route == LOGGED_MM || route == LOGGED_SUM;
   if (logged && !step->logs) route = PYTHON;
   Product product;
   if (route == LOGGED_MM) {  // plain FP64 CPU matrices, or the mode decides (scale.reduction_scale)
@@ -844,6 +878,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       }
     }
   }
+  std::vector<c10::IValue> sum_inputs;  // a LOGGED_SUM's arguments: its terms, should an element be near
+  if (route == LOGGED_SUM) sum_inputs.assign(stack->begin() + first, stack->begin() + first + n_args);
   {
     c10::impl::ExcludeDispatchKeyGuard inside(kOurs);
     op.redispatchBoxed(keys & kBelowOurs, stack);
@@ -863,12 +899,13 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       tau = step->declined_call(e.name).cast<double>();  // counts the call, as the calibrator would
     }
     if (!std::isnan(class_tau)) tau = class_tau;
-    return round_logged(step, e, tau, written, route == LOGGED_MM ? &product : nullptr);
+    return round_logged(step, e, route, tau, written, route == LOGGED_MM ? &product : nullptr,
+                        route == LOGGED_SUM ? &sum_inputs : nullptr);
   }
   for (const auto& t : written) {
     round_exact(step, t);
     // an island's float32 results: the mode counts its FP64 twins as rounded
-    if (island && t.defined() && t.scalar_type() == c10::ScalarType::Float) step->rounded += t.numel();
+    if (island && t.defined() && t.scalar_type() == c10::ScalarType::Float) count_rounded(step, t.numel());
   }
 }
 
@@ -925,6 +962,25 @@ void enter(py::object table, bool logs, py::object number_fn, py::object round_l
   scopes.push_back(std::move(scope));
 }
 
+// A decomposition's machine-dependent steps (its sums, exp) from inside the mode's handler, where the
+// route is off: on again for them (this thread's step, if any), until unnest. Returns whether it was.
+thread_local std::vector<std::unique_ptr<c10::impl::ForceDispatchKeyGuard>> nests;
+
+bool nest() {
+  if (current == nullptr) return false;
+  auto local = c10::impl::tls_local_dispatch_key_set();
+  nests.push_back(std::make_unique<c10::impl::ForceDispatchKeyGuard>(
+      local.included_.add(kOurs), local.excluded_.remove(kOurs).add(c10::DispatchKey::Python)));
+  ++current->nested;
+  return true;
+}
+
+void unnest() {
+  TORCH_CHECK(!nests.empty() && current != nullptr && current->nested > 0, "native dispatch: unnest() without nest()");
+  --current->nested;
+  nests.pop_back();
+}
+
 // Leave the innermost scope; returns (rounded elements, ops handled here, ops handed to the Python mode,
 // outputs whose log entries were taken here).
 py::tuple leave() {
@@ -960,5 +1016,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("__len__", [](const Declined& d) { return d.keys.size(); });
   m.def("enter", &enter, "start a step: ops that need no Python are handled natively on this thread");
+  m.def("nest", &nest, "the route on again inside the mode's handler, for a decomposition's steps; whether it is");
+  m.def("unnest", &unnest, "undo the last nest()");
   m.def("leave", &leave, "end the innermost step; returns (rounded elements, native ops, Python ops, entry ops)");
 }

@@ -446,8 +446,7 @@ class RoundingMode(EagerDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if not self._nested:
-            self._learned = None
+        self._learned = None
         plan = _PLANS.get(id(func)) or _plan(func)
         if not (plan.keep or plan.widening) and (narrow := islands.narrow_dtype(args, kwargs)) is not None:
             return self._island(func, types, args, kwargs, plan, narrow)
@@ -540,10 +539,13 @@ class RoundingMode(EagerDispatchMode):
 
     def _nested_op(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         self._nested += 1
+        routed = native.nest()  # the native route takes it where it would take the op outside
         try:
             with self:
                 return fn(*args)
         finally:
+            if routed:
+                native.unnest()
             self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
@@ -554,8 +556,7 @@ class RoundingMode(EagerDispatchMode):
         per_class = self.thresholds.per_class
         cls = call_class(name, args, kwargs) if per_class and name in self._classed_ops() else None
         tau = self.thresholds.tau_of(name, cls)
-        if not self._nested:
-            self._learned = (tau, cls is not None and cls in per_class)
+        self._learned = (tau, cls is not None and cls in per_class)
         return tau
 
     def _classed_ops(self) -> frozenset[str]:
