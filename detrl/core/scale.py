@@ -13,6 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 try:  # the native kernel's unit factors (detrl/core/_roundkernel.c); torch's ops where it was not built
@@ -185,9 +186,13 @@ def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tenso
     if func is _SUM_DIMS:
         x = args[0] if args else None
         dims = args[1] if len(args) > 1 else None
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not dims or not _fp32_grid(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not dims:
             return None
         dims = sorted({d % x.dim() for d in dims})
+        if NUMPY_SUMS and x.device.type == "cpu" and x.dtype == torch.float64:
+            return _exact_sum_numpy(x, dims, out.numel())
+        if x.numel() == 0 or not _fp32_grid(x):
+            return None
         magnitude = x.abs()
         largest = magnitude.amax(dim=dims)
         smallest = magnitude.masked_fill_(magnitude == 0, math.inf).amin(dim=dims)
@@ -222,6 +227,35 @@ def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tenso
     exact |= torch.isinf(smallest)  # no nonzero term: the sum is zero
     exact &= torch.isfinite(largest)
     return exact.reshape(-1)
+
+
+#: Whether :func:`exact_sum_elements` takes a CPU sum through numpy (the same mask; tests compare both paths).
+NUMPY_SUMS = True
+
+
+def _exact_sum_numpy(x: torch.Tensor, dims: list[int], out_elements: int) -> torch.Tensor | None:
+    """:func:`exact_sum_elements` of a sum of a CPU FP64 tensor over ``dims`` (sorted, non-negative), whose
+    result has ``out_elements``: the same rule and the same mask as the torch path, in numpy, whose small
+    ops cost a microsecond or two against torch's 5-10 (a DQN update takes this for each bias gradient
+    with a near element: 66 us against 214 for a 128 x 120 gradient)."""
+    if x.numel() == 0 or out_elements * math.prod(x.shape[d] for d in dims) != x.numel():
+        return None
+    a = x.detach().numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not np.array_equal(a.astype(np.float32).astype(np.float64), a):  # off the FP32 grid, or NaN
+            return None
+    axes = tuple(dims)
+    magnitude = np.abs(a)
+    largest = magnitude.max(axis=axes)
+    magnitude[magnitude == 0] = np.inf
+    smallest = magnitude.min(axis=axes)
+    terms = math.prod(x.shape[d] for d in dims)
+    # frexp exponents, as the torch path takes them; ceil(log2(n)) exactly, as an integer
+    spread = np.frexp(largest)[1].astype(np.int64) - np.frexp(np.minimum(smallest, 1e308))[1]
+    exact = spread + (terms - 1).bit_length() <= 29
+    exact |= np.isinf(smallest)  # no nonzero term: the sum is zero
+    exact &= np.isfinite(largest)
+    return torch.from_numpy(exact.reshape(-1))
 
 
 def _fp32_grid(x: torch.Tensor) -> bool:
