@@ -441,6 +441,48 @@ def test_the_numpy_path_of_exact_sums_finds_what_the_torch_path_finds(monkeypatc
         assert scale.exact_sum_elements(aten.sum.dim_IntList, (empty, [0]), empty.sum(0)) is None
 
 
+def test_an_embeddings_exact_elements_are_found_over_the_rows_its_tokens_name() -> None:
+    """The embedding gradient's exact elements are found from the rows some token names (a GPT-2 batch
+    names at most 512 of 50,257); every other row sums no term and is exact. The mask is the one the rule
+    gives over the whole table (the reference below), with padding tokens, repeated tokens, zeros and
+    infinities; tokens outside the table claim nothing."""
+    from detrl.core import scale
+
+    backward = torch.ops.aten.embedding_dense_backward
+
+    def whole_table(grad: torch.Tensor, tokens: torch.Tensor, rows: int) -> torch.Tensor:
+        width, flat = grad.shape[-1], tokens.reshape(-1)
+        index = flat.view(-1, 1).expand(-1, width)
+        magnitude = grad.reshape(-1, width).abs()
+        largest = torch.zeros(rows, width, dtype=torch.float64).scatter_reduce_(0, index, magnitude, "amax")
+        magnitude.masked_fill_(magnitude == 0, math.inf)
+        smallest = torch.full((rows, width), math.inf, dtype=torch.float64)
+        smallest.scatter_reduce_(0, index, magnitude, "amin")
+        terms = torch.bincount(flat, minlength=rows).double().view(-1, 1)
+        spread = torch.frexp(largest)[1] - torch.frexp(smallest.clamp(max=1e308))[1]
+        exact = spread.double().add_(torch.log2(terms.clamp(min=1)).ceil_()) <= 29
+        return ((exact | torch.isinf(smallest)) & torch.isfinite(largest)).reshape(-1)
+
+    g = torch.Generator().manual_seed(1)
+    exact_seen = not_exact_seen = 0
+    for trial in range(300):
+        b, t, width, rows = (int(torch.randint(1, k, (1,), generator=g)) for k in (4, 9, 7, 12))
+        binades = torch.randint(-20, 20, (b, t, width), generator=g).double() * (trial % 3)
+        grad = (torch.randn(b, t, width, generator=g, dtype=torch.float64) * 2.0**binades).float().double()
+        grad[torch.rand(b, t, width, generator=g) < 0.2] = 0
+        if trial % 9 == 0:
+            grad[0, 0, 0] = math.inf
+        tokens = torch.randint(0, rows, (b, t), generator=g)
+        args = (grad, tokens, rows, int(torch.randint(-1, rows, (1,), generator=g)), False)
+        found = scale.exact_sum_elements(backward.default, args, backward(*args))
+        assert found is not None and torch.equal(found, whole_table(grad, tokens, rows)), trial
+        exact_seen, not_exact_seen = exact_seen + int(found.sum()), not_exact_seen + int((~found).sum())
+    assert exact_seen > 100 and not_exact_seen > 100
+    grad = torch.ones(1, 2, 3, dtype=torch.float64)
+    outside = (grad, torch.tensor([[0, 7]]), 5, -1, False)
+    assert scale.exact_sum_elements(backward.default, outside, torch.zeros(5, 3, dtype=torch.float64)) is None
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_an_exact_sum_needs_no_entry_and_an_entry_for_one_is_refused(on: bool) -> None:
     """1 + 2**-24 lies exactly on an FP32 midpoint and is exact in FP64 in any order: rules revision 1 logs

@@ -207,26 +207,44 @@ def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tenso
             return None
         width = grad.shape[-1]
         flat = indices.reshape(-1)
-        if flat.numel() * width != grad.numel():
+        if flat.numel() * width != grad.numel() or rows * width != out.numel():
             return None
-        index = flat.view(-1, 1).expand(-1, width)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
+            return None
+        # Only the rows some token names have terms; every other row is a sum of none: zero, exact. So the
+        # extremes are taken over the rows seen (a GPT-2 batch names at most B * T of 50,257), not the whole
+        # table: full-size FP64 extremes cost a GPT-2 small step 2 GB and seconds.
+        seen, row_of = torch.unique(flat, return_inverse=True)
+        index = row_of.view(-1, 1).expand(-1, width)
         magnitude = grad.reshape(-1, width).abs()
-        largest = torch.zeros(rows, width, dtype=torch.float64).scatter_reduce_(0, index, magnitude, "amax")
+        shape, device = (len(seen), width), grad.device
+        largest = torch.zeros(shape, dtype=torch.float64, device=device).scatter_reduce_(
+            0, index, magnitude, "amax"
+        )
         magnitude.masked_fill_(magnitude == 0, math.inf)
-        smallest = torch.full((rows, width), math.inf, dtype=torch.float64).scatter_reduce_(
+        smallest = torch.full(shape, math.inf, dtype=torch.float64, device=device).scatter_reduce_(
             0, index, magnitude, "amin"
         )
-        terms = torch.bincount(flat, minlength=rows).double().view(-1, 1)
+        terms = torch.bincount(row_of, minlength=len(seen)).double().view(-1, 1)
+        exact = torch.ones(rows, width, dtype=torch.bool, device=grad.device)
+        exact[seen] = _exact_of(largest, smallest, terms)
+        return exact.reshape(-1)
     else:
         return None
     if largest.numel() != out.numel():
         return None
+    return _exact_of(largest, smallest, terms).reshape(-1)
+
+
+def _exact_of(largest: torch.Tensor, smallest: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+    """The rule of :func:`exact_sum_elements`, from each sum's largest and smallest nonzero term magnitude
+    (inf: none) and its number of terms (broadcast against them): a bool tensor of their shape."""
     # frexp exponents e: |x| in [2**(e - 1), 2**e); a term's FP32 quantum is 2**(e - 24) at least
     spread = torch.frexp(largest)[1] - torch.frexp(smallest.clamp(max=1e308))[1]
     exact = spread.double().add_(torch.log2(terms.clamp(min=1)).ceil_()) <= 29
     exact |= torch.isinf(smallest)  # no nonzero term: the sum is zero
     exact &= torch.isfinite(largest)
-    return exact.reshape(-1)
+    return exact
 
 
 #: Whether :func:`exact_sum_elements` takes a CPU sum through numpy (the same mask; tests compare both paths).
