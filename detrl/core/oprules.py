@@ -153,7 +153,8 @@ EXACT_SUMS = frozenset({aten.sum.dim_IntList, aten.embedding_dense_backward.defa
 
 
 def squares(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a call of an overload in :data:`SQUARES` raises to exactly 2 (a Python or tensor-free number)."""
+    """Whether a call of an overload in :data:`SQUARES` squares: its exponent is an int or float equal to 2
+    (not a bool; a tensor exponent is another overload). The native route reads the exponent alike."""
     exponent = args[1] if len(args) > 1 else kwargs.get("exponent")
     return not isinstance(exponent, bool) and isinstance(exponent, (int, float)) and exponent == 2
 

@@ -400,7 +400,9 @@ class RoundingMode(EagerDispatchMode):
         #: the rounding rules the step follows (:data:`detrl.core.oprules.RULES_REVISION`; a replay: its bundle's)
         self.rules_revision = RULES_REVISION
         self._learned: tuple[float, bool] | None = None
-        self._classed: tuple[tuple[str, ...] | None, frozenset[str]] = (None, frozenset())
+        # the ops with class thresholds, for the per_class dict it was taken from (held, so its id stays its
+        # own) at its length (classes are only ever added: calibration adds them, nothing removes one)
+        self._classed: tuple[dict[str, float] | None, int, frozenset[str]] = (None, 0, frozenset())
 
     @contextlib.contextmanager
     def step_scope(
@@ -560,10 +562,10 @@ class RoundingMode(EagerDispatchMode):
         return tau
 
     def _classed_ops(self) -> frozenset[str]:
-        key = tuple(self.thresholds.per_class)
-        if self._classed[0] != key:
-            self._classed = (key, self.thresholds.classed_ops())
-        return self._classed[1]
+        per_class = self.thresholds.per_class
+        if self._classed[0] is not per_class or self._classed[1] != len(per_class):
+            self._classed = (per_class, len(per_class), self.thresholds.classed_ops())
+        return self._classed[2]
 
     def learned(self) -> tuple[float, bool] | None:
         """The threshold of the last logged call rounded here, and whether it is its class's own (final
