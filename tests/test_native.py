@@ -213,36 +213,122 @@ def test_a_mode_entered_inside_a_step_still_sees_every_op(tmp_path) -> None:  # 
     assert "aten.tanh.default" in seen[True] and "aten.tanh_backward.default" in seen[True]
 
 
-@needs_native
-def test_a_decompositions_sums_take_the_route_and_count_as_its_parts() -> None:
-    """Layer norm goes to the mode, which writes it out as row sums and IEEE arithmetic; the row sums come
-    back to the native route (two forward, three backward), and the elements rounded are the layer
-    norm's outputs alone, as the mode counts them: the same stats with the route on and off."""
+def _layer_norm_step(route: str, tau: float, values: torch.Tensor, monkeypatch) -> tuple:  # noqa: ANN001
+    """A layer norm's forward and backward in one recorded step; ``route``: "off" (the mode alone), "on",
+    or "flat" (the route, but a decomposition's steps stay in the mode). Returns the step's stats, op names,
+    entries and the gradients, and the route's counts."""
     from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 
-    torch.manual_seed(0)
-    values = torch.randn(8, 16, dtype=torch.float64).float().double()
-    stats = {}
-    for on in (True, False):
-        x = values.clone().requires_grad_()
-        weight = torch.ones(16, dtype=torch.float64, requires_grad=True)
-        step = StepRounding()
-        mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
-        before = native._enabled
-        native.set_enabled(on)
-        native.counts.clear()
+    x = values.clone().requires_grad_()
+    weight = torch.ones(values.shape[-1], dtype=torch.float64, requires_grad=True)
+    step = StepRounding()
+    mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
+    before = native._enabled
+    native.set_enabled(route != "off")
+    native.counts.clear()
+    with monkeypatch.context() as m:
+        if route == "flat":
+            m.setattr(native, "nest", lambda: False)
         try:
             with mode.step_scope(step):
-                y = torch.nn.functional.layer_norm(x, (16,), weight)
+                y = torch.nn.functional.layer_norm(x, values.shape[-1:], weight)
                 y.backward(torch.ones_like(y))
         finally:
             native.set_enabled(before)
-        if on:
-            assert native.counts["python"] == 2  # native_layer_norm and its backward: decomposed by the mode
-            assert native.counts["native"] >= 5  # the five row sums inside the two among them
-        stats[on] = (step.stats, step.op_names, [e.op for e in step.recorded], x.grad, weight.grad)
-    assert stats[True][:3] == stats[False][:3]
-    assert torch.equal(stats[True][3], stats[False][3]) and torch.equal(stats[True][4], stats[False][4])
+    entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
+    return (step.stats, step.op_names, entries, x.grad, weight.grad), native.counts.copy()
+
+
+@needs_native
+@pytest.mark.parametrize("tau", [2.0**-20, 2.0**-3])
+def test_a_decompositions_sums_take_the_route_and_count_as_its_parts(tau: float, monkeypatch) -> None:  # noqa: ANN001
+    """Layer norm goes to the mode, which writes it out as row sums and IEEE arithmetic; the row sums come
+    back to the native route (two forward, three backward), and the elements rounded are the layer
+    norm's outputs alone, as the mode counts them: the same stats, entries and gradients with the route on
+    and off. At the larger threshold the sums have near elements, which the route hands back to the mode."""
+    torch.manual_seed(0)
+    values = torch.randn(8, 16, dtype=torch.float64).float().double()
+    on, counts = _layer_norm_step("on", tau, values, monkeypatch)
+    flat, flat_counts = _layer_norm_step("flat", tau, values, monkeypatch)
+    off, _ = _layer_norm_step("off", tau, values, monkeypatch)
+    assert counts["python"] == flat_counts["python"] == 2  # native_layer_norm and its backward: decomposed
+    assert counts["native"] - flat_counts["native"] == 5  # the five row sums inside the two
+    if tau == 2.0**-3:
+        assert on[2], "no entries: the hand-back to the mode was not exercised"
+    for got in (on, flat):
+        assert got[:3] == off[:3]
+        assert torch.equal(got[3], off[3]) and torch.equal(got[4], off[4])
+
+
+@needs_native
+def test_sums_with_near_elements_log_alike_on_the_route_and_in_the_mode() -> None:
+    """Under rules revision 2 the route rounds a sum itself only where its own near test finds nothing, and
+    hands the rest to the mode, which leaves out the exact elements: random sums over random dims (FP32
+    values of few binades, whose sums tie often; zeros; channels of very different scales) log the same
+    entries both ways."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    g = torch.Generator().manual_seed(2)
+    calls = []
+    for trial in range(60):
+        nd = int(torch.randint(1, 4, (1,), generator=g))
+        shape = [int(torch.randint(1, 7, (1,), generator=g)) for _ in range(nd)]
+        binades = torch.randint(-2, 3, shape, generator=g).double() * (1 + trial % 3)
+        x = (torch.randint(-8, 9, shape, generator=g).double() * 2.0**binades).float().double()
+        if nd >= 2:
+            x[:, 0] *= 2.0**-30  # a channel far below the others
+        dims = [
+            int(d)
+            for d in torch.randperm(nd, generator=g)[: int(torch.randint(1, nd + 1, (1,), generator=g))]
+        ]
+        calls.append((x, dims))
+    logs = {}
+    for on in (True, False):
+        step = StepRounding()
+        mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-4))
+        before = native._enabled
+        native.set_enabled(on)
+        try:
+            with mode.step_scope(step):
+                sums = [torch.sum(x, dims) for x, dims in calls]
+        finally:
+            native.set_enabled(before)
+        logs[on] = ([(e.op, e.indices.tolist(), e.up.tolist()) for e in step.recorded], step.stats, sums)
+    assert logs[True][0] == logs[False][0] and logs[True][1] == logs[False][1]
+    assert logs[True][0], "no entries: nothing was handed to the mode"
+    assert all(torch.equal(a, b) for a, b in zip(logs[True][2], logs[False][2], strict=True))
+
+
+@needs_native
+@pytest.mark.parametrize("exponent", [2, 2.0, 3, 0.5, True])
+def test_pow_is_exact_for_exponent_two_alone_on_the_route(exponent: object) -> None:
+    """``pow(x, 2)`` is exact under rules revision 2 and any other exponent logged: the route reads the
+    exponent as the mode does, out of place and in place, and the two log and round alike."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    torch.manual_seed(1)
+    x = (torch.rand(64, dtype=torch.float64) + 0.5).float().double()
+    results = {}
+    for on in (True, False):
+        step = StepRounding()
+        mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-3))  # large: entries at most ops
+        before = native._enabled
+        native.set_enabled(on)
+        try:
+            with mode.step_scope(step):
+                out = torch.pow(x, exponent)
+                inplace = x.clone()
+                inplace.pow_(exponent)
+        finally:
+            native.set_enabled(before)
+        entries = [(e.op, e.indices.tolist(), e.up.tolist()) for e in step.recorded]
+        results[on] = (step.stats, step.op_names, entries, out, inplace)
+    assert results[True][:3] == results[False][:3]
+    assert torch.equal(results[True][3], results[False][3]) and torch.equal(
+        results[True][4], results[False][4]
+    )
+    logged = results[True][1]
+    assert logged.count("pow") + logged.count("pow_") == (0 if exponent == 2 and exponent is not True else 2)
 
 
 @pytest.mark.parametrize("on", [True, False])

@@ -13,7 +13,8 @@ hardware profile).
 
 Which op goes where is decided once per operator, in Python (:func:`route`, from the mode's own plan);
 per call the fallback checks only what depends on the arguments: a float32 or half argument (a Python
-island), ``alpha != 1`` (a fused add), and whether an element is near a midpoint.
+island), ``alpha != 1`` (a fused add), ``pow``'s exponent, and whether an element is near a midpoint. A
+decomposition the mode writes out hands its sums and ``exp`` back to the fallback (:func:`nest`).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@
 // dispatch keys and Python is excluded: every op reaches this fallback first, with composites decomposed
 // and backward ops included, as the Python mode would see them. For each operator the Python side says
 // once which route it takes (`resolve`, cached here by operator); per call, only what depends on the
-// arguments is checked here (a float32 or half argument: a Python "island"; alpha != 1: a fused op).
-// An op for Python is redispatched to the Python key with Python allowed again and Fake excluded, so the
-// mode's handler, and every op it runs, behaves exactly as without this file.
+// arguments is checked here (a float32 or half argument: a Python "island"; alpha != 1: a fused op; pow's
+// exponent). An op for Python is redispatched to the Python key with Python allowed again and Fake
+// excluded, so the mode's handler, and every op it runs, behaves exactly as without this file, except a
+// decomposition's machine-dependent steps, which the handler hands back here (nest).
 //
 // A process that uses this must not use torch's C++ fake-tensor mode at the same time.
 #include <torch/extension.h>
@@ -255,7 +256,6 @@ int is_one(const c10::IValue& v) {
   return -1;
 }
 
-// alpha (where the schema has one) is exactly 1: an add or sub that is neither fused nor split.
 // oprules.squares: the call's exponent is the number 2 (an int or a float; not a bool, not symbolic).
 bool exponent_is_two(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
   const auto& args = schema.arguments();
@@ -267,6 +267,7 @@ bool exponent_is_two(const c10::FunctionSchema& schema, const torch::jit::Stack&
   return false;
 }
 
+// alpha (where the schema has one) is exactly 1: an add or sub that is neither fused nor split.
 bool alpha_is_one(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
   const auto& args = schema.arguments();
   for (size_t i = 0; i < args.size(); ++i) {
@@ -305,12 +306,12 @@ VECTOR_CLONES void round_dense(double* p, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = static_cast<double>(static_cast<float>(p[i]));
 }
 
-// RoundingMode._round_exact: an FP64 tensor to the nearest FP32 value, in place.
 // Elements rounded as a step's output (not inside a decomposition: the mode counts only the decomposed op's).
 void count_rounded(Step* step, int64_t n) {
   if (step->nested == 0) step->rounded += n;
 }
 
+// RoundingMode._round_exact: an FP64 tensor to the nearest FP32 value, in place.
 void round_exact(Step* step, const at::Tensor& t) {
   if (!rounded_output(t)) return;
   if (plain_cpu(t) && t.is_contiguous()) {
@@ -878,8 +879,12 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       }
     }
   }
-  std::vector<c10::IValue> sum_inputs;  // a LOGGED_SUM's arguments: its terms, should an element be near
-  if (route == LOGGED_SUM) sum_inputs.assign(stack->begin() + first, stack->begin() + first + n_args);
+  // A LOGGED_SUM's positional arguments (the mode's args; keyword-only ones are its kwargs, which
+  // exact_sum_elements does not read): its terms, should an element be near.
+  std::vector<c10::IValue> sum_inputs;
+  if (route == LOGGED_SUM) {
+    for (size_t i = 0; i < n_args && !schema.arguments()[i].kwarg_only(); ++i) sum_inputs.push_back((*stack)[first + i]);
+  }
   {
     c10::impl::ExcludeDispatchKeyGuard inside(kOurs);
     op.redispatchBoxed(keys & kBelowOurs, stack);
@@ -987,6 +992,9 @@ py::tuple leave() {
   TORCH_CHECK(!scopes.empty(), "native dispatch: leave() without enter()");
   auto scope = std::move(scopes.back());
   scopes.pop_back();
+  // a nest an interrupted decomposition left (KeyboardInterrupt between nest and its try): its guard was
+  // taken inside this scope's, so it is restored first
+  for (; scope->step.nested > 0 && !nests.empty(); --scope->step.nested) nests.pop_back();
   scope->exclude.reset();
   scope->include.reset();
   current = scope->previous;

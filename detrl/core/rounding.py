@@ -453,8 +453,9 @@ class RoundingMode(EagerDispatchMode):
         if not (plan.keep or plan.widening) and (narrow := islands.narrow_dtype(args, kwargs)) is not None:
             return self._island(func, types, args, kwargs, plan, narrow)
         if plan.decomposes and decompose.applies(func, args):
-            # Only the sums (and log-softmax backward's exp) are machine dependent: they run under this mode
-            # (rounded, logged, computed by the profile); the rest is plain IEEE arithmetic: exact outputs.
+            # Only the sums (and log-softmax backward's exp) are machine dependent: they run as ops of the step
+            # (rounded, logged, computed by the profile; by the native route where it takes them: see
+            # _nested_op); the rest is plain IEEE arithmetic: exact outputs.
             steps = decompose.Steps(self._logged_sum, self._logged_exp)
             out = decompose.DECOMPOSITIONS[func](steps, *args, **kwargs)
             written = written_tensors(func, args, kwargs, out)
@@ -532,23 +533,27 @@ class RoundingMode(EagerDispatchMode):
             self.step.stats.rounded_elements += t.numel()
 
     def _logged_sum(self, t: torch.Tensor, dims: list[int]) -> torch.Tensor:
-        """``t.sum(dims)`` dispatched through this mode, for decompositions (not counted as rounded output)."""
+        """``t.sum(dims)`` dispatched as an op of the step (this mode, or the native route where it takes the
+        op), for decompositions (not counted as rounded output)."""
         return self._nested_op(torch.sum, t, dims)
 
     def _logged_exp(self, t: torch.Tensor) -> torch.Tensor:
-        """``exp(t)`` dispatched through this mode (rounded, logged as elementwise), for decompositions."""
+        """``exp(t)`` dispatched as an op of the step (rounded, logged as elementwise), for decompositions."""
         return self._nested_op(torch.exp, t)
 
     def _nested_op(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         self._nested += 1
-        routed = native.nest()  # the native route takes it where it would take the op outside
+        routed = False
         try:
+            routed = native.nest()  # the native route takes it where it would take the op outside
             with self:
                 return fn(*args)
         finally:
-            if routed:
-                native.unnest()
-            self._nested -= 1
+            try:
+                if routed:
+                    native.unnest()
+            finally:
+                self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
     def _call_tau(self, func: Any, args: tuple, kwargs: dict) -> float:

@@ -189,7 +189,13 @@ def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tenso
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or not dims:
             return None
         dims = sorted({d % x.dim() for d in dims})
-        if NUMPY_SUMS and x.device.type == "cpu" and x.dtype == torch.float64:
+        if (
+            NUMPY_SUMS
+            and x.device.type == "cpu"
+            and x.dtype == torch.float64
+            and x.layout == torch.strided
+            and not (x.is_neg() or x.is_conj() or x._is_zerotensor())
+        ):  # numpy reads the memory as it is, which a lazily negated view or a zero tensor is not
             return _exact_sum_numpy(x, dims, out.numel())
         if x.numel() == 0 or not _fp32_grid(x):
             return None
