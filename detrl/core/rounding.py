@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -399,7 +400,9 @@ class RoundingMode(EagerDispatchMode):
         self._native_routes = native.Routes(plan_of)
         #: the rounding rules the step follows (:data:`detrl.core.oprules.RULES_REVISION`; a replay: its bundle's)
         self.rules_revision = RULES_REVISION
-        self._learned: tuple[float, bool] | None = None
+        # the threshold of the last logged call, per thread: the native route reads it on the thread that
+        # handed the call over, and autograd's device threads run the mode beside it
+        self._last = threading.local()
         # the ops with class thresholds, for the per_class dict it was taken from (held, so its id stays its
         # own) at its length (classes are only ever added: calibration adds them, nothing removes one)
         self._classed: tuple[dict[str, float] | None, int, frozenset[str]] = (None, 0, frozenset())
@@ -448,7 +451,7 @@ class RoundingMode(EagerDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        self._learned = None
+        self._last.learned = None
         plan = _PLANS.get(id(func)) or _plan(func)
         if not (plan.keep or plan.widening) and (narrow := islands.narrow_dtype(args, kwargs)) is not None:
             return self._island(func, types, args, kwargs, plan, narrow)
@@ -563,7 +566,7 @@ class RoundingMode(EagerDispatchMode):
         per_class = self.thresholds.per_class
         cls = call_class(name, args, kwargs) if per_class and name in self._classed_ops() else None
         tau = self.thresholds.tau_of(name, cls)
-        self._learned = (tau, cls is not None and cls in per_class)
+        self._last.learned = (tau, cls is not None and cls in per_class)
         return tau
 
     def _classed_ops(self) -> frozenset[str]:
@@ -575,7 +578,8 @@ class RoundingMode(EagerDispatchMode):
     def learned(self) -> tuple[float, bool] | None:
         """The threshold of the last logged call rounded here, and whether it is its class's own (final
         once calibration declines the class), then forgotten; None if none was (for the native route)."""
-        learned, self._learned = self._learned, None
+        learned = getattr(self._last, "learned", None)
+        self._last.learned = None
         return learned
 
     def _round_for_native(
