@@ -399,7 +399,7 @@ def test_sums_exact_in_every_order_are_found():
 
 def test_the_numpy_path_of_exact_sums_finds_what_the_torch_path_finds(monkeypatch) -> None:
     """A CPU sum's exact elements are found in numpy (faster for small sums); on random sums over random
-    dims, with zeros, infinities, NaN, terms off the FP32 grid, spreads of 0 to 45 binades and transposed
+    dims, with zeros, infinities, NaN, terms off the FP32 grid, spreads of up to about 90 binades and transposed
     layouts, it gives the torch path's answer, element for element. A sum over an empty dim has none."""
     from detrl.core import scale
 
