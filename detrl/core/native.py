@@ -231,10 +231,10 @@ def scope(
     and rounded natively on this thread (see the module doc). ``logs``: elementwise ops may be rounded here
     (recording); ``round_logged(func, elementwise, t, args, tau)`` is the mode's logged rounding
     of an elementwise op's output or a reduction's (``args``: a matrix product's two inputs, for its unit;
-    a sum's arguments, for its exact elements; else empty), for an output with an element near a midpoint. ``learned()``: the threshold the mode gave the last
-    logged call it rounded, and whether it is its class's own (``RoundingMode.learned``): a call of an op
-    whose threshold depends on the call's class goes to the mode once per call key, and the fallback
-    keeps what it learns. In a calibration step (``calibrator``: the
+    a sum's arguments, for its exact elements; else empty), for an output with an element near a midpoint.
+    ``learned()``: the threshold the mode gave the last logged call it rounded, and whether it is its
+    class's own (``RoundingMode.learned``): a call of an op whose threshold depends on the call's class
+    goes to the mode once per call key, and the fallback keeps what it learns. In a calibration step (``calibrator``: the
     :class:`~detrl.core.calibrate.Calibrator`) logged calls go to the mode until the calibrator declines
     to measure one (its shape class is measured enough); the fallback then rounds calls like it itself,
     with the live threshold. Without the extension, or under a profile that cannot say which ops it
