@@ -262,10 +262,11 @@ def test_a_decompositions_sums_take_the_route_and_count_as_its_parts(tau: float,
 
 @needs_native
 def test_sums_with_near_elements_log_alike_on_the_route_and_in_the_mode() -> None:
-    """Under rules revision 2 the route rounds a sum itself only where its own near test finds nothing, and
-    hands the rest to the mode, which leaves out the exact elements: random sums over random dims (FP32
-    values of few binades, whose sums tie often; zeros; channels of very different scales) log the same
-    entries both ways."""
+    """Under rules revision 2 a sum's entries leave out the elements every order computes exactly; the route
+    finds them with the C kernel (an embedding gradient's in the mode): random sums over random dims (FP32
+    values of few binades, whose sums tie often; zeros; channels of very different scales; transposed and
+    negated views) log the same entries on the route, which takes them all, and in the mode."""
+    from detrl.core import kernel
     from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 
     g = torch.Generator().manual_seed(2)
@@ -277,25 +278,35 @@ def test_sums_with_near_elements_log_alike_on_the_route_and_in_the_mode() -> Non
         x = (torch.randint(-8, 9, shape, generator=g).double() * 2.0**binades).float().double()
         if nd >= 2:
             x[:, 0] *= 2.0**-30  # a channel far below the others
+            if trial % 4 == 0:
+                x = x.transpose(0, 1)
+        if trial % 5 == 0:
+            x = torch._neg_view(x)
         dims = [
             int(d)
             for d in torch.randperm(nd, generator=g)[: int(torch.randint(1, nd + 1, (1,), generator=g))]
         ]
         calls.append((x, dims))
     logs = {}
-    for on in (True, False):
+    for on in (True, False, "revision 1"):
         step = StepRounding()
         mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-4))
+        if on == "revision 1":  # every near element logged: what the exact elements leave out
+            mode.rules_revision = 1
         before = native._enabled
-        native.set_enabled(on)
+        native.set_enabled(on is True)
+        native.counts.clear()
         try:
             with mode.step_scope(step):
                 sums = [torch.sum(x, dims) for x, dims in calls]
         finally:
             native.set_enabled(before)
         logs[on] = ([(e.op, e.indices.tolist(), e.up.tolist()) for e in step.recorded], step.stats, sums)
+        if on is True and kernel.available():
+            assert native.counts["python"] == 0 and native.counts["entries"] > 0, dict(native.counts)
     assert logs[True][0] == logs[False][0] and logs[True][1] == logs[False][1]
-    assert logs[True][0], "no entries: nothing was handed to the mode"
+    assert logs[True][0], "no entries"
+    assert logs[True][1].logged < logs["revision 1"][1].logged, "no near element was exact"
     assert all(torch.equal(a, b) for a, b in zip(logs[True][2], logs[False][2], strict=True))
 
 

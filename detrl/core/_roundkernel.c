@@ -359,6 +359,59 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
     return total;
 }
 
+/* scale.exact_sum_elements' rule for sums of FP32-grid terms: x holds `outer` sums of `terms` FP64 terms
+ * each, row-major (outer, terms). Where every term is on the FP32 grid, writes mask[i] = 1 for a sum every
+ * order computes exactly (frexp exponents of its largest and smallest nonzero magnitudes e_max, e_min:
+ * e_max - e_min + ceil(log2(terms)) <= 29, or no nonzero term), and a finite largest term, else 0; returns
+ * 1. Returns 0, the mask unwritten, where some term is off the grid (a NaN is): then the rule claims no
+ * element. The exponents, maxima, minima and the count are exact, so this is the torch reference's mask
+ * (tests/test_rounding.py compares the two). */
+static int exact_sums_into(const double *x, Py_ssize_t outer, Py_ssize_t terms, uint8_t *mask) {
+    int log2_terms = 0;
+    while (log2_terms < 63 && ((int64_t)1 << log2_terms) < terms) log2_terms++;
+    for (Py_ssize_t i = 0; i < outer; i++) {
+        const double *row = x + i * terms;
+        double largest = 0.0, smallest = INFINITY;
+        for (Py_ssize_t j = 0; j < terms; j++) {
+            double v = row[j];
+            if ((double)(float)v != v) return 0; /* off the grid: overflows to inf, or NaN */
+            double m = fabs(v);
+            largest = m > largest ? m : largest;
+            smallest = m != 0.0 && m < smallest ? m : smallest;
+        }
+        int exact;
+        if (!isfinite(largest)) {
+            exact = 0;
+        } else if (isinf(smallest)) {
+            exact = 1; /* no nonzero term: the sum is zero */
+        } else {
+            int e_max, e_min;
+            frexp(largest, &e_max);
+            frexp(smallest < 1e308 ? smallest : 1e308, &e_min);
+            exact = e_max - e_min + log2_terms <= 29;
+        }
+        mask[i] = (uint8_t)exact;
+    }
+    return 1;
+}
+
+/* exact_sums(address, outer, terms, mask) -> bool: exact_sums_into on a contiguous FP64 buffer of outer x
+ * terms elements, the mask into a buffer of outer bytes; False where a term is off the FP32 grid. */
+static PyObject *exact_sums(PyObject *self, PyObject *args) {
+    unsigned long long address, mask;
+    Py_ssize_t outer, terms;
+    if (!PyArg_ParseTuple(args, "KnnK", &address, &outer, &terms, &mask)) return NULL;
+    if (outer < 0 || terms < 1 || (outer && (!address || !mask))) {
+        PyErr_SetString(PyExc_ValueError, "exact_sums: needs at least one term a sum, and both buffers");
+        return NULL;
+    }
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    found = exact_sums_into((const double *)(uintptr_t)address, outer, terms, (uint8_t *)(uintptr_t)mask);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(found);
+}
+
 /* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, start) ->
  * (directions, pinned, short): how many near elements from flat index start get each kind of entry. With
  * rows, thresholds are column factors. */
@@ -423,13 +476,15 @@ static PyMethodDef methods[] = {
      "unit_factors(address, rows, cols, row_stride, col_stride, times, out): mm unit factors per row"},
     {"count_near", count_near, METH_VARARGS, "count_near(...): (directions, pinned) entries an op needs"},
     {"take_entries", take_entries, METH_VARARGS, "take_entries(...): write an op's entries while they fit, round in place"},
+    {"exact_sums", exact_sums, METH_VARARGS, "exact_sums(address, outer, terms, mask): which sums every order computes exactly"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_roundkernel", NULL, -1, methods};
 
 /* The C API (roundkernel.h): the same passes, for native code that calls them without a Python frame. */
-static DetrlKernelApi api = {DETRL_KERNEL_API_VERSION, near_pass, channel_thresholds_into, unit_factors_into};
+static DetrlKernelApi api = {DETRL_KERNEL_API_VERSION, near_pass, channel_thresholds_into, unit_factors_into,
+                             exact_sums_into};
 
 PyMODINIT_FUNC PyInit__roundkernel(void) {
     PyObject *m = PyModule_Create(&module);

@@ -52,7 +52,7 @@ class Route(enum.IntEnum):
     LOGGED_REDUCTION = 6  # REDUCTION at its output's channel scale: the same
     LOGGED_MM = 7  # ``aten.mm``: the same, its unit from its inputs (scale.reduction_scale)
     EXACT_IF_SQUARE = 8  # ``pow(x, 2)`` (rules revision 2): EXACT; any other exponent: LOGGED
-    LOGGED_SUM = 9  # LOGGED_REDUCTION; near elements go to the mode with the call's arguments (revision 2)
+    LOGGED_SUM = 9  # LOGGED_REDUCTION, less exact elements' entries (kernel: sum.dim_IntList; else the mode)
     SPLIT_ADD = 10  # fused ops split into IEEE steps (detrl/core/fused.py), then EXACT
     SPLIT_SUB = 11
     SPLIT_ADDCMUL = 12

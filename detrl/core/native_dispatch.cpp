@@ -56,7 +56,8 @@ enum Route : int {
   LOGGED_MM = 7,         // aten.mm: the same, with its unit from its inputs (scale.reduction_scale)
   EXACT_IF_SQUARE = 8,   // pow(x, 2) (rules revision 2): EXACT; any other exponent: LOGGED
   // a sum whose elements exact in every order need no entry (rules revision 2): LOGGED_REDUCTION, except
-  // that an output with a near element goes to the mode with the call's arguments, where it finds them
+  // that an output with a near element leaves their entries out: a plain CPU sum here (the kernel's
+  // exact_sums), else in the mode, which gets the call's arguments
   LOGGED_SUM = 9,
   // fused ops computed as separate IEEE steps (detrl/core/fused.py), then rounded as EXACT
   SPLIT_ADD = 10, SPLIT_SUB = 11, SPLIT_ADDCMUL = 12, SPLIT_ADDCDIV = 13, SPLIT_LERP = 14,
@@ -78,6 +79,7 @@ struct Entry {
   py::object func;        // LOGGED: its OpOverload, for the mode's logged rounding
   bool float32_exact = false;  // EXACT: a float32 island of it may run natively (oprules.FLOAT32_EXACT)
   bool classed = false;        // LOGGED: its threshold depends on the call's class (Thresholds.per_class)
+  bool sum_dims = false;       // LOGGED_SUM: aten.sum.dim_IntList, whose exact elements the kernel finds
 };
 
 // The routes of the operators seen, kept across steps (the Python side clears it when thresholds or the
@@ -153,6 +155,7 @@ const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
     e.func = r[4];
     e.float32_exact = r[5].cast<bool>();
     e.classed = r[6].cast<bool>();
+    e.sum_dims = name.name == "aten::sum" && name.overload_name == "dim_IntList";
   }
   return table->entries.emplace(key, std::move(e)).first->second;
 }
@@ -512,8 +515,9 @@ py::array_t<T> array_of(const Stored* p, Py_ssize_t n) {
 // kernel.take_entries_ calls it: rounds it in place, and the op takes its position and its entries (if any).
 // route: the call's (LOGGED, LOGGED_REDUCTION or LOGGED_MM); thresholds/rows: a matrix product's column and
 // row factors (LOGGED_MM), else null.
+// exact: where given, a flat 0/1 mask over the output (exact_sum_mask): entries at its elements are left out.
 void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor& dense, const double* thresholds,
-                  const double* rows) {
+                  const double* rows, const uint8_t* exact = nullptr) {
   const DetrlKernelApi* api = step->kernel;
   const Py_ssize_t n = dense.numel();
   double* x = dense.data_ptr<double>();
@@ -542,6 +546,22 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
     DetrlEntries rest = found.after(n_kept, n_pinned, n_short, more.n_kept, more.n_pinned, more.n_short);
     TORCH_CHECK(pass(stop, &rest, nullptr) == n, "native dispatch: the kernel's second pass stopped early");
     n_kept += rest.n_kept, n_pinned += rest.n_pinned, n_short += rest.n_short;
+  }
+  if (exact != nullptr) {  // RoundingMode._round_logged's _without: every kind, order kept
+    Py_ssize_t k = 0, p = 0, q = 0;
+    for (Py_ssize_t i = 0; i < n_kept; ++i) {
+      if (exact[found.kept[i]]) continue;
+      found.kept[k] = found.kept[i], found.up[k++] = found.up[i];
+    }
+    for (Py_ssize_t i = 0; i < n_pinned; ++i) {
+      if (exact[found.pinned[i]]) continue;
+      found.pinned[p] = found.pinned[i], found.pinned_values[p++] = found.pinned_values[i];
+    }
+    for (Py_ssize_t i = 0; i < n_short; ++i) {
+      if (exact[found.short_indices[i]]) continue;
+      found.short_indices[q] = found.short_indices[i], found.short_bits[q++] = found.short_bits[i];
+    }
+    n_kept = k, n_pinned = p, n_short = q;
   }
   count_rounded(step, n);
   py::gil_scoped_acquire gil;
@@ -578,12 +598,42 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Python) | (keys & kBelowOurs), stack);
 }
 
+// scale.exact_sum_elements of an aten.sum.dim_IntList call (args: its positional arguments) whose output has
+// out_elements, with the kernel's pass (exact_sums): 1 where the mask is written (1: an element every order
+// computes exactly), 0 where the rule claims no element (no dims, terms off the FP32 grid), -1 where the
+// mode decides (not a plain FP64 CPU tensor).
+int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& args, int64_t out_elements,
+                   std::vector<uint8_t>& mask) {
+  if (args.empty() || !args[0].isTensor()) return -1;
+  const at::Tensor& x = args[0].toTensor();
+  if (!x.defined() || x.scalar_type() != c10::ScalarType::Double || x.layout() != c10::kStrided || !x.is_cpu() ||
+      x.is_conj() || x._is_zerotensor())
+    return -1;
+  if (x.dim() == 0 || args.size() < 2 || !args[1].isIntList() || args[1].toIntList().empty()) return 0;
+  const int64_t rank = x.dim();
+  std::vector<bool> reduced(static_cast<size_t>(rank), false);
+  for (int64_t d : args[1].toIntList()) reduced[static_cast<size_t>(((d % rank) + rank) % rank)] = true;
+  std::vector<int64_t> order;
+  int64_t terms = 1;
+  for (int64_t d = 0; d < rank; ++d) {
+    if (!reduced[static_cast<size_t>(d)]) order.push_back(d);
+  }
+  for (int64_t d = 0; d < rank; ++d) {
+    if (reduced[static_cast<size_t>(d)]) order.push_back(d), terms *= x.size(d);
+  }
+  if (x.numel() == 0 || out_elements * terms != x.numel()) return 0;
+  at::Tensor rows = x.permute(order).resolve_neg().contiguous();  // the terms of each sum in a row
+  mask.resize(static_cast<size_t>(out_elements));
+  return api->exact_sums(rows.data_ptr<double>(), out_elements, terms, mask.data());
+}
+
 // A logged op's FP64 outputs (written arguments, else outputs), rounded as logged, each taking an op
 // position. With the C kernel: all here, log entries included (device tensors go to the Python mode).
 // Without it: here when no element of any is near a midpoint, else by the mode, as are large outputs (the
 // mode's torch reference is vectorised) and units with an infinite factor. A LOGGED_SUM (sum_inputs: the
-// call's arguments) is rounded as a LOGGED_REDUCTION where no element is near, else by the mode, which
-// leaves out the elements every order computes exactly (scale.exact_sum_elements) and needs the terms.
+// call's arguments) is rounded as a LOGGED_REDUCTION where no element is near; else its entries leave out
+// the elements every order computes exactly (scale.exact_sum_elements): found here for a plain CPU sum
+// with the kernel (exact_sum_mask), else by the mode, which gets the terms.
 void round_logged(Step* step, const Entry& e, int route, double tau, std::vector<at::Tensor>& targets,
                   const Product* product, const std::vector<c10::IValue>* sum_inputs) {
   std::vector<at::Tensor> dense;  // each rounded output, contiguous (itself, or a copy written back)
@@ -610,12 +660,22 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
     }
   }
   if (route == LOGGED_SUM) route = LOGGED_REDUCTION;  // its unit, here
+  std::vector<uint8_t> exact;  // a sum's exact elements, where the kernel found them (exact_sum_mask)
+  bool masked = false;
   if (!to_mode && (step->kernel == nullptr || sum_inputs != nullptr)) {
     for (const auto& d : dense) {
       if (output_near(route, d, tau, unit)) {
         to_mode = true;
         break;
       }
+    }
+    // A near element of a plain sum: its exact elements found here, with the kernel, and their entries
+    // left out as the mode leaves them out; an embedding gradient's (rows its tokens name) in the mode.
+    if (to_mode && step->kernel != nullptr && e.sum_dims && dense.size() == 1) {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      const int found_mask = exact_sum_mask(step->kernel, *sum_inputs, dense[0].numel(), exact);
+      to_mode = found_mask < 0;
+      masked = found_mask > 0;
     }
   }
   if (!to_mode) {
@@ -625,7 +685,7 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
       at::Tensor& d = dense[k++];
       if (step->kernel != nullptr) {
         take_entries(step, e, route, tau, d, product ? unit.cols.data() : nullptr,
-                     product ? unit.rows.data() : nullptr);
+                     product ? unit.rows.data() : nullptr, masked ? exact.data() : nullptr);
       } else {
         round_dense(d.data_ptr<double>(), d.numel());
         count_rounded(step, t.numel());

@@ -22,7 +22,7 @@ typedef struct {
     Py_ssize_t max_kept, max_pinned, max_short, n_kept, n_pinned, n_short;
 } DetrlEntries;
 
-#define DETRL_KERNEL_API_VERSION 1
+#define DETRL_KERNEL_API_VERSION 2
 #define DETRL_KERNEL_API_CAPSULE "detrl.core._roundkernel._C_API"
 
 typedef struct {
@@ -38,6 +38,9 @@ typedef struct {
      * returns -1 where it could not allocate. */
     int (*unit_factors)(const double *x, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t row_stride,
                         Py_ssize_t col_stride, double times, double *out);
+    /* exact_sums: which of outer sums of terms FP64 terms (row-major) every order computes exactly, as
+     * 0/1 bytes; returns 0 (the mask unwritten) where a term is off the FP32 grid, else 1. */
+    int (*exact_sums)(const double *x, Py_ssize_t outer, Py_ssize_t terms, uint8_t *mask);
 } DetrlKernelApi;
 
 #ifdef __cplusplus
