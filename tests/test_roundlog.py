@@ -362,6 +362,67 @@ def test_encode_segment_is_the_bytes_written(tmp_path: Path) -> None:
             r.raw_bytes(16, len(data))
 
 
+def _both_encoders(
+    step: int, ops: list, cctx: zstandard.ZstdCompressor, monkeypatch: pytest.MonkeyPatch
+) -> list:
+    """encode_segment's bytes (or the ValueError's text) with the C record encoder and with the Python one."""
+    from detrl.formats import roundlog
+
+    out = []
+    for native in (True, False):
+        monkeypatch.setattr(roundlog, "NATIVE_RECORDS", native)
+        try:
+            out.append(encode_segment(step, ops, cctx))
+        except ValueError as e:
+            out.append(f"ValueError: {e}")
+    return out
+
+
+def test_the_c_record_encoder_writes_the_reference_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C encoder (detrl/formats/_segment.c) writes what the Python encoder writes: on random steps of
+    direction, pinned and short entries, with indices past 2**32 (8-byte deltas) and ops without entries;
+    and entries it declines (unsorted, overlapping kinds, negative, out of order, strided, other dtypes) get
+    the reference's error."""
+    from detrl.formats import roundlog
+
+    if roundlog._segment is None:
+        pytest.skip("the C record encoder is not built here")
+    rng = np.random.default_rng(11)
+    cctx = segment_compressor()
+    for trial in range(200):
+        space = 1 << 40 if trial % 4 == 0 else 1 << 16
+        ops = random_ops(rng, int(rng.integers(0, 8)), int(rng.integers(1, 40)), space=space, pinned=True)
+        if ops and trial % 3 == 0:  # an op with no entries at all
+            ops[0] = OpEntries(ops[0].op, np.zeros(0, np.int64), np.zeros(0, bool))
+        assert roundlog._segment.encode_records(ops) is not None, trial  # taken by the C encoder
+        native, reference = _both_encoders(trial, ops, cctx, monkeypatch)
+        assert isinstance(native, bytes) and native == reference, trial
+    idx, up = np.array([3, 9, 40], np.int64), np.array([True, False, True])
+
+    def entries(**changes: object) -> OpEntries:
+        fields = {"op": 2, "indices": idx, "up": up, **changes}
+        return OpEntries(**fields)  # type: ignore[arg-type]
+
+    declined = [
+        [entries(indices=idx[::-1].copy())],
+        [entries(indices=np.array([-1, 9, 40], np.int64))],
+        [entries(), entries(op=1)],
+        [entries(op=1 << 32)],
+        [entries(indices=np.array([3, 9, 9], np.int64))],
+        [entries(pinned_indices=np.array([9], np.int64), pinned_values=np.ones(1, np.float32))],
+        [entries(short_indices=np.array([40], np.int64), short_bits=np.ones(1, np.uint16))],
+        [entries(pinned_values=np.zeros(0, np.float64))],
+        [entries(indices=np.arange(6, dtype=np.int64)[::2], up=np.ones(3, bool))],  # strided, valid
+        [entries(indices=idx.astype(np.int32))],  # valid
+        [entries(up=up.astype(np.uint8))],  # valid
+        [entries(op=np.int64(2))],  # valid
+    ]
+    for ops in declined:
+        assert roundlog._segment.encode_records(ops) is None, ops
+        native, reference = _both_encoders(1, ops, cctx, monkeypatch)
+        assert native == reference, ops
+
+
 # --- appending (resume) ------------------------------------------------------------------------
 
 

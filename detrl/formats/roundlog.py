@@ -35,6 +35,11 @@ from typing import BinaryIO
 import numpy as np
 import zstandard
 
+try:  # the record encoding in C (detrl/formats/_segment.c): the same bytes, one call a step
+    from detrl.formats import _segment
+except ImportError:  # built without a C compiler: the Python encoder below does it
+    _segment = None
+
 __all__ = [
     "DEFAULT_MAX_ENTRIES",
     "FORMAT_VERSION",
@@ -356,6 +361,25 @@ def encode_segment(step: int, ops: Iterable[OpEntries], cctx: zstandard.ZstdComp
     with the bytes on disk. Invalid input raises ValueError. Pure: writes nothing.
     """
     step = _check_uint("step", step, _U64_LIMIT)
+    ops = list(ops)
+    encoded = None
+    if _segment is not None and NATIVE_RECORDS and all(type(e) is OpEntries for e in ops):
+        encoded = _segment.encode_records(ops)  # None: not entries as the engine writes them
+    # the reference, which says what is wrong with entries the C encoder declined
+    raw, n_records = encoded if encoded is not None else _encode_records(ops)
+    comp = cctx.compress(raw)
+    head = SEGMENT_HEADER.pack(SEGMENT_TAG, step, n_records, len(raw), len(comp), 0)[:-4]
+    crc = zlib.crc32(comp, zlib.crc32(head))  # covers header fields and compressed payload
+    return head + struct.pack("<I", crc) + comp
+
+
+#: Whether :func:`encode_segment` takes the C encoder where it is built (tests compare it with the Python one).
+NATIVE_RECORDS = True
+
+
+def _encode_records(ops: list[OpEntries]) -> tuple[bytes, int]:
+    """The payload of a segment, uncompressed, and its number of records: each op's direction, pinned and
+    short records (:func:`_encode_record`) after validating its entries; raises ValueError."""
     records: list[bytes] = []
     prev_op = -1
     for e in ops:
@@ -374,11 +398,7 @@ def encode_segment(step: int, ops: Iterable[OpEntries], cctx: zstandard.ZstdComp
             records.append(_encode_record(op, pinned_deltas, vals, _PINNED))
         if sidx.size:
             records.append(_encode_record(op, short_deltas, low, _SHORT))
-    raw = b"".join(records)
-    comp = cctx.compress(raw)
-    head = SEGMENT_HEADER.pack(SEGMENT_TAG, step, len(records), len(raw), len(comp), 0)[:-4]
-    crc = zlib.crc32(comp, zlib.crc32(head))  # covers header fields and compressed payload
-    return head + struct.pack("<I", crc) + comp
+    return b"".join(records), len(records)
 
 
 class RoundLogWriter:
