@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import os
 import shutil
 import subprocess
@@ -308,6 +309,65 @@ def test_sums_with_near_elements_log_alike_on_the_route_and_in_the_mode() -> Non
     assert logs[True][0], "no entries"
     assert logs[True][1].logged < logs["revision 1"][1].logged, "no near element was exact"
     assert all(torch.equal(a, b) for a, b in zip(logs[True][2], logs[False][2], strict=True))
+
+
+def _split_ops(g: torch.Generator, nans: bool) -> list[torch.Tensor]:
+    """Every split op (add and sub with alpha, addcmul, addcdiv, lerp) on random FP64 operands, in place and
+    not, with number and tensor weights, operands that alias self, and (``nans``) infinities and NaNs."""
+
+    def values(shape: tuple[int, ...]) -> torch.Tensor:
+        x = torch.randn(shape, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(
+            -30, 30, shape, generator=g
+        )
+        x = x.float().double()
+        if nans:
+            r = torch.rand(shape, generator=g)
+            x[r < 0.05] = math.inf
+            x[r > 0.97] = -math.nan
+            x[(r > 0.5) & (r < 0.55)] = 0.0
+        return x
+
+    out = []
+    for _ in range(20):
+        shape = (int(torch.randint(1, 70, (1,), generator=g)), 3)
+        a, b, c, w = values(shape), values(shape), values(shape), values(shape).abs()
+        out += [a.clone().lerp_(b, 0.3), torch.lerp(a, b, w), a.clone().lerp_(b, w)]
+        out += [torch.lerp(a, b, torch.tensor(0.7, dtype=torch.float64))]
+        out += [a.clone().addcmul_(b, c, value=0.25), torch.addcmul(a, b, c, value=3), torch.addcmul(a, b, c)]
+        out += [a.clone().addcdiv_(b, c, value=-1e-3), torch.addcdiv(a, b, c)]
+        out += [a.clone().add_(b, alpha=-0.01), torch.sub(a, b, alpha=2), a.clone().sub_(b, alpha=0.5)]
+        x = a.clone()
+        x.addcmul_(x, x, value=0.5)  # every operand self itself
+        y = a.clone()
+        y.lerp_(b.clone(), 0.5)
+        out += [x, y, torch.lerp(a[:, :2], b[:, :2], 0.5)]  # a strided view: the dispatched calls
+    return out
+
+
+@needs_native
+@pytest.mark.parametrize("nans", [False, True])
+def test_split_ops_in_one_pass_give_the_modes_bits(nans: bool) -> None:
+    """A split op whose operands are dense FP64 CPU tensors is computed and rounded in one pass on the route
+    (a per-tensor Adam's lerp, addcmul and addcdiv): bit for bit what the mode's IEEE steps give, signed
+    zeros, infinities and NaN signs included (an op with a NaN in its results takes the dispatched steps)."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    results = {}
+    for on in (True, False):
+        step = StepRounding()
+        mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
+        before = native._enabled
+        native.set_enabled(on)
+        native.counts.clear()
+        try:
+            with mode.step_scope(step):
+                results[on] = _split_ops(torch.Generator().manual_seed(3), nans)
+        finally:
+            native.set_enabled(before)
+        if on:
+            assert native.counts["one_pass"] > (0 if nans else 200), dict(native.counts)
+    for got, want in zip(results[True], results[False], strict=True):
+        assert torch.equal(got.view(torch.int64), want.view(torch.int64))
 
 
 @needs_native

@@ -164,7 +164,8 @@ def _overload(name: str, overload: str) -> Any:
 
 
 #: Ops of this process's verifiable steps the native route ran (``native``) and handed to the mode
-#: (``python``), and the logged outputs whose entries it took (``entries``), for benchmarks and tests.
+#: (``python``), the logged outputs whose entries it took (``entries``) and the split ops it computed in
+#: one pass (``one_pass``), for benchmarks and tests.
 counts: collections.Counter[str] = collections.Counter()
 
 
@@ -272,6 +273,6 @@ def scope(
     try:
         yield
     finally:
-        rounded, native_ops, python_ops, entry_ops = module.leave()
+        rounded, native_ops, python_ops, entry_ops, one_pass = module.leave()
         step.stats.rounded_elements += rounded
-        counts.update(native=native_ops, python=python_ops, entries=entry_ops)
+        counts.update(native=native_ops, python=python_ops, entries=entry_ops, one_pass=one_pass)

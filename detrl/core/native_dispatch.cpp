@@ -135,6 +135,7 @@ struct Step {
   int64_t native_ops = 0;
   int64_t python_ops = 0;
   int64_t entry_ops = 0;  // logged outputs whose entries were taken here
+  int64_t one_pass = 0;   // split ops computed and rounded in one pass (split_in_one_pass)
 };
 
 thread_local Step* current = nullptr;
@@ -847,6 +848,121 @@ bool split_step(int route, const torch::jit::Stack& s, size_t f, at::Tensor& ste
   return false;
 }
 
+// A split op in one pass, where its operands allow: dense FP64 CPU tensors of one shape (a tensor weight of
+// that shape or 0-dim), numbers that are ints or floats, an operand that shares self's memory only as self
+// itself. Each element takes split_step's IEEE steps and self's add, then the rounding to the FP32 grid
+// (round_exact), with no contraction into FMA (build flags): the same values as those calls with a dispatch
+// each (a CPU list op's loop calls the per-tensor op for each of its tensors: a per-tensor Adam's lerp,
+// addcmul and addcdiv). The same bits too, except a NaN's sign and payload, which IEEE leaves to the order
+// of the operands (the compiler may write x + -y as x - y): an op with a NaN anywhere in its results takes
+// the dispatched calls instead. Returns the written tensor, or an undefined one where it did not apply.
+struct OnePass {
+  const double* a = nullptr;  // the operand(s) of the step
+  const double* b = nullptr;
+  double number = 1.0;              // alpha, value or the weight
+  const double* weights = nullptr;  // lerp's tensor weight, per element
+  bool scale = false;  // multiply by number (not a number of exactly 1, as split_step's `scaled`)
+};
+
+// The unrounded results into r; whether any is NaN.
+template <int Route>
+VECTOR_CLONES bool one_pass_loop(const double* self, double* r, int64_t n, OnePass p) {
+  int nan = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double step;
+    if constexpr (Route == SPLIT_ADD || Route == SPLIT_SUB) {
+      step = p.a[i] * p.number;  // alpha != 1: alpha one is not split
+      if constexpr (Route == SPLIT_SUB) step = -step;
+    } else if constexpr (Route == SPLIT_ADDCMUL || Route == SPLIT_ADDCDIV) {
+      step = Route == SPLIT_ADDCMUL ? p.a[i] * p.b[i] : p.a[i] / p.b[i];
+      if (p.scale) step = step * p.number;
+    } else {  // SPLIT_LERP
+      step = (p.a[i] - self[i]) * (p.weights ? p.weights[i] : p.number);
+    }
+    r[i] = self[i] + step;
+    nan |= r[i] != r[i];
+  }
+  return nan != 0;
+}
+
+VECTOR_CLONES void round_into(const double* r, double* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(r[i]));
+}
+
+thread_local std::vector<double> one_pass_results;
+
+at::Tensor split_in_one_pass(int route, bool in_place, const torch::jit::Stack& s, size_t f) {
+  const c10::IValue& first = s[f];
+  if (!first.isTensor()) return {};
+  const at::Tensor& self = first.toTensor();
+  auto dense = [&self](const c10::IValue& v) {
+    if (!v.isTensor()) return false;
+    const at::Tensor& t = v.toTensor();
+    return t.defined() && t.scalar_type() == c10::ScalarType::Double && plain_cpu(t) && t.is_contiguous() &&
+           t.layout() == c10::kStrided && !t._is_zerotensor() && t.sizes() == self.sizes() &&
+           (!t.is_alias_of(self) || (t.data_ptr() == self.data_ptr() && t.strides() == self.strides()));
+  };
+  auto number = [](const c10::IValue& v, double& out) {
+    if (v.isDouble()) return out = v.toDouble(), true;
+    if (v.isInt()) return out = static_cast<double>(v.toInt()), true;
+    return false;
+  };
+  if (!dense(first)) return {};
+  OnePass p;
+  switch (route) {
+    case SPLIT_ADD:
+    case SPLIT_SUB:
+      if (!dense(s[f + 1]) || !number(s[f + 2], p.number)) return {};
+      p.a = s[f + 1].toTensor().const_data_ptr<double>();
+      break;
+    case SPLIT_ADDCMUL:
+    case SPLIT_ADDCDIV:
+      if (!dense(s[f + 1]) || !dense(s[f + 2]) || !number(s[f + 3], p.number)) return {};
+      p.a = s[f + 1].toTensor().const_data_ptr<double>();
+      p.b = s[f + 2].toTensor().const_data_ptr<double>();
+      p.scale = is_one(s[f + 3]) != 1;
+      break;
+    case SPLIT_LERP:
+      if (!dense(s[f + 1])) return {};
+      p.a = s[f + 1].toTensor().const_data_ptr<double>();
+      if (dense(s[f + 2])) {
+        p.weights = s[f + 2].toTensor().const_data_ptr<double>();
+      } else if (s[f + 2].isTensor()) {
+        const at::Tensor& w = s[f + 2].toTensor();  // a 0-dim weight multiplies every element alike
+        if (!w.defined() || w.dim() != 0 || w.scalar_type() != c10::ScalarType::Double || !plain_cpu(w))
+          return {};
+        p.number = *w.const_data_ptr<double>();
+      } else if (!number(s[f + 2], p.number)) {
+        return {};
+      }
+      break;
+    default:
+      return {};
+  }
+  const double* x = self.const_data_ptr<double>();
+  const int64_t n = self.numel();
+  auto& r = one_pass_results;
+  if (static_cast<int64_t>(r.size()) < n) r.resize(static_cast<size_t>(n));
+  bool nan;
+  switch (route) {
+    case SPLIT_ADD: nan = one_pass_loop<SPLIT_ADD>(x, r.data(), n, p); break;
+    case SPLIT_SUB: nan = one_pass_loop<SPLIT_SUB>(x, r.data(), n, p); break;
+    case SPLIT_ADDCMUL: nan = one_pass_loop<SPLIT_ADDCMUL>(x, r.data(), n, p); break;
+    case SPLIT_ADDCDIV: nan = one_pass_loop<SPLIT_ADDCDIV>(x, r.data(), n, p); break;
+    default: nan = one_pass_loop<SPLIT_LERP>(x, r.data(), n, p); break;
+  }
+  if (nan) return {};
+  at::Tensor out;
+  if (in_place) {
+    out = self;
+  } else {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    out = at::empty_like(self, at::MemoryFormat::Contiguous);
+  }
+  round_into(r.data(), out.data_ptr<double>(), n);
+  return out;
+}
+
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   Step* step = current;
   if (step == nullptr) {
@@ -898,7 +1014,17 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     rounds = !(source.isTensor() && narrow(source.toTensor().scalar_type()));
   }
   at::Tensor split;
-  if (route >= SPLIT_ADD && !split_step(route, *stack, first, split)) route = PYTHON;
+  if (route >= SPLIT_ADD) {
+    at::Tensor done = split_in_one_pass(route, e.in_place, *stack, first);
+    if (done.defined()) {  // computed and rounded
+      ++step->native_ops, ++step->one_pass;
+      torch::jit::drop(*stack, n_args);  // an in-place op returns self, which `done` is
+      torch::jit::push(*stack, done);
+      count_rounded(step, done.numel());
+      return;
+    }
+    if (!split_step(route, *stack, first, split)) route = PYTHON;
+  }
   if (route == PYTHON) return to_python(step, op, keys, stack);
   double class_tau = std::numeric_limits<double>::quiet_NaN();  // the call's class's, where it has one
   if (logged && step->declined != nullptr) {  // a calibration step: only calls known declined stay here
@@ -1047,7 +1173,7 @@ void unnest() {
 }
 
 // Leave the innermost scope; returns (rounded elements, ops handled here, ops handed to the Python mode,
-// outputs whose log entries were taken here).
+// outputs whose log entries were taken here, split ops computed in one pass).
 py::tuple leave() {
   TORCH_CHECK(!scopes.empty(), "native dispatch: leave() without enter()");
   auto scope = std::move(scopes.back());
@@ -1059,7 +1185,7 @@ py::tuple leave() {
   scope->include.reset();
   current = scope->previous;
   Step& s = scope->step;
-  return py::make_tuple(s.rounded, s.native_ops, s.python_ops, s.entry_ops);
+  return py::make_tuple(s.rounded, s.native_ops, s.python_ops, s.entry_ops, s.one_pass);
 }
 
 }  // namespace
@@ -1086,5 +1212,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enter", &enter, "start a step: ops that need no Python are handled natively on this thread");
   m.def("nest", &nest, "the route on again inside the mode's handler, for a decomposition's steps; whether it is");
   m.def("unnest", &unnest, "undo the last nest()");
-  m.def("leave", &leave, "end the innermost step; returns (rounded elements, native ops, Python ops, entry ops)");
+  m.def("leave", &leave,
+        "end the innermost step; returns (rounded elements, native ops, Python ops, entry ops, one-pass ops)");
 }
