@@ -38,7 +38,7 @@ from torch.nn import functional as F
 import envs
 from agents.buffers import FrameReplayBuffer, ReplayBuffer
 from agents.networks import MLPQNetwork, QNetworks, build_q_network
-from agents.optim import LeanAdam
+from agents.optim import LeanAdam, ListAdam
 from detrl.core import extensions
 from detrl.core.engine import Session
 from detrl.core.sources import Sources
@@ -343,7 +343,7 @@ def run(
     # faster on small networks. Verifiable precision rounds each op, which a fused kernel does not offer:
     # it takes the list ops (foreach), one rounded op per step of Adam for all tensors, not one per tensor.
     if precision.is_verifiable:
-        optimizer = torch.optim.Adam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps, foreach=True)
+        optimizer = ListAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
     else:
         optimizer = LeanAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
     session.track(optimizer)
