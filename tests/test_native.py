@@ -73,8 +73,9 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.sum.dim_IntList, pairwise) is Route.PYTHON
     # a unit from the inputs, a hidden write, random, decomposed
     assert route(aten.mm.default) is Route.LOGGED_MM  # its unit from its inputs
+    assert route(aten.convolution_backward.default) is Route.LOGGED_CONV  # its input gradient's from itself
+    assert route(aten.convolution_backward.default, pairwise) is Route.PYTHON
     for func in (
-        aten.convolution_backward.default,
         aten._native_batch_norm_legit.default,
         aten.native_dropout.default,
     ):
@@ -368,6 +369,69 @@ def test_split_ops_in_one_pass_give_the_modes_bits(nans: bool) -> None:
             assert native.counts["one_pass"] > (0 if nans else 200), dict(native.counts)
     for got, want in zip(results[True], results[False], strict=True):
         assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+
+
+@needs_native
+@pytest.mark.parametrize("tau", [2.0**-20, 2.0**-4])
+def test_convolution_gradients_log_alike_on_the_route_and_in_the_mode(tau: float) -> None:
+    """A convolution's gradients on the route: the input gradient at each sample's and channel's scale
+    (samples whose gradients differ by orders of magnitude, one sample all zeros, one with an infinity),
+    the weight and bias gradients at their channel scale; 1-d, 2-d and strided, grouped and transposed
+    convolutions log the same entries and give the same bits with the route on and off."""
+    from detrl.core import kernel
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    g = torch.Generator().manual_seed(4)
+    cases = []  # (convolution, input, output gradient), drawn outside the step (random ops take the mode)
+    for conv, x_shape in (
+        (torch.nn.Conv2d(3, 6, 3, padding=1), (5, 3, 6, 6)),
+        (torch.nn.Conv1d(4, 4, 2, stride=2, groups=2), (3, 4, 8)),
+        (torch.nn.ConvTranspose2d(2, 3, 2, stride=2), (2, 2, 3, 3)),
+    ):
+        conv = conv.double()
+        x = torch.randn(x_shape, generator=g, dtype=torch.float64).float().double()
+        scales = 2.0 ** torch.randint(-12, 12, (x_shape[0],) + (1,) * (len(x_shape) - 1), generator=g)
+        with torch.no_grad():
+            go = torch.randn(conv(x).shape, generator=g, dtype=torch.float64).float().double()
+        go[0] = 0.0  # a sample whose input gradient is all zeros
+        go[-1, 0, 0] = math.inf if x_shape[0] > 2 else go[-1, 0, 0]  # one channel's infinity
+        if go.shape[0] > 2:
+            go[1] *= 2.0**-40  # a sample far below the others
+        cases.append((conv, x * scales, go))
+
+    def step() -> list[torch.Tensor]:
+        grads = []
+        for conv, x, go in cases:
+            conv.zero_grad(set_to_none=True)
+            x = x.clone().requires_grad_()
+            conv(x).backward(go)
+            grads += [x.grad, conv.weight.grad, conv.bias.grad]
+        return grads
+
+    results = {}
+    for on in (True, False):
+        rounding = StepRounding()
+        mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
+        before = native._enabled
+        native.set_enabled(on)
+        native.counts.clear()
+        try:
+            with mode.step_scope(rounding):
+                grads = step()
+        finally:
+            native.set_enabled(before)
+        if on and kernel.available():
+            assert native.counts["python"] == 0, dict(native.counts)
+        entries = [
+            (e.op, e.indices.tolist(), e.up.tolist(), e.pinned_indices.tolist()) for e in rounding.recorded
+        ]
+        results[on] = (rounding.stats, rounding.op_names, entries, grads)
+    assert results[True][:3] == results[False][:3]
+    assert "convolution_backward" in results[True][1]
+    if tau == 2.0**-4:
+        assert results[True][2], "no entries"
+    for a, b in zip(results[True][3], results[False][3], strict=True):
+        assert torch.equal(a.view(torch.int64), b.view(torch.int64))
 
 
 @needs_native

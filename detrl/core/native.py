@@ -38,6 +38,7 @@ from detrl.core.scale import SCALED_BY_INPUTS
 from detrl.formats.roundlog import OpEntries
 
 MM = torch.ops.aten.mm.default
+CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 
 
 class Route(enum.IntEnum):
@@ -58,6 +59,9 @@ class Route(enum.IntEnum):
     SPLIT_ADDCMUL = 12
     SPLIT_ADDCDIV = 13
     SPLIT_LERP = 14
+    # ``convolution_backward`` (with the C kernel; else the mode): its input gradient at each sample's and
+    # channel's scale (scale.reduction_scale), its weight and bias gradients at their channel scale
+    LOGGED_CONV = 15
 
 
 _SPLITS = {"add": Route.SPLIT_ADD, "sub": Route.SPLIT_SUB, "addcmul": Route.SPLIT_ADDCMUL}
@@ -90,6 +94,8 @@ def route(
     if plan.kind is OpKind.REDUCTION:
         if func is MM:
             return Route.LOGGED_MM
+        if func is CONV_BACKWARD and func not in HIDDEN_WRITES:
+            return Route.LOGGED_CONV
         if func in SCALED_BY_INPUTS or func in HIDDEN_WRITES:
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:

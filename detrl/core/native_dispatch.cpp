@@ -61,7 +61,14 @@ enum Route : int {
   LOGGED_SUM = 9,
   // fused ops computed as separate IEEE steps (detrl/core/fused.py), then rounded as EXACT
   SPLIT_ADD = 10, SPLIT_SUB = 11, SPLIT_ADDCMUL = 12, SPLIT_ADDCDIV = 13, SPLIT_LERP = 14,
+  // convolution_backward: its input gradient at each sample's and channel's scale (scale's
+  // _sample_channel_scale), its weight and bias gradients at their channel scale; with the kernel only
+  LOGGED_CONV = 15,
+  // (internal) a unit of row factors over (outer, 1, inner) with column factor 1: an input gradient's
+  LOGGED_ROWS = 100,
 };
+
+bool is_split(int route) { return route >= SPLIT_ADD && route <= SPLIT_LERP; }
 
 constexpr auto kOurs = c10::DispatchKey::Fake;
 // Keys below ours: where an op we handle goes on.
@@ -526,6 +533,9 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
   std::vector<double> per_channel;
   if (route == LOGGED_MM) {  // scale.Scale(outer=M, channels=N, inner=1, col, row)
     l = {dense.size(0), dense.size(1), 1};
+  } else if (route == LOGGED_ROWS) {  // scale.Scale(outer=N*C, channels=1, inner=the rest, col=1, row)
+    const int64_t outer = dense.size(0) * dense.size(1);
+    l = {outer, 1, n / outer};
   } else if (route == LOGGED_REDUCTION) {  // at the output's channel scale
     l = channel_layout(dense);
     per_channel.resize(static_cast<size_t>(l.channels));
@@ -635,13 +645,31 @@ int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& ar
 // call's arguments) is rounded as a LOGGED_REDUCTION where no element is near; else its entries leave out
 // the elements every order computes exactly (scale.exact_sum_elements): found here for a plain CPU sum
 // with the kernel (exact_sum_mask), else by the mode, which gets the terms.
+// An input gradient of a convolution_backward call (args: its positional arguments), as
+// scale._sample_channel_scale tells one: rank >= 3, the shape of the input and not of the weight.
+bool input_gradient(const std::vector<c10::IValue>& args, const at::Tensor& t) {
+  if (args.size() < 3 || !args[1].isTensor() || !args[2].isTensor() || t.dim() < 3 || t.numel() == 0) return false;
+  return t.sizes() == args[1].toTensor().sizes() && t.sizes() != args[2].toTensor().sizes();
+}
+
+// _sample_channel_scale's row factors of a dense (N, C, ...) input gradient: clamp(2**floor(log2(max|row|))
+// 2**-23, 2**-149) per sample and channel (infinite for a row with a NaN or an infinity), from the kernel's
+// unit_factors (max(that power of two, 2**-149)), which the clamp then gives exactly.
+void input_gradient_rows(const DetrlKernelApi* api, const at::Tensor& dense, std::vector<double>& rows) {
+  const int64_t outer = dense.size(0) * dense.size(1), inner = dense.numel() / outer;
+  rows.resize(static_cast<size_t>(outer));
+  if (api->unit_factors(dense.const_data_ptr<double>(), outer, inner, inner, 1, 1.0, rows.data()) != 0)
+    throw std::bad_alloc();
+  for (double& r : rows) r = r >= 0x1p-126 ? r * 0x1p-23 : 0x1p-149;
+}
+
 void round_logged(Step* step, const Entry& e, int route, double tau, std::vector<at::Tensor>& targets,
                   const Product* product, const std::vector<c10::IValue>* sum_inputs) {
   std::vector<at::Tensor> dense;  // each rounded output, contiguous (itself, or a copy written back)
   Unit unit;
   int64_t total = 0;
   for (const auto& t : targets) total += t.defined() ? t.numel() : 0;
-  bool to_mode = step->kernel == nullptr && total > kLargeOutput;
+  bool to_mode = step->kernel == nullptr && (total > kLargeOutput || route == LOGGED_CONV);
   if (!to_mode) {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     for (const auto& t : targets) {
@@ -663,7 +691,7 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
   if (route == LOGGED_SUM) route = LOGGED_REDUCTION;  // its unit, here
   std::vector<uint8_t> exact;  // a sum's exact elements, where the kernel found them (exact_sum_mask)
   bool masked = false;
-  if (!to_mode && (step->kernel == nullptr || sum_inputs != nullptr)) {
+  if (!to_mode && route != LOGGED_CONV && (step->kernel == nullptr || sum_inputs != nullptr)) {
     for (const auto& d : dense) {
       if (output_near(route, d, tau, unit)) {
         to_mode = true;
@@ -684,7 +712,15 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
     for (const auto& t : targets) {
       if (!rounded_output(t)) continue;
       at::Tensor& d = dense[k++];
-      if (step->kernel != nullptr) {
+      if (route == LOGGED_CONV) {  // with the kernel (to_mode without it)
+        if (input_gradient(*sum_inputs, t)) {
+          input_gradient_rows(step->kernel, d, unit.rows);
+          const double col = 1.0;
+          take_entries(step, e, LOGGED_ROWS, tau, d, &col, unit.rows.data());
+        } else {
+          take_entries(step, e, LOGGED_REDUCTION, tau, d, nullptr, nullptr);
+        }
+      } else if (step->kernel != nullptr) {
         take_entries(step, e, route, tau, d, product ? unit.cols.data() : nullptr,
                      product ? unit.rows.data() : nullptr, masked ? exact.data() : nullptr);
       } else {
@@ -984,7 +1020,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   if (route == EXACT_IF_SQUARE) route = exponent_is_two(schema, *stack, first) ? EXACT : LOGGED;
   // add and sub with alpha 1 are the plain IEEE op, not split (fused.split_needed)
   if ((route == SPLIT_ADD || route == SPLIT_SUB) && alpha_is_one(schema, *stack, first)) route = EXACT;
-  const bool logged = route == LOGGED || route == LOGGED_REDUCTION || route == LOGGED_MM || route == LOGGED_SUM;
+  const bool logged = route == LOGGED || route == LOGGED_REDUCTION || route == LOGGED_MM || route == LOGGED_SUM ||
+                      route == LOGGED_CONV;
   if (logged && !step->logs) route = PYTHON;
   Product product;
   if (route == LOGGED_MM) {  // plain FP64 CPU matrices, or the mode decides (scale.reduction_scale)
@@ -1014,7 +1051,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     rounds = !(source.isTensor() && narrow(source.toTensor().scalar_type()));
   }
   at::Tensor split;
-  if (route >= SPLIT_ADD) {
+  if (is_split(route)) {
     at::Tensor done = split_in_one_pass(route, e.in_place, *stack, first);
     if (done.defined()) {  // computed and rounded
       ++step->native_ops, ++step->one_pass;
@@ -1043,7 +1080,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   }
   ++step->native_ops;
   std::vector<at::Tensor> written;
-  if (route >= SPLIT_ADD) {
+  if (is_split(route)) {
     at::Tensor self = (*stack)[first].toTensor();
     torch::jit::drop(*stack, n_args);
     {
@@ -1068,7 +1105,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // A LOGGED_SUM's positional arguments (the mode's args; keyword-only ones are its kwargs, which
   // exact_sum_elements does not read): its terms, should an element be near.
   std::vector<c10::IValue> sum_inputs;
-  if (route == LOGGED_SUM) {
+  if (route == LOGGED_SUM || route == LOGGED_CONV) {
     for (size_t i = 0; i < n_args && !schema.arguments()[i].kwarg_only(); ++i) sum_inputs.push_back((*stack)[first + i]);
   }
   {
@@ -1091,7 +1128,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     }
     if (!std::isnan(class_tau)) tau = class_tau;
     return round_logged(step, e, route, tau, written, route == LOGGED_MM ? &product : nullptr,
-                        route == LOGGED_SUM ? &sum_inputs : nullptr);
+                        route == LOGGED_SUM || route == LOGGED_CONV ? &sum_inputs : nullptr);
   }
   for (const auto& t : written) {
     round_exact(step, t);
