@@ -890,8 +890,10 @@ bool split_step(int route, const torch::jit::Stack& s, size_t f, at::Tensor& ste
 // (round_exact), with no contraction into FMA (build flags): the same values as those calls with a dispatch
 // each (a CPU list op's loop calls the per-tensor op for each of its tensors: a per-tensor Adam's lerp,
 // addcmul and addcdiv). The same bits too, except a NaN's sign and payload, which IEEE leaves to the order
-// of the operands (the compiler may write x + -y as x - y): an op with a NaN anywhere in its results takes
-// the dispatched calls instead. Returns the written tensor, or an undefined one where it did not apply.
+// of the operands (the compiler may write x + -y as x - y): a first pass, which writes nothing, looks for a
+// NaN among the results, and an op with one takes the dispatched calls instead (two passes over the
+// operands, no scratch memory: GPT-2's token embedding is 39M elements). Returns the written tensor, or an
+// undefined one where it did not apply.
 struct OnePass {
   const double* a = nullptr;  // the operand(s) of the step
   const double* b = nullptr;
@@ -900,32 +902,53 @@ struct OnePass {
   bool scale = false;  // multiply by number (not a number of exactly 1, as split_step's `scaled`)
 };
 
-// The unrounded results into r; whether any is NaN.
+// One element's unrounded result.
 template <int Route>
-VECTOR_CLONES bool one_pass_loop(const double* self, double* r, int64_t n, OnePass p) {
+inline double one_pass_result(const double* self, int64_t i, const OnePass& p) {
+  double step;
+  if constexpr (Route == SPLIT_ADD || Route == SPLIT_SUB) {
+    step = p.a[i] * p.number;  // alpha != 1: alpha one is not split
+    if constexpr (Route == SPLIT_SUB) step = -step;
+  } else if constexpr (Route == SPLIT_ADDCMUL || Route == SPLIT_ADDCDIV) {
+    step = Route == SPLIT_ADDCMUL ? p.a[i] * p.b[i] : p.a[i] / p.b[i];
+    if (p.scale) step = step * p.number;
+  } else {  // SPLIT_LERP
+    step = (p.a[i] - self[i]) * (p.weights ? p.weights[i] : p.number);
+  }
+  return self[i] + step;
+}
+
+// Whether any result is NaN (nothing written: a NaN sends the op to the dispatched calls, self untouched).
+template <int Route>
+VECTOR_CLONES bool one_pass_nan(const double* self, int64_t n, OnePass p) {
   int nan = 0;
   for (int64_t i = 0; i < n; ++i) {
-    double step;
-    if constexpr (Route == SPLIT_ADD || Route == SPLIT_SUB) {
-      step = p.a[i] * p.number;  // alpha != 1: alpha one is not split
-      if constexpr (Route == SPLIT_SUB) step = -step;
-    } else if constexpr (Route == SPLIT_ADDCMUL || Route == SPLIT_ADDCDIV) {
-      step = Route == SPLIT_ADDCMUL ? p.a[i] * p.b[i] : p.a[i] / p.b[i];
-      if (p.scale) step = step * p.number;
-    } else {  // SPLIT_LERP
-      step = (p.a[i] - self[i]) * (p.weights ? p.weights[i] : p.number);
-    }
-    r[i] = self[i] + step;
-    nan |= r[i] != r[i];
+    const double r = one_pass_result<Route>(self, i, p);
+    nan |= r != r;
   }
   return nan != 0;
 }
 
-VECTOR_CLONES void round_into(const double* r, double* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(r[i]));
+// The results, rounded to the FP32 grid, into out (self itself, in place).
+template <int Route>
+VECTOR_CLONES void one_pass_write(const double* self, double* out, int64_t n, OnePass p) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(one_pass_result<Route>(self, i, p)));
 }
 
-thread_local std::vector<double> one_pass_results;
+template <int Route>
+bool one_pass(const at::Tensor& self, bool in_place, const OnePass& p, at::Tensor& out) {
+  const double* x = self.const_data_ptr<double>();
+  const int64_t n = self.numel();
+  if (one_pass_nan<Route>(x, n, p)) return false;
+  if (in_place) {
+    out = self;
+  } else {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    out = at::empty_like(self, at::MemoryFormat::Contiguous);
+  }
+  one_pass_write<Route>(x, out.data_ptr<double>(), n, p);
+  return true;
+}
 
 at::Tensor split_in_one_pass(int route, bool in_place, const torch::jit::Stack& s, size_t f) {
   const c10::IValue& first = s[f];
@@ -975,27 +998,16 @@ at::Tensor split_in_one_pass(int route, bool in_place, const torch::jit::Stack& 
     default:
       return {};
   }
-  const double* x = self.const_data_ptr<double>();
-  const int64_t n = self.numel();
-  auto& r = one_pass_results;
-  if (static_cast<int64_t>(r.size()) < n) r.resize(static_cast<size_t>(n));
-  bool nan;
-  switch (route) {
-    case SPLIT_ADD: nan = one_pass_loop<SPLIT_ADD>(x, r.data(), n, p); break;
-    case SPLIT_SUB: nan = one_pass_loop<SPLIT_SUB>(x, r.data(), n, p); break;
-    case SPLIT_ADDCMUL: nan = one_pass_loop<SPLIT_ADDCMUL>(x, r.data(), n, p); break;
-    case SPLIT_ADDCDIV: nan = one_pass_loop<SPLIT_ADDCDIV>(x, r.data(), n, p); break;
-    default: nan = one_pass_loop<SPLIT_LERP>(x, r.data(), n, p); break;
-  }
-  if (nan) return {};
   at::Tensor out;
-  if (in_place) {
-    out = self;
-  } else {
-    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-    out = at::empty_like(self, at::MemoryFormat::Contiguous);
+  bool done;
+  switch (route) {
+    case SPLIT_ADD: done = one_pass<SPLIT_ADD>(self, in_place, p, out); break;
+    case SPLIT_SUB: done = one_pass<SPLIT_SUB>(self, in_place, p, out); break;
+    case SPLIT_ADDCMUL: done = one_pass<SPLIT_ADDCMUL>(self, in_place, p, out); break;
+    case SPLIT_ADDCDIV: done = one_pass<SPLIT_ADDCDIV>(self, in_place, p, out); break;
+    default: done = one_pass<SPLIT_LERP>(self, in_place, p, out); break;
   }
-  round_into(r.data(), out.data_ptr<double>(), n);
+  if (!done) return {};
   return out;
 }
 
