@@ -124,6 +124,7 @@ class ListAdam(torch.optim.Adam):
         params = group["params"]
         return (
             len(self.param_groups) == 1
+            and group["foreach"]
             and not group["amsgrad"]
             and not group["maximize"]
             and not group["capturable"]
@@ -156,11 +157,19 @@ class ListAdam(torch.optim.Adam):
     def _step(self, closure: Callable[[], float] | None = None) -> float | None:
         lists = self._lists
         grads = None if lists is None else [p.grad for p in lists[0]]
-        if closure is not None or lists is None or any(g is None for g in grads):  # type: ignore[union-attr]
+        # the group is read each step: a caller may switch on weight decay, maximize, ... between steps
+        lean = (
+            lists is not None
+            and self._lean()
+            and len(lists[0]) == len(self.param_groups[0]["params"])
+            and all(a is b for a, b in zip(lists[0], self.param_groups[0]["params"]))
+        )
+        if closure is not None or not lean or any(g is None for g in grads):  # type: ignore[union-attr]
             adam_step = torch.optim.Adam.step
             adam_step = adam_step.__wrapped__ if getattr(adam_step, "hooked", False) else adam_step
             loss = adam_step(self, closure)
             params = self.param_groups[0]["params"]
+            self._lists = None
             if self._lean():
                 states = [self.state[p] for p in params]
                 self._lists = (
@@ -170,6 +179,7 @@ class ListAdam(torch.optim.Adam):
                     [s["step"] for s in states],
                 )
             return loss
+        assert lists is not None
         params, exp_avgs, exp_avg_sqs, steps = lists
         group = self.param_groups[0]  # read each step: a schedule may change lr
         lr, eps = group["lr"], group["eps"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import itertools
 import json
 import math
@@ -580,7 +581,7 @@ def test_lean_adam_is_torch_fused_adam_bit_for_bit():
         assert all(torch.equal(s[k], r[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
-def test_list_adam_is_torch_foreach_adam_bit_for_bit(tmp_path):
+def test_list_adam_is_torch_foreach_adam_bit_for_bit(tmp_path, monkeypatch):
     """ListAdam's fast path (torch's list ops on kept tensor lists) moves weights and state exactly as
     ``torch.optim.Adam(foreach=True)``, through an lr schedule and a checkpoint reload; recorded in verifiable
     precision, the two write the same rounding log and commitments (the same ops, rounded in one order)."""
@@ -613,14 +614,26 @@ def test_list_adam_is_torch_foreach_adam_bit_for_bit(tmp_path):
                     opt.param_groups[0]["lr"] = 3e-4
                 if i == 7:
                     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                if i == 9:  # switched on between steps: torch's own steps from here
+                    opt.param_groups[0]["weight_decay"] = 0.1
         return [p.detach().clone() for p in net.parameters()], opt
 
     ours_opt = lambda p: ListAdam(p, lr=1e-3, eps=1e-6)  # noqa: E731
     theirs_opt = lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-6, foreach=True)  # noqa: E731
+    torch_steps = []  # steps torch's foreach Adam took (ListAdam's: the first, after the reload, weight decay)
+    adam_module = importlib.import_module("torch.optim.adam")  # torch.optim's attribute is the class
+    multi_tensor_adam = adam_module._multi_tensor_adam
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        torch_steps.append(1)
+        return multi_tensor_adam(*args, **kwargs)
+
+    monkeypatch.setattr(adam_module, "_multi_tensor_adam", counted)
     for precision in ("fp32", "fp64"):
-        ours, opt = train(ours_opt, precision, None)
+        torch_steps.clear()
+        ours, _ = train(ours_opt, precision, None)
+        assert len(torch_steps) == 4  # steps 1, 9 (after the reload), 11 and 12 (weight decay): 8 its own
         theirs, _ = train(theirs_opt, precision, None)
-        assert opt._lists is not None  # the fast path ran
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
     train(ours_opt, "verifiable", tmp_path / "ours")
     train(theirs_opt, "verifiable", tmp_path / "theirs")

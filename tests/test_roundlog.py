@@ -288,6 +288,9 @@ def test_rewrite(small_log: Path, tmp_path: Path) -> None:
         [OpEntries(0, [1.5], [0])],  # float index
         [OpEntries(0, [1], [2])],  # up not 0/1
         [OpEntries(0, np.array([1 << 63], np.uint64), [1])],
+        [
+            OpEntries(0, np.array([0, 1 << 62, -(1 << 63)], np.int64), np.array([0, 1, 0], bool))
+        ],  # deltas wrap
         [OpEntries(0, [[1]], [[1]])],  # not 1-D
         ["not an OpEntries"],
     ],

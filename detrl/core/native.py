@@ -75,10 +75,11 @@ def route(
     (:func:`detrl.core.rounding.plan_of`), under a profile whose ``reorders(func)`` says whether it computes
     ``func`` other than the native kernel. What the mode does beyond running, rounding and numbering an op
     stays with the mode: profiles' emulations, decompositions, random ops, reductions whose unit needs
-    their arguments in a way the fallback does not compute (a convolution's input gradient) or that write
-    what their schema does not say (batch norm), fused ops no native split covers, and the outputs of a sum
-    with an element near a midpoint, whose exact elements the mode finds from its terms (rules revision 2,
-    ``oprules.EXACT_SUMS``)."""
+    their arguments in a way the fallback does not compute or that write what their schema does not say
+    (batch norm), and fused ops no native split covers. Two routes need the C kernel and go to the mode
+    without it: a convolution's gradients (``LOGGED_CONV``: the input gradient's unit per sample and
+    channel) and a sum's entries at elements every order sums exactly (``LOGGED_SUM``, rules revision 2,
+    ``oprules.EXACT_SUMS``; an embedding gradient's always in the mode)."""
     if plan.random or plan.decomposes or reorders(func):
         return Route.PYTHON
     if plan.keep:

@@ -190,7 +190,7 @@ def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tenso
         dims = sorted({d % x.dim() for d in dims})
         if (
             KERNEL_SUMS
-            and _native is not None
+            and hasattr(_native, "exact_sums")  # built (and not a build from before the pass)
             and x.device.type == "cpu"
             and x.dtype == torch.float64
             and x.layout == torch.strided

@@ -129,12 +129,15 @@ static PyObject *encode_records(PyObject *self, PyObject *arg) {
     static PyObject *names[7];
     static const char *const spelled[7] = {"op", "indices", "up", "pinned_indices", "pinned_values",
                                            "short_indices", "short_bits"};
-    if (names[0] == NULL) {
+    if (names[6] == NULL) { /* the last one set last: a failure part way leaves it NULL, and the next call retries */
         for (int k = 0; k < 7; k++) {
+            if (names[k] != NULL) continue;
             names[k] = PyUnicode_InternFromString(spelled[k]);
             if (names[k] == NULL) return NULL;
         }
     }
+    const uint16_t probe = 1;
+    if (*(const uint8_t *)&probe != 1) Py_RETURN_NONE; /* the byte planes below are little-endian's */
     if (!PyList_Check(arg)) Py_RETURN_NONE;
     PyObject *items = PyList_AsTuple(arg); /* holds the entries, whatever happens to the list */
     if (items == NULL) return NULL;
@@ -185,7 +188,8 @@ static PyObject *encode_records(PyObject *self, PyObject *arg) {
         }
         Py_ssize_t n = count_of(&o->idx), np_ = count_of(&o->pidx), ns = count_of(&o->sidx);
         if (count_of(&o->up) != n || count_of(&o->pvals) != np_ || count_of(&o->sbits) != ns ||
-            n >= ((Py_ssize_t)1 << 32) || np_ >= ((Py_ssize_t)1 << 32) || ns >= ((Py_ssize_t)1 << 32)) {
+            (uint64_t)n >= ((uint64_t)1 << 32) || (uint64_t)np_ >= ((uint64_t)1 << 32) ||
+            (uint64_t)ns >= ((uint64_t)1 << 32)) {
             ok = 0;
             break;
         }
@@ -205,9 +209,17 @@ static PyObject *encode_records(PyObject *self, PyObject *arg) {
         }
         if (!ok) break;
         o->width[0] = width_of(l0), o->width[1] = width_of(l1), o->width[2] = width_of(l2);
-        if (n) size += RECORD_HEADER + n * o->width[0] + (n + 7) / 8, records++;
-        if (np_) size += RECORD_HEADER + np_ * (o->width[1] + 4), records++;
-        if (ns) size += RECORD_HEADER + ns * (o->width[2] + 2), records++;
+        /* each count is below 2**32 and each item at most 12 bytes: an op adds under 2**38 bytes, so the
+         * total is checked against PY_SSIZE_T_MAX before it could wrap */
+        uint64_t op_size = (n ? RECORD_HEADER + (uint64_t)n * o->width[0] + ((uint64_t)n + 7) / 8 : 0) +
+                           (np_ ? RECORD_HEADER + (uint64_t)np_ * (o->width[1] + 4) : 0) +
+                           (ns ? RECORD_HEADER + (uint64_t)ns * (o->width[2] + 2) : 0);
+        if (op_size > (uint64_t)PY_SSIZE_T_MAX - (uint64_t)size) {
+            ok = 0;
+            break;
+        }
+        size += (Py_ssize_t)op_size;
+        records += (n != 0) + (np_ != 0) + (ns != 0);
     }
     if (!ok) {
         result = Py_NewRef(Py_None);

@@ -228,7 +228,8 @@ def _valid_deltas(idx: object) -> np.ndarray | None:
     if not (type(idx) is np.ndarray and idx.dtype == np.int64 and idx.ndim == 1 and idx.size < _U32_LIMIT):
         return None
     deltas = _deltas(idx)
-    return deltas if not idx.size or (deltas[0] >= 0 and bool((deltas[1:] > 0).all())) else None
+    # compared as indices, not as deltas: an int64 delta wraps past 2**63 ([0, 2**62, -2**63])
+    return deltas if not idx.size or (idx[0] >= 0 and bool((idx[1:] > idx[:-1]).all())) else None
 
 
 def _validated_arrays(e: OpEntries) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
