@@ -204,6 +204,43 @@ def test_exact_rows_sum_to_the_same_bits_in_every_order():
     assert not bool(decompose._exact_rows(rows.float()).any())  # float32 accumulates in float32
 
 
+def test_the_kernel_path_of_exact_rows_finds_what_the_torch_path_finds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A layer norm's exact rows are found by the C kernel (one pass instead of a dozen torch passes); on
+    random rows of FP32-grid values spread over up to 60 binades, with zeros, subnormals, infinities, NaN,
+    values off the grid, negated views and rows of one value, it gives the torch rule's answer, row for
+    row, and both answers occur."""
+    if not hasattr(decompose._native, "exact_rows"):
+        pytest.skip("the C kernel is not built here")
+    gen = torch.Generator().manual_seed(12)
+    seen = {True: 0, False: 0}
+    for trial in range(400):
+        b, n = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 40, (1,), generator=gen))
+        binades = torch.randint(-30, 30, (b, n), generator=gen).double() * (trial % 3) / 2
+        rows = (torch.randn(b, n, dtype=torch.float64, generator=gen) * 2.0**binades).float().double()
+        r = torch.rand(b, n, generator=gen)
+        rows[r < 0.15] = 0.0
+        if trial % 7 == 0:
+            rows[r > 0.97] = float("inf")
+        if trial % 11 == 0:
+            rows[r > 0.98] = float("nan")
+        if trial % 13 == 0:
+            rows[r > 0.9] = 0.1  # off the grid
+        if trial % 17 == 0:
+            rows[r > 0.8] = 2.0**-140  # subnormal in FP32
+        if trial % 5 == 0:
+            rows = torch._neg_view(rows)
+        found = {}
+        for fast in (True, False):
+            monkeypatch.setattr(decompose, "KERNEL_ROWS", fast)
+            found[fast] = decompose._exact_rows(rows)
+        assert torch.equal(found[True], found[False]), trial
+        for v in found[True].tolist():
+            seen[v] += 1
+    assert seen[True] > 100 and seen[False] > 100, seen
+
+
 def test_layer_norm_mean_of_exact_rows_is_not_logged():
     """A layer norm of FP32-grid rows in verifiable precision: its mean's sum is exact everywhere, and the
     logged sum sees only zeros (no entries) even at a threshold that logs many of the variance's."""

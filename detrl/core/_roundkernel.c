@@ -412,6 +412,52 @@ static PyObject *exact_sums(PyObject *self, PyObject *args) {
     return PyBool_FromLong(found);
 }
 
+/* decompose._exact_rows' rule for a layer norm's rows: x holds `outer` rows of n FP64 values, row-major.
+ * mask[i] = 1 where every value of row i is on the FP32 grid (a NaN is not) and n * max|x| <= 2**52 * q,
+ * q the smallest FP32 spacing of its nonzero values (scale.spacing32: 2**max(e - 24, -149) for frexp
+ * exponent e; an infinity's is 2**-24, as torch's frexp gives it exponent 0; no nonzero value: q = inf),
+ * as the torch reference computes it: the same max, min, product by n and compare
+ * (tests/test_decompose.py compares the two). */
+static void exact_rows_into(const double *x, Py_ssize_t outer, Py_ssize_t n, uint8_t *mask) {
+    for (Py_ssize_t i = 0; i < outer; i++) {
+        const double *row = x + i * n;
+        int on_grid = 1;
+        double largest = 0.0, q = INFINITY;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            double v = row[j];
+            on_grid &= (double)(float)v == v;
+            double m = fabs(v);
+            largest = m > largest ? m : largest;
+            if (m != 0.0 && m == m) {
+                double spacing = 0x1p-24;
+                if (!isinf(m)) {
+                    int e;
+                    frexp(m, &e);
+                    spacing = ldexp(1.0, e - 24 < -149 ? -149 : e - 24);
+                }
+                q = spacing < q ? spacing : q;
+            }
+        }
+        mask[i] = (uint8_t)(on_grid && largest * (double)n <= q * 0x1p52);
+    }
+}
+
+/* exact_rows(address, outer, n, mask): exact_rows_into on a contiguous FP64 buffer of outer x n elements,
+ * the mask into a buffer of outer bytes. */
+static PyObject *exact_rows(PyObject *self, PyObject *args) {
+    unsigned long long address, mask;
+    Py_ssize_t outer, n;
+    if (!PyArg_ParseTuple(args, "KnnK", &address, &outer, &n, &mask)) return NULL;
+    if (outer < 0 || n < 1 || (outer && (!address || !mask))) {
+        PyErr_SetString(PyExc_ValueError, "exact_rows: needs at least one value a row, and both buffers");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    exact_rows_into((const double *)(uintptr_t)address, outer, n, (uint8_t *)(uintptr_t)mask);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, start) ->
  * (directions, pinned, short): how many near elements from flat index start get each kind of entry. With
  * rows, thresholds are column factors. */
@@ -477,6 +523,7 @@ static PyMethodDef methods[] = {
     {"count_near", count_near, METH_VARARGS, "count_near(...): (directions, pinned) entries an op needs"},
     {"take_entries", take_entries, METH_VARARGS, "take_entries(...): write an op's entries while they fit, round in place"},
     {"exact_sums", exact_sums, METH_VARARGS, "exact_sums(address, outer, terms, mask): which sums every order computes exactly"},
+    {"exact_rows", exact_rows, METH_VARARGS, "exact_rows(address, outer, n, mask): a layer norm's rows summed exactly"},
     {NULL, NULL, 0, NULL},
 };
 

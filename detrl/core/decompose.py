@@ -41,6 +41,14 @@ import torch
 
 from detrl.core.scale import spacing32
 
+try:  # the C kernel's pass for exact rows (the torch rule in _exact_rows is the reference)
+    from detrl.core import _roundkernel as _native
+except ImportError:
+    _native = None
+
+#: Whether :func:`_exact_rows` takes CPU rows through the C kernel where it is built (tests compare both).
+KERNEL_ROWS = True
+
 aten = torch.ops.aten
 #: Every formula here, by op: what the emulated hardware profiles compute these ops with.
 FORMULAS: dict[Any, Callable[..., Any]] = {}
@@ -111,6 +119,20 @@ def _exact_rows(rows: torch.Tensor) -> torch.Tensor:
     """
     if rows.dtype != torch.float64 or rows.shape[-1] == 0:
         return torch.zeros(rows.shape[:-1], dtype=torch.bool, device=rows.device)
+    if (
+        KERNEL_ROWS
+        and hasattr(_native, "exact_rows")
+        and rows.device.type == "cpu"
+        and rows.layout == torch.strided
+    ):
+        # the same rule in one pass of the C kernel (a dozen torch passes over the rows below)
+        dense = rows.detach().resolve_neg().contiguous()
+        if dense._is_zerotensor():
+            dense = torch.zeros(dense.shape, dtype=dense.dtype)
+        mask = torch.empty(dense.shape[:-1], dtype=torch.bool)
+        assert _native is not None
+        _native.exact_rows(dense.data_ptr(), mask.numel(), dense.shape[-1], mask.data_ptr())
+        return mask
     magnitude = rows.abs()
     on_grid = (rows.to(torch.float32).to(torch.float64) == rows).all(-1)
     q = spacing32(magnitude).masked_fill(magnitude == 0, torch.inf).amin(-1)
