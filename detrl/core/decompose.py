@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from detrl.core.scale import spacing32
+from detrl.core.scale import dense_for_kernel, spacing32
 
 try:  # the C kernel's pass for exact rows (the torch rule in _exact_rows is the reference)
     from detrl.core import _roundkernel as _native
@@ -126,9 +126,7 @@ def _exact_rows(rows: torch.Tensor) -> torch.Tensor:
         and rows.layout == torch.strided
     ):
         # the same rule in one pass of the C kernel (a dozen torch passes over the rows below)
-        dense = rows.detach().resolve_neg().contiguous()
-        if dense._is_zerotensor():
-            dense = torch.zeros(dense.shape, dtype=dense.dtype)
+        dense = dense_for_kernel(rows)
         mask = torch.empty(dense.shape[:-1], dtype=torch.bool)
         assert _native is not None
         _native.exact_rows(dense.data_ptr(), mask.numel(), dense.shape[-1], mask.data_ptr())

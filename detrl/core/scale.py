@@ -266,16 +266,19 @@ def _exact_sums_kernel(x: torch.Tensor, dims: list[int], out_elements: int) -> t
     if x.numel() == 0 or out_elements * terms != x.numel():
         return None
     kept = [d for d in range(x.dim()) if d not in dims]
-    # the terms of each sum in a row; a lazily negated view or a zero tensor materialised, as the kernel
-    # reads memory as it is
-    rows = x.detach().permute(*kept, *dims).resolve_neg().contiguous()
-    if rows._is_zerotensor():
-        rows = torch.zeros(rows.shape, dtype=rows.dtype)
+    rows = dense_for_kernel(x.permute(*kept, *dims))  # the terms of each sum in a row
     mask = torch.empty(out_elements, dtype=torch.bool)
     assert _native is not None
     if not _native.exact_sums(rows.data_ptr(), out_elements, terms, mask.data_ptr()):
         return None
     return mask
+
+
+def dense_for_kernel(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values in contiguous CPU memory, as the C kernel reads them: memory as it is, so a lazily
+    negated view is materialised and a zero tensor (which has none) given some."""
+    dense = x.detach().resolve_neg().contiguous()
+    return torch.zeros(dense.shape, dtype=dense.dtype) if dense._is_zerotensor() else dense
 
 
 def _fp32_grid(x: torch.Tensor) -> bool:
