@@ -35,7 +35,7 @@ INTERRUPTED = (130, -signal.SIGINT)
 
 # ---------------------------------------------------------------------------------------------- helpers
 @pytest.fixture(scope="module")
-def refs(tmp_path_factory) -> dict[str, tuple[Path, list[tuple[str, int, str]]]]:
+def refs(tmp_path_factory) -> dict[str, ct.Reference]:
     """Each kind recorded uninterrupted (in parallel, through the driver, which traces its file calls)."""
     return ct.references(ct.KINDS, tmp_path_factory.mktemp("refs"), jobs=2)
 

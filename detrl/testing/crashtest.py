@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from detrl.apps.audit import VERDICT_OF_EXIT
 from detrl.run import fmt
@@ -424,9 +424,14 @@ def _kill_step(spec: str) -> int | None:
 
 
 def matrix(
-    kind: str, trace: list[tuple[str, int, str]], manifest: dict[str, Any], seed: int = 0
+    kind: str,
+    trace: list[tuple[str, int, str]],
+    manifest: dict[str, Any],
+    seed: int = 0,
+    seconds: float | None = None,
 ) -> list[Point]:
-    """The kill points for ``kind``, from the trace and the manifest of its uninterrupted recording.
+    """The kill points for ``kind``, from the trace, the manifest and the wall time (``seconds``; None: the
+    timed point falls 0.2-2 s after the first record) of its uninterrupted recording.
 
     Points with ``core=False`` repeat a state another point reaches already in a slightly different
     place (the middle checkpoints, a second random step): the slow test leaves them out, the benchmark
@@ -465,7 +470,11 @@ def matrix(
     # (b) at random moments: random steps (the tail past the durable point is lost), and a timer
     for j, step in enumerate(sorted(rng.sample(range(1, planned), 2))):
         add([Stage("record", f"step:{step}")], "random step", j == 0)
-    add([Stage("record", after_s=round(rng.uniform(0.2, 2.0), 2))], "random time")
+    # a moment inside the recording, whatever this machine's speed: a fixed 0.2-2 s outlasted a verifiable
+    # DQN once its steps got faster. The timer starts at the first record, after start-up: within the
+    # first half of the wall time after that is inside it.
+    after = rng.uniform(0.2, 2.0) if seconds is None else rng.uniform(0.1, 0.5) * seconds
+    add([Stage("record", after_s=round(after, 2))], "random time")
     # (c) killed resumes. Of a killed bundle: while it re-records steps the bundle holds (nothing may
     # change), and once it went past them.
     mid = every + every // 2 + 1  # a kill here leaves records past the checkpoint at `every`
@@ -496,18 +505,29 @@ def matrix(
     return pts
 
 
+class Reference(NamedTuple):
+    """A kind recorded uninterrupted: its bundle, the trace of its patched calls, and its wall time in
+    seconds (the timed kill points fall inside a recording that long)."""
+
+    bundle: Path
+    trace: list[tuple[str, int, str]]
+    seconds: float
+
+
 def references(
     kinds: Iterable[str], workdir: str | os.PathLike, jobs: int = 2, warm: bool = True
-) -> dict[str, tuple[Path, list[tuple[str, int, str]]]]:
-    """Record each kind uninterrupted (``jobs`` at a time): kind -> (bundle, trace of its calls)."""
+) -> dict[str, Reference]:
+    """Record each kind uninterrupted (``jobs`` at a time): kind -> its :class:`Reference`."""
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
 
-    def one(kind: str) -> tuple[Path, list[tuple[str, int, str]]]:
+    def one(kind: str) -> Reference:
         ref = work / f"ref-{kind}"
         shutil.rmtree(ref, ignore_errors=True)
         with Runner(warm) as runner:
-            return ref, record_reference(kind, ref, work / f"trace-{kind}.txt", runner)
+            t0 = time.perf_counter()
+            trace = record_reference(kind, ref, work / f"trace-{kind}.txt", runner)
+            return Reference(ref, trace, time.perf_counter() - t0)
 
     kinds = list(kinds)
     with ThreadPoolExecutor(max(1, jobs)) as pool:
@@ -520,7 +540,7 @@ def run_matrix(
     points: int | None = None,
     jobs: int = 2,
     core_only: bool = False,
-    refs: dict[str, tuple[Path, list[tuple[str, int, str]]]] | None = None,
+    refs: dict[str, Reference] | None = None,
     warm: bool = True,
     on_done: Callable[[Outcome], None] | None = None,
 ) -> list[Outcome]:
@@ -533,8 +553,9 @@ def run_matrix(
     refs = refs if refs is not None else references(kinds, work, jobs, warm)
     todo: list[Point] = []
     for kind in kinds:
-        ref, trace = refs[kind]
-        todo += [p for p in matrix(kind, trace, read_manifest(ref) or {}) if p.core or not core_only]
+        ref = refs[kind]
+        points_of = matrix(kind, ref.trace, read_manifest(ref.bundle) or {}, seconds=ref.seconds)
+        todo += [p for p in points_of if p.core or not core_only]
     if points is not None and points < len(todo):
         todo = [todo[int(i * len(todo) / max(1, points))] for i in range(points)]
     runners: queue.Queue[Runner] = queue.Queue()
@@ -544,7 +565,7 @@ def run_matrix(
     def one(i: int) -> Outcome:
         pt, runner = todo[i], runners.get()
         try:
-            out = run_point(pt, work / f"point-{i:03d}", refs[pt.kind][0], runner)
+            out = run_point(pt, work / f"point-{i:03d}", refs[pt.kind].bundle, runner)
         finally:
             runners.put(runner)
         if out.ok:
