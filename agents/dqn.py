@@ -38,7 +38,7 @@ from torch.nn import functional as F
 import envs
 from agents.buffers import FrameReplayBuffer, ReplayBuffer
 from agents.networks import MLPQNetwork, QNetworks, build_q_network
-from agents.optim import LeanAdam, ListAdam
+from agents.optim import LeanAdam, ListAdam, LoopAdam
 from detrl.core import extensions
 from detrl.core.engine import Session
 from detrl.core.sources import Sources
@@ -126,11 +126,14 @@ class Config(RunBase):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-#: The op-sequence revision a DQN step records (:attr:`detrl.run.tasks.Task.ops_revision`). 2: a verifiable
-#: update takes :func:`td_update`'s shortcuts, as FP32 and FP64 do (an MLP's written backward pass and list-op
-#: clipping, in one native call where built); 1: it took autograd and per-tensor clipping. Both give the same
-#: weights, bit for bit (the golden roots did not move), but round other ops in another order.
-OPS_REVISION = 2
+#: The op-sequence revision a DQN step records (:attr:`detrl.run.tasks.Task.ops_revision`). 3: a verifiable
+#: step's Adam and target update take per-tensor ops (:class:`LoopAdam`, ``lerp_``), which round without log
+#: entries; 2: they took list ops, logged (``ListAdam``, ``_foreach_lerp_``); a FP32 midpoint in those
+#: lerps is decided by FP64 steps in one and by torch's lerp kernel in the other, so the weights may differ
+#: in the last bit. From 2 on, a verifiable update takes :func:`td_update`'s shortcuts, as FP32 and FP64 do
+#: (an MLP's written backward pass and list-op clipping, in one native call where built); 1 took autograd
+#: and per-tensor clipping: the same weights, bit for bit, from other ops in another order.
+OPS_REVISION = 3
 
 
 def first_update_step(cfg: Config) -> int:
@@ -341,9 +344,15 @@ def run(
     q, target = qnets.online, qnets.target
     # Fused Adam (one kernel for all parameters, called without torch's per-step Python: LeanAdam) is much
     # faster on small networks. Verifiable precision rounds each op, which a fused kernel does not offer:
-    # it takes the list ops (foreach), one rounded op per step of Adam for all tensors, not one per tensor.
+    # it takes per-tensor ops (LoopAdam, and a lerp_ a tensor for the target), which round with no log
+    # entry where the list ops (foreach) are logged; bundles of op-sequence revision 2 replay with the
+    # list ops they recorded.
+    list_ops = not precision.is_verifiable or session.ops_revision < 3
     if precision.is_verifiable:
-        optimizer = ListAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
+        if list_ops:
+            optimizer = ListAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
+        else:
+            optimizer = LoopAdam(q.parameters(), mlp_native(), lr=a.learning_rate, eps=a.adam_eps)
     else:
         optimizer = LeanAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
     session.track(optimizer)
@@ -412,7 +421,7 @@ def run(
                         q, target, optimizer, batch, a, as_input, precision.cast, shortcuts
                     )
             if sync_target:
-                qnets.update_target(a.tau)
+                qnets.update_target(a.tau, list_ops)
 
         if bar is not None:
             bar.update(1)

@@ -1,8 +1,9 @@
-// An MLP Q-network's greedy action and TD update, called once from Python instead of op by op.
+// An MLP Q-network's greedy action and TD update, and a verifiable update's Adam step, each called once from
+// Python instead of op by op.
 //
 // These are the aten ops, in the order and with the arguments, that agents/dqn.py's Python path dispatches
 // for an MLPQNetwork with the update's shortcuts (td_update, MLPQNetwork._layers and write_gradients,
-// clip_grad_norm with list ops), so the bits are the same (tests/test_dqn.py holds them equal on every
+// clip_grad_norm with list ops) and agents/optim.py's LoopAdam, so the bits are the same (tests/test_dqn.py holds them equal on every
 // deterministic hardware profile). On a CartPole update each op is a few hundred elements: the Python
 // binding around each call cost more than its kernel. The calls still go through torch's dispatcher, so a
 // dispatch mode (an emulated hardware profile) sees every op, as it does from Python.
@@ -11,6 +12,7 @@
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -100,6 +102,38 @@ std::tuple<double, at::Tensor> td_update(const std::vector<at::Tensor>& q,
   return {loss.item<double>(), q_taken};
 }
 
+// A Python int in an op's arguments (`step_t += 1`): a 0-dim int64 tensor marked as a wrapped number.
+at::Tensor integer(int64_t v) {
+  at::Tensor t = c10::scalar_to_tensor(v);
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+
+// LoopAdam's step (agents/optim.py): torch's _single_tensor_adam for plain Adam (not capturable, no weight
+// decay, real tensors), parameter by parameter, op for op, with its Python float arithmetic on the step
+// count (the same IEEE operations and libm pow, no contraction: extensions.CFLAGS).
+void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+               const std::vector<at::Tensor>& steps, double lr, double beta1, double beta2, double eps) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
+              "adam_step: one gradient, state pair and step count per parameter");
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < n; ++i) {
+    at::Tensor step_t = steps[i], exp_avg = exp_avgs[i], exp_avg_sq = exp_avg_sqs[i], param = params[i];
+    step_t.add_(integer(1));
+    exp_avg.lerp_(grads[i], 1 - beta1);
+    exp_avg_sq.mul_(number(beta2)).addcmul_(grads[i], grads[i], 1 - beta2);
+    const double step = step_t.item<double>();
+    const double bias_correction1 = 1 - std::pow(beta1, step);
+    const double bias_correction2 = 1 - std::pow(beta2, step);
+    const double step_size = lr / bias_correction1;
+    const double bias_correction2_sqrt = std::pow(bias_correction2, 0.5);
+    at::Tensor denom = at::div(exp_avg_sq.sqrt(), number(bias_correction2_sqrt)).add_(number(eps));
+    param.addcdiv_(exp_avg, denom, -step_size);
+  }
+}
+
 }  // namespace
 
 #ifndef DETRL_BUILT_FOR_TORCH
@@ -107,8 +141,9 @@ std::tuple<double, at::Tensor> td_update(const std::vector<at::Tensor>& q,
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "An MLP Q-network's greedy action and TD update as single native calls (agents/mlp_native.cpp)";
+  m.doc() = "An MLP Q-network's greedy action, TD update and Adam step as single native calls (agents/mlp_native.cpp)";
   m.attr("built_for_torch") = DETRL_BUILT_FOR_TORCH;
   m.def("act", &act, "the greedy action of one observation (1, obs_dim)");
   m.def("td_update", &td_update, "a TD update's gradients, clipped; returns (loss, Q of the taken actions)");
+  m.def("adam_step", &adam_step, "torch's per-tensor Adam step (LoopAdam's fast path)");
 }

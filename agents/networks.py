@@ -130,13 +130,20 @@ class QNetworks(nn.Module):
         self.target.requires_grad_(False)
 
     @torch.no_grad()
-    def update_target(self, tau: float) -> None:
-        """``target <- tau * online + (1 - tau) * target`` (tau = 1: a hard copy, as in Nature DQN)."""
+    def update_target(self, tau: float, list_ops: bool = True) -> None:
+        """``target <- tau * online + (1 - tau) * target`` (tau = 1: a hard copy, as in Nature DQN).
+
+        ``list_ops``: one list op for all tensors; else a ``lerp_`` a tensor, which a verifiable step computes
+        in IEEE steps and rounds without a log entry (the list op is logged: a lerp lands on FP32 midpoints
+        often, at about a thousand elements a step on CartPole's network)."""
         online, target = list(self.online.parameters()), list(self.target.parameters())
         if tau == 1.0:
             torch._foreach_copy_(target, online)
-        else:
+        elif list_ops:
             torch._foreach_lerp_(target, online, tau)
+        else:
+            for t, o in zip(target, online):
+                t.lerp_(o, tau)
 
 
 def build_q_network(

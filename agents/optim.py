@@ -2,11 +2,12 @@
 
 For a CartPole Q-network (six tensors, about 11k weights) ``torch.optim.Adam(fused=True).step`` spent
 about 180 µs in Python (profiler scopes, ``_init_group``, regrouping the tensors by device and dtype) around
-a 28 µs kernel: more than the update's matrix products. :class:`LeanAdam` is that optimizer, bit for bit,
-and :class:`ListAdam` torch's list-op (``foreach``) Adam, which a verifiable update takes (it rounds op by
-op; a fused kernel offers nothing to round). Both keep the tensor lists torch builds from their first
-step, which is torch's own, as is any step they cannot take on those lists; after it, a step dispatches
-the ops torch's would, in its order, on the kept lists. State, ``state_dict`` and ``load_state_dict`` are
+a 28 µs kernel: more than the update's matrix products. :class:`LeanAdam` is that optimizer, bit for bit;
+:class:`LoopAdam` is torch's per-tensor Adam, which a verifiable update takes (it rounds op by op, and a
+fused kernel offers nothing to round); :class:`ListAdam` is torch's list-op (``foreach``) Adam, which
+verifiable updates took before (bundles of the DQN's op-sequence revision 2 replay with it). All keep the
+tensor lists torch builds from their first step, which is torch's own, as is any step they cannot take on
+those lists; after it, a step dispatches the ops torch's would, in its order, on the kept lists. State, ``state_dict`` and ``load_state_dict`` are
 torch's, so checkpoints do not change.
 """
 
@@ -153,6 +154,65 @@ class LeanAdam(_KeptListsAdam):
             amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )  # fmt: skip
+
+
+class LoopAdam(_KeptListsAdam):
+    """``torch.optim.Adam(params, foreach=False, ...)`` with a fast path for one parameter group of CPU
+    tensors in one dtype, every one with a gradient: the per-tensor ops torch's ``_single_tensor_adam``
+    dispatches, parameter by parameter, in its order and with its arguments. A verifiable DQN update takes
+    it: each of those ops is plain IEEE arithmetic (add, multiply, divide, square root) or one torch splits
+    into such steps (lerp, addcmul, addcdiv), so it is rounded without a log entry, where ListAdam's list
+    ops of the same names are logged (about 500 entries an update on CartPole: Adam's first moment of a
+    zero gradient, ``0.9 * m``, lands on a FP32 midpoint for one mantissa in ten). ``native``: a module
+    whose ``adam_step`` dispatches those ops from C++ (``agents/mlp_native.cpp``: about 50 calls a step on
+    CartPole, where each Python call cost more than its kernel), or None for the Python loop below; the
+    two give the same bits. ``kwargs``: Adam's (lr, betas, eps)."""
+
+    def __init__(self, params: Iterable[torch.Tensor], native: Any = None, **kwargs: Any) -> None:
+        super().__init__(params, foreach=False, **kwargs)
+        # (a module built from an older source has no adam_step: the Python loop then)
+        self._native_step = getattr(native, "adam_step", None)
+
+    def _settings_lean(self) -> bool:
+        group = self.param_groups[0]
+        return (
+            _plain_group(self)
+            and group["foreach"] is False
+            and not group["fused"]
+            and not group["capturable"]
+            and not group["differentiable"]
+            and group["weight_decay"] == 0
+            and not any(isinstance(b, torch.Tensor) for b in group["betas"])
+        )
+
+    def _tensors_lean(self) -> bool:
+        params = self.param_groups[0]["params"]
+        return (
+            _one_kind(self)
+            and all(p.device.type == "cpu" and not p.is_complex() for p in params)
+            and all(self.state[p]["step"].is_cpu for p in params)
+        )
+
+    def _fast_step(self, lists: tuple[list[torch.Tensor], ...], grads: list[torch.Tensor]) -> None:
+        group = self.param_groups[0]  # read each step: a schedule may change lr
+        lr, eps = group["lr"], group["eps"]
+        beta1, beta2 = group["betas"]
+        params, exp_avgs, exp_avg_sqs, steps = lists
+        if self._native_step is not None:
+            self._native_step(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps)
+            return
+        # torch's _single_tensor_adam (not capturable, no weight decay, real tensors), op for op
+        for param, grad, exp_avg, exp_avg_sq, step_t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+            step_t += 1
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            step = step_t.item()
+            bias_correction1 = 1 - beta1**step
+            bias_correction2 = 1 - beta2**step
+            step_size = lr / bias_correction1
+            bias_correction2_sqrt = bias_correction2**0.5
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 class ListAdam(_KeptListsAdam):

@@ -390,29 +390,34 @@ def test_tampered_transition_is_caught_at_its_step(tmp_path, what, capsys):
 
 def test_each_op_sequence_revision_replays_as_it_was_recorded(tmp_path, monkeypatch, capsys):
     """A verifiable update of op-sequence revision 2 takes the shortcuts (revision 1 took autograd and a
-    per-tensor clip): the same weights, bit for bit, from other ops in another order. A bundle says its
-    revision and replays with its own ops; the native MLP path and the Python one replay each other's; a
-    bundle of a revision this detrl does not know is bad input, in one line."""
+    per-tensor clip): the same weights, bit for bit, from other ops in another order. Revision 3 takes
+    per-tensor ops for Adam and the target update, which log nothing where revision 2's list ops did. A
+    bundle says its revision and replays with its own ops; the native MLP path and the Python one replay
+    each other's; a bundle of a revision this detrl does not know is bad input, in one line."""
     from detrl.formats.bundle import MANIFEST, ROUNDLOG
 
     cfg = tiny(**{"train.steps": 500})
-    old, new = tmp_path / "revision1", tmp_path / "revision2"
-    run(cfg, mode="record", run_dir=old, ops_revision=1)
-    run(cfg, mode="record", run_dir=new)
-    manifests = [json.loads((d / MANIFEST).read_text()) for d in (old, new)]
-    assert [m["ops_revision"] for m in manifests] == [1, dqn.OPS_REVISION] == [1, 2]
+    bundles = [tmp_path / f"revision{r}" for r in (1, 2, 3)]
+    run(cfg, mode="record", run_dir=bundles[0], ops_revision=1)
+    run(cfg, mode="record", run_dir=bundles[1], ops_revision=2)
+    run(cfg, mode="record", run_dir=bundles[2])
+    manifests = [json.loads((d / MANIFEST).read_text()) for d in bundles]
+    assert [m["ops_revision"] for m in manifests] == [1, 2, dqn.OPS_REVISION] == [1, 2, 3]
     assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
-    assert (old / ROUNDLOG).read_bytes() != (new / ROUNDLOG).read_bytes()  # other op positions
-    for bundle in (old, new):
+    logs = [(d / ROUNDLOG).read_bytes() for d in bundles]
+    assert logs[0] != logs[1]  # other op positions
+    assert len(logs[2]) < len(logs[1])  # Adam's and the target's lerps log nothing
+    for bundle in bundles:
         assert main(["audit", str(bundle), "--quiet"]) == 0, capsys.readouterr().out
     monkeypatch.setattr(dqn, "mlp_native", lambda: None)  # an auditor without the native extension
-    assert main(["audit", str(new), "--quiet"]) == 0, capsys.readouterr().out
+    for bundle in bundles[1:]:
+        assert main(["audit", str(bundle), "--quiet"]) == 0, capsys.readouterr().out
     capsys.readouterr()
-    manifests[1]["ops_revision"] = 3
-    (new / MANIFEST).write_text(json.dumps(manifests[1]))
-    assert main(["audit", str(new), "--quiet"]) == 2
+    manifests[2]["ops_revision"] = 4
+    (bundles[2] / MANIFEST).write_text(json.dumps(manifests[2]))
+    assert main(["audit", str(bundles[2]), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "recorded by a newer detrl (op-sequence revision 3; this one runs revisions 1 to 2)" in err
+    assert "recorded by a newer detrl (op-sequence revision 4; this one runs revisions 1 to 3)" in err
     assert len(err.strip().splitlines()) == 1
     for bad in (0, True, 2.0, 1 << 16):
         with pytest.raises(ValueError, match="ops_revision must be an integer"):
@@ -581,13 +586,23 @@ def test_lean_adam_is_torch_fused_adam_bit_for_bit():
         assert all(torch.equal(s[k], r[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
 
 
-def test_list_adam_is_torch_foreach_adam_bit_for_bit(tmp_path, monkeypatch):
-    """ListAdam's fast path (torch's list ops on kept tensor lists) moves weights and state exactly as
-    ``torch.optim.Adam(foreach=True)``, through an lr schedule and a checkpoint reload; recorded in verifiable
-    precision, the two write the same rounding log and commitments (the same ops, rounded in one order)."""
+@pytest.mark.parametrize("name", ["ListAdam", "LoopAdam", "LoopAdam, native"])
+def test_list_and_loop_adam_are_torch_adam_bit_for_bit(tmp_path, monkeypatch, name):
+    """ListAdam's and LoopAdam's fast paths (torch's list ops, or its per-tensor ops from Python or from
+    ``agents/mlp_native.cpp``, on kept tensor lists) move weights and state exactly as
+    ``torch.optim.Adam(foreach=True)`` and ``(foreach=False)``, through an lr schedule and a checkpoint
+    reload; recorded in verifiable precision, each writes the same rounding log and commitments as torch's
+    (the same ops, rounded in one order)."""
     import copy
 
-    from agents.optim import ListAdam
+    from agents.optim import ListAdam, LoopAdam
+
+    native = dqn.mlp_native() if name.endswith("native") else None
+    if name.endswith("native") and native is None:
+        pytest.skip("the native MLP path is not built here")
+    foreach, torch_step = (
+        (True, "_multi_tensor_adam") if name == "ListAdam" else (False, "_single_tensor_adam")
+    )
     from detrl.core.engine import Session
     from detrl.core.rounding import Thresholds
     from detrl.core.sources import Sources
@@ -618,17 +633,20 @@ def test_list_adam_is_torch_foreach_adam_bit_for_bit(tmp_path, monkeypatch):
                     opt.param_groups[0]["weight_decay"] = 0.1
         return [p.detach().clone() for p in net.parameters()], opt
 
-    ours_opt = lambda p: ListAdam(p, lr=1e-3, eps=1e-6)  # noqa: E731
-    theirs_opt = lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-6, foreach=True)  # noqa: E731
-    torch_steps = []  # steps torch's foreach Adam took (ListAdam's: the first, after the reload, weight decay)
+    if name == "ListAdam":
+        ours_opt = lambda p: ListAdam(p, lr=1e-3, eps=1e-6)  # noqa: E731
+    else:
+        ours_opt = lambda p: LoopAdam(p, native, lr=1e-3, eps=1e-6)  # noqa: E731
+    theirs_opt = lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-6, foreach=foreach)  # noqa: E731
+    torch_steps = []  # steps torch's Adam took (ours: the first, after the reload, weight decay)
     adam_module = importlib.import_module("torch.optim.adam")  # torch.optim's attribute is the class
-    multi_tensor_adam = adam_module._multi_tensor_adam
+    torch_adam = getattr(adam_module, torch_step)
 
     def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         torch_steps.append(1)
-        return multi_tensor_adam(*args, **kwargs)
+        return torch_adam(*args, **kwargs)
 
-    monkeypatch.setattr(adam_module, "_multi_tensor_adam", counted)
+    monkeypatch.setattr(adam_module, torch_step, counted)
     for precision in ("fp32", "fp64"):
         torch_steps.clear()
         ours, _ = train(ours_opt, precision, None)
