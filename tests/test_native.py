@@ -506,3 +506,56 @@ def test_a_call_is_logged_at_its_class_threshold(on: bool) -> None:
     all_small = logged(Thresholds(per_op={"mm": small}))
     assert all_big[1] > 4 * all_small[1] > 0  # the thresholds matter here
     assert classed == [all_big[0], all_small[1], all_big[2], all_small[3]]
+
+
+def _batch_norm_step(on: bool, tau: float, values: torch.Tensor) -> tuple:
+    """Batch norm 2-d (affine, running statistics) and 1-d (neither), then cross-entropy, forward and
+    backward in one recorded step, the route ``on`` or off. Returns the step's stats, op names, entries,
+    gradients and running statistics, and the route's counts."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    torch.manual_seed(0)
+    bn2d = torch.nn.BatchNorm2d(values.shape[1]).double()
+    bn1d = torch.nn.BatchNorm1d(values.shape[1], affine=False, track_running_stats=False).double()
+    bn2d.bias.requires_grad_(False)  # a frozen bias: the backward's output mask leaves its gradient out
+    x = values.clone().requires_grad_()
+    labels = torch.arange(values.shape[0]) % values.shape[1]
+    step = StepRounding()
+    mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
+    before = native._enabled
+    native.set_enabled(on)
+    native.counts.clear()
+    try:
+        with mode.step_scope(step):
+            h = torch.nn.functional.relu(bn2d(x)).mean((2, 3))
+            torch.nn.functional.cross_entropy(bn1d(h), labels).backward()
+    finally:
+        native.set_enabled(before)
+    entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
+    tensors = (x.grad, bn2d.weight.grad, bn2d.running_mean, bn2d.running_var)
+    return (step.stats, step.op_names, entries, tensors), native.counts.copy()
+
+
+@needs_native
+@pytest.mark.parametrize("tau, with_kernel", [(2.0**-20, True), (2.0**-3, True), (2.0**-3, False)])
+def test_batch_norm_and_log_softmax_backward_are_decomposed_natively_with_the_modes_bits(
+    tau: float, with_kernel: bool
+) -> None:
+    """Batch norm, its backward and log-softmax's backward are written out in C++ with the Python
+    decomposition's ops (decompose.py): nothing reaches the mode, and the stats, op names, entries,
+    gradients and running statistics equal the mode's. At the larger threshold their sums and exp have
+    elements near a midpoint: entries taken by the C kernel, or, without it, the outputs handed to the
+    mode as parts of the decomposed op (not counted as rounded outputs of their own)."""
+    from detrl.core import kernel
+
+    torch.manual_seed(1)
+    values = (torch.randn(6, 4, 5, 5, dtype=torch.float64) * 3 + 1).float().double()
+    with kernel.disabled() if not with_kernel else contextlib.nullcontext():
+        on, counts = _batch_norm_step(True, tau, values)
+        off, _ = _batch_norm_step(False, tau, values)
+    assert counts["python"] == 0, counts  # every op native, the three decompositions included
+    if tau == 2.0**-3:
+        assert on[2], "no entries: no sum or exp had an element near a midpoint"
+    assert on[:3] == off[:3]
+    for got, want in zip(on[3], off[3], strict=True):
+        assert (got is None and want is None) or torch.equal(got, want)

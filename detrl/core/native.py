@@ -37,8 +37,9 @@ from detrl.core.oprules import EXACT_SUMS, FLOAT32_EXACT, HIDDEN_WRITES, RULES_R
 from detrl.core.scale import SCALED_BY_INPUTS
 from detrl.formats.roundlog import OpEntries
 
-MM = torch.ops.aten.mm.default
-CONV_BACKWARD = torch.ops.aten.convolution_backward.default
+aten = torch.ops.aten
+MM = aten.mm.default
+CONV_BACKWARD = aten.convolution_backward.default
 
 
 class Route(enum.IntEnum):
@@ -62,10 +63,26 @@ class Route(enum.IntEnum):
     # ``convolution_backward`` (with the C kernel; else the mode): its input gradient at each sample's and
     # channel's scale (scale.reduction_scale), its weight and bias gradients at their channel scale
     LOGGED_CONV = 15
+    # decompose.py's batch norm, its backward and log-softmax's backward, written out in C++ with the same
+    # torch ops in the same order: their sums and exp take the route, the rest is plain FP64 (recording,
+    # after calibration, where the formula applies to plain FP64 CPU tensors; else the mode decomposes it)
+    DECOMPOSED_BATCH_NORM = 16
+    DECOMPOSED_BATCH_NORM_BACKWARD = 17
+    DECOMPOSED_LOG_SOFTMAX_BACKWARD = 18
 
 
 _SPLITS = {"add": Route.SPLIT_ADD, "sub": Route.SPLIT_SUB, "addcmul": Route.SPLIT_ADDCMUL}
 _SPLITS.update({"addcdiv": Route.SPLIT_ADDCDIV, "lerp": Route.SPLIT_LERP})
+#: Decompositions written out natively, and the ops of the step each dispatches (which a profile must not
+#: reorder: the mode computes those under the profile).
+_DECOMPOSED = {
+    aten.native_batch_norm.default: (Route.DECOMPOSED_BATCH_NORM, (aten.sum.dim_IntList,)),
+    aten.native_batch_norm_backward.default: (Route.DECOMPOSED_BATCH_NORM_BACKWARD, (aten.sum.dim_IntList,)),
+    aten._log_softmax_backward_data.default: (
+        Route.DECOMPOSED_LOG_SOFTMAX_BACKWARD,
+        (aten.sum.dim_IntList, aten.exp.default),
+    ),
+}
 
 
 def route(
@@ -79,7 +96,12 @@ def route(
     (batch norm), and fused ops no native split covers. Two routes need the C kernel and go to the mode
     without it: a convolution's gradients (``LOGGED_CONV``: the input gradient's unit per sample and
     channel) and a sum's entries at elements every order sums exactly (``LOGGED_SUM``, rules revision 2,
-    ``oprules.EXACT_SUMS``; an embedding gradient's always in the mode)."""
+    ``oprules.EXACT_SUMS``; an embedding gradient's always in the mode). Batch norm, its backward and
+    log-softmax's backward are decomposed natively (``DECOMPOSED_*``) where the profile computes them and
+    their steps as the native kernels do."""
+    if plan.decomposes and func in _DECOMPOSED and not plan.random:
+        decomposed, steps = _DECOMPOSED[func]
+        return Route.PYTHON if reorders(func) or any(reorders(f) for f in steps) else decomposed
     if plan.random or plan.decomposes or reorders(func):
         return Route.PYTHON
     if plan.keep:
@@ -234,6 +256,7 @@ def scope(
     learned: Callable[[], tuple[float, bool] | None],
     rules_revision: int,
     calibrator: Any = None,
+    nesting: Callable[[int], None] | None = None,
 ) -> Iterator[None]:
     """Within: the ops of ``step`` (a :class:`detrl.core.rounding.StepRounding`) that need no Python are run
     and rounded natively on this thread (see the module doc). ``logs``: elementwise ops may be rounded here
@@ -245,8 +268,9 @@ def scope(
     goes to the mode once per call key, and the fallback keeps what it learns. In a calibration step (``calibrator``: the
     :class:`~detrl.core.calibrate.Calibrator`) logged calls go to the mode until the calibrator declines
     to measure one (its shape class is measured enough); the fallback then rounds calls like it itself,
-    with the live threshold. Without the extension, or under a profile that cannot say which ops it
-    reorders, it does nothing."""
+    with the live threshold. ``nesting(delta)``: the mode's depth inside decompositions, moved by ``delta``
+    around one the fallback writes out (``DECOMPOSED_*``; without it, the mode decomposes them all).
+    Without the extension, or under a profile that cannot say which ops it reorders, it does nothing."""
     module = _module() if _enabled and hasattr(profile, "reorders") else None
     if module is None:
         yield
@@ -276,7 +300,7 @@ def scope(
 
         hooks = (routes.declined(module), tally, declined_call)
     table = routes.table(module, profile, thresholds, rules_revision)
-    module.enter(table, logs, number, round_logged, kernel.c_api(), entries, learned, *hooks)
+    module.enter(table, logs, number, round_logged, kernel.c_api(), entries, learned, nesting, *hooks)
     try:
         yield
     finally:

@@ -29,6 +29,8 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -64,6 +66,8 @@ enum Route : int {
   // convolution_backward: its input gradient at each sample's and channel's scale (scale's
   // _sample_channel_scale), its weight and bias gradients at their channel scale; with the kernel only
   LOGGED_CONV = 15,
+  // decompose.py's batch norm, its backward and log-softmax's backward, written out here (decomposed)
+  DECOMPOSED_BATCH_NORM = 16, DECOMPOSED_BATCH_NORM_BACKWARD = 17, DECOMPOSED_LOG_SOFTMAX_BACKWARD = 18,
   // (internal) a unit of row factors over (outer, 1, inner) with column factor 1: an input gradient's
   LOGGED_ROWS = 100,
 };
@@ -138,6 +142,9 @@ struct Step {
   // Depth inside the mode's decompositions (RoundingMode._nested): their sums and exps come back here
   // (nest), and their outputs are parts of the decomposed op's, not counted as rounded.
   int nested = 0;
+  // (delta) -> None: RoundingMode._nested += delta, around a decomposition written out here (decomposed),
+  // so that a step of it the mode takes (a sum with a near element) counts as its part there too
+  py::object nesting;
   int64_t rounded = 0;             // elements rounded here (StepStats.rounded_elements)
   int64_t native_ops = 0;
   int64_t python_ops = 0;
@@ -1011,6 +1018,183 @@ at::Tensor split_in_one_pass(int route, bool in_place, const torch::jit::Stack& 
   return out;
 }
 
+// A decomposition written out here: inside it, RoundingMode._nested and this step's depth are one deeper
+// (what RoundingMode._nested_op and nest do around each of its steps in the mode).
+struct Decomposing {
+  Step* step;
+  explicit Decomposing(Step* s) : step(s) {
+    py::gil_scoped_acquire gil;
+    step->nesting(1);
+    ++step->nested;
+  }
+  ~Decomposing() {
+    --step->nested;
+    try {
+      py::gil_scoped_acquire gil;
+      step->nesting(-1);
+    } catch (...) {  // a destructor must not throw; the mode's depth is reset when its step ends
+    }
+  }
+};
+
+bool plain_double(const at::Tensor& t) {
+  return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.layout() == c10::kStrided && plain_cpu(t);
+}
+
+// An optional tensor argument: undefined (None), or a plain FP64 CPU tensor; false for anything else.
+bool optional_double(const c10::IValue& v, at::Tensor& out) {
+  if (v.isNone()) return true;
+  if (!v.isTensor()) return false;
+  out = v.toTensor();
+  return !out.defined() || plain_double(out);
+}
+
+// A Python number in an op's arguments, as torch's Python binding passes it (a wrapped 0-dim tensor): the
+// decompositions' `x / n`, `x + eps`, `x * momentum`.
+at::Tensor wrapped(double v) {
+  at::Tensor t = c10::scalar_to_tensor(v);
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+at::Tensor wrapped(int64_t v) {
+  at::Tensor t = c10::scalar_to_tensor(v);
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+
+// decompose.channels for x (N, C, *S): the dims a channel sums over, its broadcast shape, its terms.
+struct Channels {
+  std::vector<int64_t> dims, shape;
+  int64_t n;
+};
+Channels channels(const at::Tensor& x) {
+  Channels c{{0}, {1, -1}, x.numel() / x.size(1)};
+  for (int64_t d = 2; d < x.dim(); ++d) c.dims.push_back(d), c.shape.push_back(1);
+  return c;
+}
+
+// decompose.batch_norm: (out, mean, invstd), running statistics updated in place. The sums are ops of the
+// step (dispatched: this fallback takes them); the rest is plain FP64 below this key, the same torch ops as
+// the Python formula's, in its order. args: native_batch_norm's.
+std::vector<at::Tensor> batch_norm(Step* step, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                   const at::Tensor& running_mean, const at::Tensor& running_var, double momentum,
+                                   double eps) {
+  const Channels c = channels(x);
+  at::Tensor mean, centred, squares, var, invstd, out;
+  {
+    Decomposing inside(step);
+    at::Tensor total = at::sum(x, c.dims);
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      mean = at::div(total, wrapped(c.n));
+      centred = at::sub(x, mean.view(c.shape));
+      squares = at::mul(centred, centred);
+    }
+    at::Tensor spread = at::sum(squares, c.dims);
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    var = at::div(spread, wrapped(c.n));
+    invstd = at::mul(at::reciprocal(at::add(var, wrapped(eps)).sqrt()), wrapped(1.0));  // 1.0 / t: __rdiv__
+    out = centred.mul_(invstd.view(c.shape));
+    if (weight.defined()) out.mul_(weight.view(c.shape));
+    if (bias.defined()) out.add_(bias.view(c.shape));
+    if (running_mean.defined() && running_var.defined()) {
+      running_mean.mul_(wrapped(1 - momentum)).add_(at::mul(mean, wrapped(momentum)));
+      const double unbiased = static_cast<double>(c.n) / static_cast<double>(std::max<int64_t>(c.n - 1, 1));
+      running_var.mul_(wrapped(1 - momentum)).add_(at::mul(at::mul(var, wrapped(unbiased)), wrapped(momentum)));
+    }
+  }
+  return {out, mean, invstd};
+}
+
+// decompose.batch_norm_backward: (grad_x, grad_weight, grad_bias), undefined where output_mask says so.
+std::vector<at::Tensor> batch_norm_backward(Step* step, const at::Tensor& grad_out, const at::Tensor& x,
+                                            const at::Tensor& weight, const at::Tensor& save_mean,
+                                            const at::Tensor& save_invstd, const std::array<bool, 3>& mask) {
+  const Channels c = channels(x);
+  at::Tensor xhat, sum_g, sum_gx, grad_x;
+  {
+    Decomposing inside(step);
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      xhat = at::sub(x, save_mean.view(c.shape)).mul_(save_invstd.view(c.shape));
+    }
+    sum_g = at::sum(grad_out, c.dims);
+    at::Tensor product;
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      product = at::mul(grad_out, xhat);
+    }
+    sum_gx = at::sum(product, c.dims);
+    if (mask[0]) {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      at::Tensor scale = weight.defined() ? at::mul(save_invstd, weight) : save_invstd;
+      grad_x = at::sub(grad_out, at::div(sum_g, wrapped(c.n)).view(c.shape))
+                   .sub_(xhat.mul_(at::div(sum_gx, wrapped(c.n)).view(c.shape)));
+      grad_x.mul_(scale.view(c.shape));
+    }
+  }
+  return {grad_x, mask[1] ? sum_gx : at::Tensor(), mask[2] ? sum_g : at::Tensor()};
+}
+
+// decompose.log_softmax_backward: grad - exp(output) * sum(grad, dim); the sum and the exp are ops of the step.
+at::Tensor log_softmax_backward(Step* step, const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
+  const int64_t rank = std::max<int64_t>(grad.dim(), 1);
+  dim = ((dim % rank) + rank) % rank;  // Python's dim %= rank
+  Decomposing inside(step);
+  at::Tensor total = at::sum(grad, {dim});
+  at::Tensor probabilities = at::exp(output);
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  return at::sub(grad, at::mul(probabilities, total.unsqueeze(dim)));
+}
+
+// A DECOMPOSED_* call: where decompose.formula_applies holds and every tensor is a plain FP64 CPU tensor,
+// the decomposition above, its outputs (and batch norm's running statistics) rounded as exact, as
+// RoundingMode.__torch_dispatch__ rounds a decomposed op's; returns false, with nothing done, elsewhere (the
+// mode decomposes it, or runs torch's kernel).
+bool decomposed(Step* step, int route, const c10::FunctionSchema& schema, torch::jit::Stack* stack, size_t first) {
+  const size_t n_args = schema.arguments().size();
+  auto arg = [&](size_t i) -> const c10::IValue& { return (*stack)[first + i]; };
+  auto tensor = [&](size_t i, at::Tensor& out) {
+    if (!arg(i).isTensor()) return false;
+    out = arg(i).toTensor();
+    return plain_double(out);
+  };
+  std::vector<at::Tensor> outputs, hidden;
+  if (route == DECOMPOSED_BATCH_NORM) {
+    at::Tensor x, weight, bias, running_mean, running_var;
+    if (n_args != 8 || !tensor(0, x) || !optional_double(arg(1), weight) || !optional_double(arg(2), bias) ||
+        !optional_double(arg(3), running_mean) || !optional_double(arg(4), running_var) || !arg(5).isBool() ||
+        !arg(5).toBool() || !arg(6).isDouble() || !arg(7).isDouble())
+      return false;
+    if (x.dim() < 2 || x.size(1) <= 0 || x.numel() <= x.size(1)) return false;
+    outputs = batch_norm(step, x, weight, bias, running_mean, running_var, arg(6).toDouble(), arg(7).toDouble());
+    for (const at::Tensor& t : {running_mean, running_var}) {
+      if (t.defined()) hidden.push_back(t);
+    }
+  } else if (route == DECOMPOSED_BATCH_NORM_BACKWARD) {
+    at::Tensor grad_out, x, weight, running_mean, running_var, save_mean, save_invstd;
+    if (n_args != 10 || !tensor(0, grad_out) || !tensor(1, x) || !optional_double(arg(2), weight) ||
+        !optional_double(arg(3), running_mean) || !optional_double(arg(4), running_var) || !tensor(5, save_mean) ||
+        !tensor(6, save_invstd) || !arg(7).isBool() || !arg(7).toBool() || !arg(9).isBoolList())
+      return false;
+    if (x.dim() < 2 || x.size(1) <= 0 || x.numel() <= x.size(1)) return false;
+    const auto flags = arg(9).toBoolList();
+    if (flags.size() != 3) return false;
+    outputs = batch_norm_backward(step, grad_out, x, weight, save_mean, save_invstd, {flags[0], flags[1], flags[2]});
+  } else {  // DECOMPOSED_LOG_SOFTMAX_BACKWARD: decompose._rows_applies
+    at::Tensor grad, output;
+    if (n_args != 4 || !tensor(0, grad) || !tensor(1, output) || !arg(2).isInt() || !arg(3).isInt()) return false;
+    if (output.dim() == 0 || output.numel() == 0 || arg(3).toScalarType() != output.scalar_type()) return false;
+    outputs = {log_softmax_backward(step, grad, output, arg(2).toInt())};
+  }
+  torch::jit::drop(*stack, n_args);
+  for (const at::Tensor& t : outputs) torch::jit::push(*stack, t);
+  ++step->native_ops;
+  for (const at::Tensor& t : outputs) round_exact(step, t);  // written_tensors: the outputs, hidden writes after
+  for (const at::Tensor& t : hidden) round_exact(step, t);
+  return true;
+}
+
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   Step* step = current;
   if (step == nullptr) {
@@ -1061,6 +1245,13 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   if (route == CAST) {  // a cast from a narrower float is on the FP32 grid already: nothing to round
     const auto& source = (*stack)[first];
     rounds = !(source.isTensor() && narrow(source.toTensor().scalar_type()));
+  }
+  if (route >= DECOMPOSED_BATCH_NORM && route <= DECOMPOSED_LOG_SOFTMAX_BACKWARD) {
+    // recording only, and not in a calibration step, whose nested calls the calibrator measures in the mode
+    if (step->logs && step->declined == nullptr && !step->nesting.is_none() &&
+        decomposed(step, route, schema, stack, first))
+      return;
+    route = PYTHON;
   }
   at::Tensor split;
   if (is_split(route)) {
@@ -1163,7 +1354,7 @@ struct Scope {
   ~Scope() {
     if (Py_IsInitialized()) return;
     for (py::object* o : {&table_owner, &declined_owner, &step.tally, &step.declined_call, &step.number,
-                           &step.round_logged, &step.entries, &step.learned}) {
+                           &step.round_logged, &step.entries, &step.learned, &step.nesting}) {
       o->release();
     }
   }
@@ -1172,7 +1363,7 @@ struct Scope {
 thread_local std::vector<std::unique_ptr<Scope>> scopes;
 
 void enter(py::object table, bool logs, py::object number_fn, py::object round_logged_fn, py::object kernel,
-           py::object entries_fn, py::object learned, py::object declined, py::object tally,
+           py::object entries_fn, py::object learned, py::object nesting, py::object declined, py::object tally,
            py::object declined_call) {
   auto scope = std::make_unique<Scope>();
   scope->table_owner = table;
@@ -1187,6 +1378,7 @@ void enter(py::object table, bool logs, py::object number_fn, py::object round_l
   scope->step.number = std::move(number_fn);
   scope->step.round_logged = std::move(round_logged_fn);
   scope->step.learned = std::move(learned);
+  scope->step.nesting = std::move(nesting);
   if (!kernel.is_none()) {
     auto* api = static_cast<const DetrlKernelApi*>(PyCapsule_GetPointer(kernel.ptr(), DETRL_KERNEL_API_CAPSULE));
     if (api == nullptr) throw py::error_already_set();

@@ -439,6 +439,7 @@ class RoundingMode(EagerDispatchMode):
                     self.learned,
                     self.rules_revision,
                     calibrate if logs else None,
+                    self._nesting,
                 )
                 if self.trace is None
                 else contextlib.nullcontext()
@@ -534,6 +535,12 @@ class RoundingMode(EagerDispatchMode):
             t.copy_(rounded.copy_(t))  # round to nearest FP32 through a reused buffer
         if self.step is not None and not self._nested:
             self.step.stats.rounded_elements += t.numel()
+
+    def _nesting(self, delta: int) -> None:
+        """The native route writes a decomposition out (``native.Route.DECOMPOSED_*``): a step of it this
+        mode takes (a sum with an element near a midpoint) is the decomposed op's part, as in
+        :meth:`_nested_op`."""
+        self._nested += delta
 
     def _logged_sum(self, t: torch.Tensor, dims: list[int]) -> torch.Tensor:
         """``t.sum(dims)`` dispatched as an op of the step (this mode, or the native route where it takes the

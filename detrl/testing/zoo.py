@@ -159,6 +159,23 @@ class AutocastCNN(nn.Module):
             return self.fc(h)
 
 
+class BatchNormCNN(nn.Module):
+    """A small CNN with batch norm in training mode: 2-d after the convolution (affine, running statistics),
+    1-d before the head without affine parameters or running statistics."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        c = max(1, width // 4)
+        self.conv = nn.Conv2d(3, c, 3, padding=1, bias=False)
+        self.bn2d = nn.BatchNorm2d(c)
+        self.bn1d = nn.BatchNorm1d(c, affine=False, track_running_stats=False)
+        self.fc = nn.Linear(c, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 3)
+        h = F.relu(self.bn2d(self.conv(x))).mean((2, 3))  # (B, c)
+        return self.fc(self.bn1d(h))
+
+
 def next_token(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Cross-entropy of ``model``'s ``(B, T-1, vocab)`` logits against the next tokens."""
     logits = model(batch[0][:, :-1])
@@ -221,6 +238,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("transformer_encoder", functools.partial(Encoder, w, v), toks, next_token),
             Specimen("lstm", functools.partial(LSTMNet, w, v), toks, next_token),
             Specimen("autocast_bf16", functools.partial(AutocastCNN, w), imgs, classify),
+            Specimen("cnn_batch_norm", functools.partial(BatchNormCNN, w), imgs, classify),
         ]
     }  # fmt: skip
 
