@@ -80,7 +80,12 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
         aten.native_dropout.default,
     ):
         assert route(func) is Route.PYTHON
-    assert route(aten.native_layer_norm.default) is Route.PYTHON
+    # decompositions: written out natively where the profile reorders neither the op nor its steps
+    assert route(aten.native_layer_norm.default) is Route.DECOMPOSED_LAYER_NORM
+    assert route(aten.native_batch_norm_backward.default) is Route.DECOMPOSED_BATCH_NORM_BACKWARD
+    assert route(aten._softmax_backward_data.default) is Route.DECOMPOSED_SOFTMAX_BACKWARD
+    assert route(aten.native_layer_norm.default, pairwise) is Route.PYTHON
+    assert route(aten._softmax.default) is Route.LOGGED  # a formula for the profiles, one op for the mode
 
 
 def _record(specimen: zoo.Specimen, run_dir, hardware: str, on: bool) -> Session:  # noqa: ANN001
@@ -216,9 +221,10 @@ def test_a_mode_entered_inside_a_step_still_sees_every_op(tmp_path) -> None:  # 
 
 
 def _layer_norm_step(route: str, tau: float, values: torch.Tensor, monkeypatch) -> tuple:  # noqa: ANN001
-    """A layer norm's forward and backward in one recorded step; ``route``: "off" (the mode alone), "on",
-    or "flat" (the route, but a decomposition's steps stay in the mode). Returns the step's stats, op names,
-    entries and the gradients, and the route's counts."""
+    """A layer norm's forward and backward in one recorded step; ``route``: "off" (the mode alone), "on"
+    (the route, which writes layer norm out itself), "mode" (the route, but the mode writes layer norm out
+    and hands its sums back) or "flat" (that, and the sums stay in the mode). Returns the step's stats, op
+    names, entries and the gradients, and the route's counts."""
     from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 
     x = values.clone().requires_grad_()
@@ -229,6 +235,8 @@ def _layer_norm_step(route: str, tau: float, values: torch.Tensor, monkeypatch) 
     native.set_enabled(route != "off")
     native.counts.clear()
     with monkeypatch.context() as m:
+        if route in ("mode", "flat"):
+            m.setattr(native, "_DECOMPOSED", {})
         if route == "flat":
             m.setattr(native, "nest", lambda: False)
         try:
@@ -244,20 +252,23 @@ def _layer_norm_step(route: str, tau: float, values: torch.Tensor, monkeypatch) 
 @needs_native
 @pytest.mark.parametrize("tau", [2.0**-20, 2.0**-3])
 def test_a_decompositions_sums_take_the_route_and_count_as_its_parts(tau: float, monkeypatch) -> None:  # noqa: ANN001
-    """Layer norm goes to the mode, which writes it out as row sums and IEEE arithmetic; the row sums come
-    back to the native route (two forward, three backward), and the elements rounded are the layer
-    norm's outputs alone, as the mode counts them: the same stats, entries and gradients with the route on
-    and off. At the larger threshold the sums have near elements, which the route hands back to the mode."""
+    """Layer norm is written out as row sums and IEEE arithmetic, natively or by the mode; the row sums take
+    the route either way (two forward, three backward; in the mode they come back to it), and the elements
+    rounded are the layer norm's outputs alone, as the mode counts them: the same stats, entries and
+    gradients with the route on and off. At the larger threshold the sums have near elements."""
     torch.manual_seed(0)
     values = torch.randn(8, 16, dtype=torch.float64).float().double()
     on, counts = _layer_norm_step("on", tau, values, monkeypatch)
+    in_mode, mode_counts = _layer_norm_step("mode", tau, values, monkeypatch)
     flat, flat_counts = _layer_norm_step("flat", tau, values, monkeypatch)
     off, _ = _layer_norm_step("off", tau, values, monkeypatch)
-    assert counts["python"] == flat_counts["python"] == 2  # native_layer_norm and its backward: decomposed
-    assert counts["native"] - flat_counts["native"] == 5  # the five row sums inside the two
+    assert counts["python"] == 0  # written out natively
+    assert mode_counts["python"] == flat_counts["python"] == 2  # native_layer_norm and its backward
+    assert counts["native"] - mode_counts["native"] == 2  # the two ops themselves
+    assert mode_counts["native"] - flat_counts["native"] == 5  # the five row sums inside the two
     if tau == 2.0**-3:
-        assert on[2], "no entries: the hand-back to the mode was not exercised"
-    for got in (on, flat):
+        assert on[2], "no entries: no row sum had an element near a midpoint"
+    for got in (on, in_mode, flat):
         assert got[:3] == off[:3]
         assert torch.equal(got[3], off[3]) and torch.equal(got[4], off[4])
 
@@ -509,8 +520,8 @@ def test_a_call_is_logged_at_its_class_threshold(on: bool) -> None:
 
 
 def _batch_norm_step(on: bool, tau: float, values: torch.Tensor) -> tuple:
-    """Batch norm 2-d (affine, running statistics) and 1-d (neither), then cross-entropy, forward and
-    backward in one recorded step, the route ``on`` or off. Returns the step's stats, op names, entries,
+    """Batch norm 2-d (affine, running statistics) and 1-d (neither), then cross-entropy and a softmax,
+    forward and backward in one recorded step, the route ``on`` or off. Returns the step's stats, op names, entries,
     gradients and running statistics, and the route's counts."""
     from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 
@@ -527,8 +538,8 @@ def _batch_norm_step(on: bool, tau: float, values: torch.Tensor) -> tuple:
     native.counts.clear()
     try:
         with mode.step_scope(step):
-            h = torch.nn.functional.relu(bn2d(x)).mean((2, 3))
-            torch.nn.functional.cross_entropy(bn1d(h), labels).backward()
+            z = bn1d(torch.nn.functional.relu(bn2d(x)).mean((2, 3)))
+            (torch.nn.functional.cross_entropy(z, labels) + (torch.softmax(z, 1) * z).sum()).backward()
     finally:
         native.set_enabled(before)
     entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
@@ -538,10 +549,10 @@ def _batch_norm_step(on: bool, tau: float, values: torch.Tensor) -> tuple:
 
 @needs_native
 @pytest.mark.parametrize("tau, with_kernel", [(2.0**-20, True), (2.0**-3, True), (2.0**-3, False)])
-def test_batch_norm_and_log_softmax_backward_are_decomposed_natively_with_the_modes_bits(
+def test_batch_norm_and_softmax_backwards_are_decomposed_natively_with_the_modes_bits(
     tau: float, with_kernel: bool
 ) -> None:
-    """Batch norm, its backward and log-softmax's backward are written out in C++ with the Python
+    """Batch norm, its backward and the backwards of log-softmax and softmax are written out in C++ with the Python
     decomposition's ops (decompose.py): nothing reaches the mode, and the stats, op names, entries,
     gradients and running statistics equal the mode's. At the larger threshold their sums and exp have
     elements near a midpoint: entries taken by the C kernel, or, without it, the outputs handed to the
@@ -553,7 +564,7 @@ def test_batch_norm_and_log_softmax_backward_are_decomposed_natively_with_the_mo
     with kernel.disabled() if not with_kernel else contextlib.nullcontext():
         on, counts = _batch_norm_step(True, tau, values)
         off, _ = _batch_norm_step(False, tau, values)
-    assert counts["python"] == 0, counts  # every op native, the three decompositions included
+    assert counts["python"] == 0, counts  # every op native, the four decompositions included
     if tau == 2.0**-3:
         assert on[2], "no entries: no sum or exp had an element near a midpoint"
     assert on[:3] == off[:3]

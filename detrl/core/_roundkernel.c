@@ -531,7 +531,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_roundkernel", NULL,
 
 /* The C API (roundkernel.h): the same passes, for native code that calls them without a Python frame. */
 static DetrlKernelApi api = {DETRL_KERNEL_API_VERSION, near_pass, channel_thresholds_into, unit_factors_into,
-                             exact_sums_into};
+                             exact_sums_into, exact_rows_into};
 
 PyMODINIT_FUNC PyInit__roundkernel(void) {
     PyObject *m = PyModule_Create(&module);

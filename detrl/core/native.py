@@ -63,12 +63,16 @@ class Route(enum.IntEnum):
     # ``convolution_backward`` (with the C kernel; else the mode): its input gradient at each sample's and
     # channel's scale (scale.reduction_scale), its weight and bias gradients at their channel scale
     LOGGED_CONV = 15
-    # decompose.py's batch norm, its backward and log-softmax's backward, written out in C++ with the same
-    # torch ops in the same order: their sums and exp take the route, the rest is plain FP64 (recording,
-    # after calibration, where the formula applies to plain FP64 CPU tensors; else the mode decomposes it)
+    # decompose.py's batch norm, layer norm, their backwards and (log-)softmax's backward, written out in
+    # C++ with the same torch ops in the same order: their sums and exp take the route, the rest is plain FP64
+    # (recording, after calibration, where the formula applies to plain FP64 CPU tensors, layer norm with the
+    # C kernel for its exact rows; else the mode decomposes it)
     DECOMPOSED_BATCH_NORM = 16
     DECOMPOSED_BATCH_NORM_BACKWARD = 17
     DECOMPOSED_LOG_SOFTMAX_BACKWARD = 18
+    DECOMPOSED_LAYER_NORM = 19  # (with the C kernel: its exact rows)
+    DECOMPOSED_LAYER_NORM_BACKWARD = 20
+    DECOMPOSED_SOFTMAX_BACKWARD = 21
 
 
 _SPLITS = {"add": Route.SPLIT_ADD, "sub": Route.SPLIT_SUB, "addcmul": Route.SPLIT_ADDCMUL}
@@ -82,6 +86,9 @@ _DECOMPOSED = {
         Route.DECOMPOSED_LOG_SOFTMAX_BACKWARD,
         (aten.sum.dim_IntList, aten.exp.default),
     ),
+    aten.native_layer_norm.default: (Route.DECOMPOSED_LAYER_NORM, (aten.sum.dim_IntList,)),
+    aten.native_layer_norm_backward.default: (Route.DECOMPOSED_LAYER_NORM_BACKWARD, (aten.sum.dim_IntList,)),
+    aten._softmax_backward_data.default: (Route.DECOMPOSED_SOFTMAX_BACKWARD, (aten.sum.dim_IntList,)),
 }
 
 
@@ -96,9 +103,9 @@ def route(
     (batch norm), and fused ops no native split covers. Two routes need the C kernel and go to the mode
     without it: a convolution's gradients (``LOGGED_CONV``: the input gradient's unit per sample and
     channel) and a sum's entries at elements every order sums exactly (``LOGGED_SUM``, rules revision 2,
-    ``oprules.EXACT_SUMS``; an embedding gradient's always in the mode). Batch norm, its backward and
-    log-softmax's backward are decomposed natively (``DECOMPOSED_*``) where the profile computes them and
-    their steps as the native kernels do."""
+    ``oprules.EXACT_SUMS``; an embedding gradient's always in the mode). Batch norm, layer norm, their
+    backwards and the backwards of softmax and log-softmax are decomposed natively (``DECOMPOSED_*``) where
+    the profile computes them and their steps as the native kernels do."""
     if plan.decomposes and func in _DECOMPOSED and not plan.random:
         decomposed, steps = _DECOMPOSED[func]
         return Route.PYTHON if reorders(func) or any(reorders(f) for f in steps) else decomposed

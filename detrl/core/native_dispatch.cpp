@@ -68,6 +68,8 @@ enum Route : int {
   LOGGED_CONV = 15,
   // decompose.py's batch norm, its backward and log-softmax's backward, written out here (decomposed)
   DECOMPOSED_BATCH_NORM = 16, DECOMPOSED_BATCH_NORM_BACKWARD = 17, DECOMPOSED_LOG_SOFTMAX_BACKWARD = 18,
+  // ... and layer norm, its backward (with the C kernel: its exact rows) and softmax's backward
+  DECOMPOSED_LAYER_NORM = 19, DECOMPOSED_LAYER_NORM_BACKWARD = 20, DECOMPOSED_SOFTMAX_BACKWARD = 21,
   // (internal) a unit of row factors over (outer, 1, inner) with column factor 1: an input gradient's
   LOGGED_ROWS = 100,
 };
@@ -1147,6 +1149,135 @@ at::Tensor log_softmax_backward(Step* step, const at::Tensor& grad, const at::Te
   return at::sub(grad, at::mul(probabilities, total.unsqueeze(dim)));
 }
 
+// decompose._rows: x (*B, *S) as rows (*B, n), n = prod(S); (1, n) when B is empty.
+at::Tensor rows_of(const at::Tensor& x, size_t normalized_dims, int64_t& n) {
+  const int64_t batch_dims = x.dim() - static_cast<int64_t>(normalized_dims);
+  n = 1;
+  for (int64_t d = batch_dims; d < x.dim(); ++d) n *= x.size(d);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().begin() + batch_dims);
+  if (shape.empty()) shape.push_back(1);
+  shape.push_back(n);
+  return x.reshape(shape);
+}
+
+// decompose.layer_norm: (out, mean, rstd), mean and rstd (*B, 1, ..., 1). Rows every order sums exactly
+// (decompose._exact_rows, the C kernel's pass) are summed here and reach the logged row sum as zeros.
+std::vector<at::Tensor> layer_norm(Step* step, const at::Tensor& x, size_t normalized_dims, const at::Tensor& weight,
+                                   const at::Tensor& bias, double eps) {
+  int64_t n = 0;
+  at::Tensor rows, exact, masked, mean, centred, squares, var, rstd, out;
+  {
+    Decomposing inside(step);
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      rows = rows_of(x, normalized_dims, n);
+      at::Tensor dense = rows.contiguous();  // scale.dense_for_kernel (a plain tensor is no negated view)
+      exact = at::empty(dense.sizes().slice(0, dense.dim() - 1), dense.options().dtype(at::kBool));
+      step->kernel->exact_rows(dense.data_ptr<double>(), exact.numel(), n,
+                               reinterpret_cast<uint8_t*>(exact.data_ptr<bool>()));
+      masked = rows.masked_fill(exact.unsqueeze(-1), 0.0);
+    }
+    at::Tensor logged = at::sum(masked, {-1});
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      mean = at::div(at::where(exact, rows.sum(-1), logged), wrapped(n)).unsqueeze(-1);
+      centred = at::sub(rows, mean);
+      squares = at::mul(centred, centred);
+    }
+    at::Tensor spread = at::sum(squares, {-1});
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    var = at::div(spread, wrapped(n)).unsqueeze(-1);
+    rstd = at::mul(at::reciprocal(at::add(var, wrapped(eps)).sqrt()), wrapped(1.0));  // Steps.inv_sqrt: 1.0 / sqrt
+    out = centred.mul_(rstd);
+    if (weight.defined()) out.mul_(weight.reshape({n}));
+    if (bias.defined()) out.add_(bias.reshape({n}));
+    std::vector<int64_t> stats(x.sizes().begin(), x.sizes().end() - static_cast<int64_t>(normalized_dims));
+    stats.resize(static_cast<size_t>(x.dim()), 1);
+    return {out.reshape(x.sizes()), mean.reshape(stats), rstd.reshape(stats)};
+  }
+}
+
+// decompose.layer_norm_backward: (grad_x, grad_weight, grad_bias), undefined where the mask says so.
+std::vector<at::Tensor> layer_norm_backward(Step* step, const at::Tensor& grad_out, const at::Tensor& x,
+                                            size_t normalized_dims, const at::Tensor& mean, const at::Tensor& rstd_in,
+                                            const at::Tensor& weight, const at::Tensor& bias,
+                                            const std::array<bool, 3>& mask) {
+  int64_t n = 0;
+  at::Tensor g, rstd, xhat, grad_x, grad_w, grad_b;
+  Decomposing inside(step);
+  {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    g = rows_of(grad_out, normalized_dims, n);
+    std::vector<int64_t> stats(g.sizes().begin(), g.sizes().end() - 1);
+    stats.push_back(1);
+    rstd = rstd_in.reshape(stats);
+    xhat = at::sub(rows_of(x, normalized_dims, n), mean.reshape(stats)).mul_(rstd);
+  }
+  if (mask[0]) {
+    at::Tensor gw, weighted;
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      gw = weight.defined() ? at::mul(g, weight.reshape({n})) : g;
+    }
+    at::Tensor total_g = at::sum(gw, {-1});
+    at::Tensor mean_g, mean_gx;
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      mean_g = at::div(total_g, wrapped(n)).unsqueeze(-1);
+      weighted = at::mul(gw, xhat);
+    }
+    at::Tensor total_gx = at::sum(weighted, {-1});
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    mean_gx = at::div(total_gx, wrapped(n)).unsqueeze(-1);
+    grad_x = at::sub(gw, mean_g).sub_(at::mul(xhat, mean_gx)).mul_(rstd).reshape(x.sizes());
+  }
+  std::vector<int64_t> batch;
+  for (int64_t d = 0; d + 1 < g.dim(); ++d) batch.push_back(d);
+  if (mask[1]) {
+    at::Tensor product;
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      product = at::mul(g, xhat);
+    }
+    grad_w = at::sum(product, batch);
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    grad_w = grad_w.reshape(weight.sizes());
+  }
+  if (mask[2]) {
+    grad_b = at::sum(g, batch);
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    grad_b = grad_b.reshape(bias.sizes());
+  }
+  return {grad_x, grad_w, grad_b};
+}
+
+// decompose.softmax_backward: y * g - y * sum(y * g, dim); the row sum is an op of the step.
+at::Tensor softmax_backward(Step* step, const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
+  const int64_t rank = output.dim();
+  dim = ((dim % rank) + rank) % rank;  // Python's dim %= output.dim()
+  Decomposing inside(step);
+  at::Tensor yg;
+  {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    yg = at::mul(output, grad);
+  }
+  at::Tensor total = at::sum(yg, {dim});
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  return yg.sub_(at::mul(output, total.unsqueeze(dim)));
+}
+
+// decompose._layer_norm_applies: shape the trailing dims of a non-empty x; its length out.
+bool layer_norm_applies(const at::Tensor& x, const c10::IValue& shape, size_t& normalized_dims) {
+  if (!shape.isIntList()) return false;
+  const auto dims = shape.toDimVector();
+  if (x.dim() < static_cast<int64_t>(dims.size()) || x.numel() == 0) return false;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (x.size(x.dim() - static_cast<int64_t>(dims.size()) + static_cast<int64_t>(i)) != dims[i]) return false;
+  }
+  normalized_dims = dims.size();
+  return true;
+}
+
 // A DECOMPOSED_* call: where decompose.formula_applies holds and every tensor is a plain FP64 CPU tensor,
 // the decomposition above, its outputs (and batch norm's running statistics) rounded as exact, as
 // RoundingMode.__torch_dispatch__ rounds a decomposed op's; returns false, with nothing done, elsewhere (the
@@ -1181,11 +1312,30 @@ bool decomposed(Step* step, int route, const c10::FunctionSchema& schema, torch:
     const auto flags = arg(9).toBoolList();
     if (flags.size() != 3) return false;
     outputs = batch_norm_backward(step, grad_out, x, weight, save_mean, save_invstd, {flags[0], flags[1], flags[2]});
-  } else {  // DECOMPOSED_LOG_SOFTMAX_BACKWARD: decompose._rows_applies
+  } else if (route == DECOMPOSED_LAYER_NORM) {
+    at::Tensor x, weight, bias;
+    size_t normalized = 0;
+    if (step->kernel == nullptr || n_args != 5 || !tensor(0, x) || !optional_double(arg(2), weight) ||
+        !optional_double(arg(3), bias) || !arg(4).isDouble() || !layer_norm_applies(x, arg(1), normalized))
+      return false;
+    outputs = layer_norm(step, x, normalized, weight, bias, arg(4).toDouble());
+  } else if (route == DECOMPOSED_LAYER_NORM_BACKWARD) {
+    at::Tensor grad_out, x, mean, rstd, weight, bias;
+    size_t normalized = 0;
+    if (n_args != 8 || !tensor(0, grad_out) || !tensor(1, x) || !tensor(3, mean) || !tensor(4, rstd) ||
+        !optional_double(arg(5), weight) || !optional_double(arg(6), bias) || !arg(7).isBoolList() ||
+        !layer_norm_applies(x, arg(2), normalized))
+      return false;
+    const auto flags = arg(7).toBoolList();
+    if (flags.size() != 3 || (flags[1] && !weight.defined()) || (flags[2] && !bias.defined())) return false;
+    outputs = layer_norm_backward(step, grad_out, x, normalized, mean, rstd, weight, bias,
+                                  {flags[0], flags[1], flags[2]});
+  } else {  // DECOMPOSED_LOG_SOFTMAX_BACKWARD, DECOMPOSED_SOFTMAX_BACKWARD: decompose._rows_applies
     at::Tensor grad, output;
     if (n_args != 4 || !tensor(0, grad) || !tensor(1, output) || !arg(2).isInt() || !arg(3).isInt()) return false;
     if (output.dim() == 0 || output.numel() == 0 || arg(3).toScalarType() != output.scalar_type()) return false;
-    outputs = {log_softmax_backward(step, grad, output, arg(2).toInt())};
+    outputs = {route == DECOMPOSED_LOG_SOFTMAX_BACKWARD ? log_softmax_backward(step, grad, output, arg(2).toInt())
+                                                        : softmax_backward(step, grad, output, arg(2).toInt())};
   }
   torch::jit::drop(*stack, n_args);
   for (const at::Tensor& t : outputs) torch::jit::push(*stack, t);
@@ -1246,7 +1396,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     const auto& source = (*stack)[first];
     rounds = !(source.isTensor() && narrow(source.toTensor().scalar_type()));
   }
-  if (route >= DECOMPOSED_BATCH_NORM && route <= DECOMPOSED_LOG_SOFTMAX_BACKWARD) {
+  if (route >= DECOMPOSED_BATCH_NORM && route <= DECOMPOSED_SOFTMAX_BACKWARD) {
     // recording only, and not in a calibration step, whose nested calls the calibrator measures in the mode
     if (step->logs && step->declined == nullptr && !step->nesting.is_none() &&
         decomposed(step, route, schema, stack, first))

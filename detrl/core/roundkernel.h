@@ -22,7 +22,7 @@ typedef struct {
     Py_ssize_t max_kept, max_pinned, max_short, n_kept, n_pinned, n_short;
 } DetrlEntries;
 
-#define DETRL_KERNEL_API_VERSION 2
+#define DETRL_KERNEL_API_VERSION 3
 #define DETRL_KERNEL_API_CAPSULE "detrl.core._roundkernel._C_API"
 
 typedef struct {
@@ -41,6 +41,9 @@ typedef struct {
     /* exact_sums: which of outer sums of terms FP64 terms (row-major) every order computes exactly, as
      * 0/1 bytes; returns 0 (the mask unwritten) where a term is off the FP32 grid, else 1. */
     int (*exact_sums)(const double *x, Py_ssize_t outer, Py_ssize_t terms, uint8_t *mask);
+    /* exact_rows: decompose._exact_rows' rule for a layer norm's outer rows of n FP64 values (row-major):
+     * 0/1 bytes, 1 where every order sums the row exactly (version 3). */
+    void (*exact_rows)(const double *x, Py_ssize_t outer, Py_ssize_t n, uint8_t *mask);
 } DetrlKernelApi;
 
 #ifdef __cplusplus
