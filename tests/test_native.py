@@ -570,3 +570,51 @@ def test_batch_norm_and_softmax_backwards_are_decomposed_natively_with_the_modes
     assert on[:3] == off[:3]
     for got, want in zip(on[3], off[3], strict=True):
         assert (got is None and want is None) or torch.equal(got, want)
+
+
+def _convolution_step(on: bool, rules: int, pixels: torch.Tensor) -> tuple:
+    """Two convolutions in one recorded step, the first on few-bit ``pixels`` (exact in every order), the
+    second on its 24-bit output, at a threshold that finds near elements; the route ``on`` or off, under
+    rules revision ``rules``. Returns the stats, op names and entries, and the route's counts."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    g = torch.Generator().manual_seed(0)
+    first = torch.randn(4, 3, 3, 3, generator=g, dtype=torch.float64).float().double()
+    second = torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64).float().double()
+    step = StepRounding()
+    mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-3))
+    mode.rules_revision = rules
+    before = native._enabled
+    native.set_enabled(on)
+    native.counts.clear()
+    try:
+        with mode.step_scope(step):
+            h = torch.nn.functional.conv2d(pixels, first, padding=1)
+            torch.nn.functional.conv2d(h, second, padding=1)
+    finally:
+        native.set_enabled(before)
+    entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
+    return (step.stats, step.op_names, entries), native.counts.copy()
+
+
+@needs_native
+@pytest.mark.parametrize("with_kernel", [True, False])
+def test_a_convolution_exact_in_every_order_logs_alike_on_the_route_and_in_the_mode(
+    with_kernel: bool,
+) -> None:
+    """Rules revision 3 leaves out the entries of a convolution exact in every order (few-bit pixels): the
+    route decides with the mode's bound (scale.exact_product_elements), taking the entries with the C kernel
+    or handing the output to the mode with the call's arguments without it: the same stats, op names and
+    entries. Under revision 2 the first convolution's ties are logged."""
+    from detrl.core import kernel
+
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randint(0, 17, (2, 3, 8, 8), generator=g).double() / 16
+    with kernel.disabled() if not with_kernel else contextlib.nullcontext():
+        on, counts = _convolution_step(True, 3, pixels)
+        off, _ = _convolution_step(False, 3, pixels)
+        older, _ = _convolution_step(True, 2, pixels)
+    assert counts["python"] == 0 or not with_kernel
+    assert on == off
+    assert [op for op, *_ in on[2]] == [1]  # the second convolution's entries only
+    assert [op for op, *_ in older[2]] == [0, 1]  # revision 2: the first one's ties too

@@ -351,20 +351,20 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         before = zoo.record(specimen, old, steps=3)
     after = zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, RULES_REVISION] == [1, 2]
+    assert [m["rules_revision"] for m in manifests] == [1, RULES_REVISION] == [1, 3]
     assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, new):
         for hardware in ("native", get_profile("emulated:splitk", seed=0)):
             replayed = zoo.replay(specimen, bundle, hardware, steps=3)  # raises Divergence if it differs
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
-    manifests[1]["rules_revision"] = 3
+    manifests[1]["rules_revision"] = 4
     (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[1]))
     with pytest.raises(engine.BundleError) as raised:
         zoo.replay(specimen, new, "native", steps=3)
     message = str(raised.value)
     assert (
-        "recorded by a newer detrl (rounding-rule revision 3; this one applies revisions 1 to 2)" in message
+        "recorded by a newer detrl (rounding-rule revision 4; this one applies revisions 1 to 3)" in message
     )
     assert "\n" not in message
 
@@ -395,6 +395,73 @@ def test_sums_exact_in_every_order_are_found():
     assert (
         exact_sum_elements(aten.embedding_dense_backward.default, (grad, tokens, 10, -1, True), out) is None
     )
+
+
+def test_a_convolution_exact_in_every_order_is_found_and_is_the_same_on_every_profile():
+    """Rules revision 3: a convolution of few-bit inputs (digit pixels) whose every partial sum of products
+    is exact in FP64 is claimed whole, and every hardware profile computes it to the same bits (the claim's
+    point); 24-bit inputs over many terms, a value off the FP32 grid, an infinity or a transposed
+    convolution are not claimed. A bias joins the bound with its own spacing."""
+    from detrl.core.hardware import HardwareMode, profile_names
+    from detrl.core.scale import exact_product_elements
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 17, (4, 3, 9, 9), generator=g).double() / 16  # 5 significant bits at most
+    weight = torch.randn(6, 3, 3, 3, generator=g, dtype=torch.float64).float().double()
+    bias = torch.randn(6, generator=g, dtype=torch.float64).float().double()
+
+    def args(x: torch.Tensor, w: torch.Tensor, b: Any = None, transposed: bool = False) -> tuple:
+        return (x, w, b, [1, 1], [1, 1], [1, 1], transposed, [0, 0], 1)
+
+    def claimed(*a: Any) -> bool:
+        out = aten.convolution.default(*a)
+        found = exact_product_elements(aten.convolution.default, a, out)
+        assert found is None or (found.shape == (out.numel(),) and bool(found.all()))
+        return found is not None
+
+    assert claimed(*args(pixels, weight))
+    assert claimed(*args(pixels, weight, bias))
+    want = aten.convolution.default(*args(pixels, weight, bias))
+    for name in (p for p in profile_names() if p.startswith("emulated:")):
+        with HardwareMode(get_profile(name, seed=1)):
+            got = aten.convolution.default(*args(pixels, weight, bias))
+        assert torch.equal(got, want), name
+    features = torch.randn(4, 64, 9, 9, generator=g, dtype=torch.float64).float().double()
+    wide = torch.randn(6, 64, 3, 3, generator=g, dtype=torch.float64).float().double()
+    assert not claimed(*args(features, wide))  # 24 bits times 24 bits over 576 terms
+    assert not claimed(*args(pixels + 2.0**-40, weight))  # off the FP32 grid
+    with_inf = pixels.clone()
+    with_inf[0, 0, 0, 0] = math.inf
+    assert not claimed(*args(with_inf, weight))
+    assert not claimed(*args(pixels, weight.transpose(0, 1).contiguous(), None, True))
+    assert claimed(*args(torch.zeros_like(pixels), weight))  # no nonzero product: zeros
+
+
+def test_rules_revision_3_leaves_a_first_convolutions_exact_ties_unlogged(tmp_path, monkeypatch, capsys):
+    """The digits CNN's first convolution takes digit pixels (5 significant bits): under rules revision 3
+    its outputs are exact in every order, and their FP32 ties need no entry. The same weights as under
+    revision 2 (the same Merkle root), a smaller log, and both bundles audit on an emulated GPU."""
+    import json
+
+    from detrl.cli import main
+    from detrl.core import engine
+    from detrl.formats import bundle as bundle_mod
+
+    old, new = tmp_path / "rules2", tmp_path / "rules3"
+    config = "configs/supervised/digits_cnn.yaml"
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 2)
+        assert main(["train", config, "--out", str(old), "--quiet", "--set", "train.steps=12"]) == 0
+    assert main(["train", config, "--out", str(new), "--quiet", "--set", "train.steps=12"]) == 0
+    manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, new)]
+    assert [m["rules_revision"] for m in manifests] == [2, 3]
+    assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
+    sizes = [(d / bundle_mod.ROUNDLOG).stat().st_size for d in (old, new)]
+    assert sizes[1] < sizes[0], sizes
+    for bundle in (old, new):
+        assert main(["audit", str(bundle), "--hardware", "emulated:splitk", "--quiet"]) == 0
+    capsys.readouterr()
 
 
 def test_the_kernel_path_of_exact_sums_finds_what_the_torch_path_finds(monkeypatch) -> None:

@@ -90,6 +90,20 @@ def test_learning_rate_schedules() -> None:
         train.cycle_ends(3, 4)
 
 
+def test_a_reference_batch_scales_the_learning_rate_linearly() -> None:
+    """A recipe's lr given for batch 64 (``optimizer.reference_batch``) trains at an eighth of it at batch 8,
+    its schedule included; without a reference batch the lr is as given."""
+    scaled = cfg_with("optimizer.lr=0.05", "optimizer.reference_batch=64", "train.batch_size=8",
+                      "optimizer.schedule=cosine", "train.steps=10")  # fmt: skip
+    assert train.base_lr(scaled) == 0.05 / 8 and train.learning_rate(scaled, 1) == 0.05 / 8
+    assert train.learning_rate(scaled, 6) == pytest.approx(0.05 / 16)
+    model = torch.nn.Linear(2, 2)
+    assert train.make_optimizer(scaled, model).param_groups[0]["lr"] == 0.05 / 8
+    assert train.base_lr(cfg_with("optimizer.lr=0.05", "train.batch_size=8")) == 0.05
+    with pytest.raises(ValueError, match="reference_batch"):
+        cfg_with("optimizer.reference_batch=0")
+
+
 def test_cnn_dropout_is_off_by_default_and_on_its_stream() -> None:
     assert isinstance(train.model_builder(cfg_with(), torch.zeros(1, 1, 8, 8))().dropout, torch.nn.Identity)
     m = train.model_builder(cfg_with("model.dropout=0.5"), torch.zeros(1, 1, 8, 8))()

@@ -33,7 +33,15 @@ import torch
 
 from detrl.core import extensions, kernel
 from detrl.core.fused import SPLIT
-from detrl.core.oprules import EXACT_SUMS, FLOAT32_EXACT, HIDDEN_WRITES, RULES_REVISION, SQUARES, OpKind
+from detrl.core.oprules import (
+    EXACT_PRODUCTS,
+    EXACT_SUMS,
+    FLOAT32_EXACT,
+    HIDDEN_WRITES,
+    RULES_REVISION,
+    SQUARES,
+    OpKind,
+)
 from detrl.core.scale import SCALED_BY_INPUTS
 from detrl.formats.roundlog import OpEntries
 
@@ -233,10 +241,10 @@ class Routes:
             reorders, plan_of = profile.reorders, self._plan_of
             classed = thresholds.classed_ops()
 
-            def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any, bool, bool]:
+            def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any, bool, bool, bool]:
                 func = _overload(name, overload)
                 if func is None:  # an operator Python cannot name: the mode takes it as it comes
-                    return int(Route.PYTHON), False, 0.0, name, None, False, False
+                    return int(Route.PYTHON), False, 0.0, name, None, False, False, False
                 short = func.overloadpacket.__name__
                 return (
                     int(route(func, plan_of(func), reorders, rules_revision)),
@@ -246,6 +254,7 @@ class Routes:
                     func,
                     func.overloadpacket in FLOAT32_EXACT,
                     short in classed,
+                    rules_revision >= 3 and func in EXACT_PRODUCTS,  # scale.exact_product_elements
                 )
 
             self._table, self._key = module.Table(resolve), key

@@ -93,6 +93,7 @@ struct Entry {
   bool float32_exact = false;  // EXACT: a float32 island of it may run natively (oprules.FLOAT32_EXACT)
   bool classed = false;        // LOGGED: its threshold depends on the call's class (Thresholds.per_class)
   bool sum_dims = false;       // LOGGED_SUM: aten.sum.dim_IntList, whose exact elements the kernel finds
+  bool exact_products = false; // a convolution whose calls exact in every order need no entry (rules revision 3)
 };
 
 // The routes of the operators seen, kept across steps (the Python side clears it when thresholds or the
@@ -173,6 +174,7 @@ const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
     e.float32_exact = r[5].cast<bool>();
     e.classed = r[6].cast<bool>();
     e.sum_dims = name.name == "aten::sum" && name.overload_name == "dim_IntList";
+    e.exact_products = r[7].cast<bool>();
   }
   return table->entries.emplace(key, std::move(e)).first->second;
 }
@@ -528,13 +530,64 @@ py::array_t<T> array_of(const Stored* p, Py_ssize_t n) {
   return a;
 }
 
+// The largest magnitude of a plain FP64 tensor and the largest power of two dividing all its elements (inf
+// where none is nonzero; scale._quantum), as scale.exact_product_elements takes them; false where a value is
+// off the FP32 grid or not finite.
+bool magnitudes(const at::Tensor& t, double& largest, double& quantum) {
+  at::Tensor dense;
+  {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    dense = t.contiguous();
+  }
+  const double* x = dense.data_ptr<double>();
+  int lowest = std::numeric_limits<int>::max();  // the smallest exponent of a least significant set bit
+  largest = 0.0;
+  for (int64_t i = 0, n = dense.numel(); i < n; ++i) {
+    const double v = x[i];
+    if (static_cast<double>(static_cast<float>(v)) != v || !std::isfinite(v)) return false;
+    const double m = std::fabs(v);
+    largest = m > largest ? m : largest;
+    if (m == 0.0) continue;
+    uint64_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    const int field = static_cast<int>((bits >> 52) & 0x7FF);
+    const uint64_t mantissa = (bits & ((uint64_t{1} << 52) - 1)) | (field > 0 ? uint64_t{1} << 52 : 0);
+    const int exponent = (field > 0 ? field - 1075 : -1074) + __builtin_ctzll(mantissa);
+    lowest = exponent < lowest ? exponent : lowest;
+  }
+  quantum = lowest == std::numeric_limits<int>::max() ? std::numeric_limits<double>::infinity()
+                                                      : std::ldexp(1.0, lowest);
+  return true;
+}
+
+// scale.exact_product_elements of an aten.convolution call (args: its 9 arguments): whether every partial
+// sum of its products, in every order, is exact in FP64, with the same bound and FP64 operations.
+bool products_exact(const std::vector<c10::IValue>& args) {
+  if (args.size() < 9 || !args[6].isBool() || args[6].toBool() || !args[8].isInt() || args[8].toInt() < 1) return false;
+  double lx, qx, lw, qw, lb = 0.0, qb = std::numeric_limits<double>::infinity();
+  auto plain = [](const c10::IValue& v) { return v.isTensor() && v.toTensor().defined() && v.toTensor().scalar_type() == c10::ScalarType::Double && plain_cpu(v.toTensor()); };
+  if (!plain(args[0]) || !plain(args[1])) return false;
+  const at::Tensor& w = args[1].toTensor();
+  if (!magnitudes(args[0].toTensor(), lx, qx) || !magnitudes(w, lw, qw)) return false;
+  const bool bias = !args[2].isNone() && !(args[2].isTensor() && !args[2].toTensor().defined());
+  if (bias && (!plain(args[2]) || !magnitudes(args[2].toTensor(), lb, qb))) return false;
+  if (w.dim() < 1 || w.size(0) == 0) return false;
+  double terms = 1.0;
+  for (int64_t d = 1; d < w.dim(); ++d) terms *= static_cast<double>(w.size(d));
+  double q = qx * qw;
+  if (bias) q = std::min(q, qb);
+  if (std::isinf(q)) return true;  // no nonzero product and no nonzero bias: zeros
+  return terms * lx * lw + lb <= 0x1p52 * q;
+}
+
 // RoundingMode._round_logged's recording path for one dense FP64 output, with the kernel's pass as
 // kernel.take_entries_ calls it: rounds it in place, and the op takes its position and its entries (if any).
 // route: the call's (LOGGED, LOGGED_REDUCTION or LOGGED_MM); thresholds/rows: a matrix product's column and
 // row factors (LOGGED_MM), else null.
 // exact: where given, a flat 0/1 mask over the output (exact_sum_mask): entries at its elements are left out.
 void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor& dense, const double* thresholds,
-                  const double* rows, const uint8_t* exact = nullptr) {
+                  const double* rows, const uint8_t* exact = nullptr,
+                  const std::vector<c10::IValue>* products = nullptr) {
   const DetrlKernelApi* api = step->kernel;
   const Py_ssize_t n = dense.numel();
   double* x = dense.data_ptr<double>();
@@ -583,6 +636,9 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
     }
     n_kept = k, n_pinned = p, n_short = q;
   }
+  // A convolution exact in every order (rules revision 3): its entries left out, as the mode's _without
+  // leaves every element out; tested only where it has any, as the mode tests it.
+  if ((n_kept || n_pinned || n_short) && products != nullptr && products_exact(*products)) n_kept = n_pinned = n_short = 0;
   count_rounded(step, n);
   py::gil_scoped_acquire gil;
   if (n_kept == 0 && n_pinned == 0 && n_short == 0) {
@@ -673,7 +729,8 @@ void input_gradient_rows(const DetrlKernelApi* api, const at::Tensor& dense, std
 }
 
 void round_logged(Step* step, const Entry& e, int route, double tau, std::vector<at::Tensor>& targets,
-                  const Product* product, const std::vector<c10::IValue>* sum_inputs) {
+                  const Product* product, const std::vector<c10::IValue>* sum_inputs,
+                  const std::vector<c10::IValue>* products = nullptr) {
   std::vector<at::Tensor> dense;  // each rounded output, contiguous (itself, or a copy written back)
   Unit unit;
   int64_t total = 0;
@@ -731,7 +788,7 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
         }
       } else if (step->kernel != nullptr) {
         take_entries(step, e, route, tau, d, product ? unit.cols.data() : nullptr,
-                     product ? unit.rows.data() : nullptr, masked ? exact.data() : nullptr);
+                     product ? unit.rows.data() : nullptr, masked ? exact.data() : nullptr, products);
       } else {
         round_dense(d.data_ptr<double>(), d.numel());
         count_rounded(step, t.numel());
@@ -750,9 +807,10 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
   py::tuple args;  // what the op's unit or its exact elements need
   if (product != nullptr) {
     args = py::make_tuple(product->a, product->b);
-  } else if (sum_inputs != nullptr) {
-    args = py::tuple(sum_inputs->size());
-    for (size_t i = 0; i < sum_inputs->size(); ++i) args[i] = torch::jit::toPyObject((*sum_inputs)[i]);
+  } else if (sum_inputs != nullptr || products != nullptr) {  // a sum's terms; a convolution's arguments
+    const auto& inputs = sum_inputs != nullptr ? *sum_inputs : *products;
+    args = py::tuple(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) args[i] = torch::jit::toPyObject(inputs[i]);
   }
   for (const auto& t : targets) {
     if (!rounded_output(t)) continue;
@@ -1458,7 +1516,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // A LOGGED_SUM's positional arguments (the mode's args; keyword-only ones are its kwargs, which
   // exact_sum_elements does not read): its terms, should an element be near.
   std::vector<c10::IValue> sum_inputs;
-  if (route == LOGGED_SUM || route == LOGGED_CONV) {
+  if (route == LOGGED_SUM || route == LOGGED_CONV || (logged && e.exact_products)) {
     for (size_t i = 0; i < n_args && !schema.arguments()[i].kwarg_only(); ++i) sum_inputs.push_back((*stack)[first + i]);
   }
   {
@@ -1481,7 +1539,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     }
     if (!std::isnan(class_tau)) tau = class_tau;
     return round_logged(step, e, route, tau, written, route == LOGGED_MM ? &product : nullptr,
-                        route == LOGGED_SUM || route == LOGGED_CONV ? &sum_inputs : nullptr);
+                        route == LOGGED_SUM || route == LOGGED_CONV ? &sum_inputs : nullptr,
+                        e.exact_products ? &sum_inputs : nullptr);
   }
   for (const auto& t : written) {
     round_exact(step, t);

@@ -145,11 +145,22 @@ def _base_kind(func: Any) -> OpKind:
 #:    land on an FP32 midpoint far more often than other results: 118 of a million random FP32 values.)
 #:    Elements of a sum (:data:`EXACT_SUMS`) that are exact in FP64 in every order need no log entry
 #:    (:func:`detrl.core.scale.exact_sum_elements`).
-RULES_REVISION = 2
+#: 3. A convolution whose every partial sum of products is exact in FP64 in every order (inputs with few
+#:    significant bits: a first layer on pixel data) needs no log entry
+#:    (:func:`detrl.core.scale.exact_product_elements`, :data:`EXACT_PRODUCTS`).
+RULES_REVISION = 3
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.
 EXACT_SUMS = frozenset({aten.sum.dim_IntList, aten.embedding_dense_backward.default})
+#: Revision 3: the sums of products whose calls exact in every order are found and left unlogged.
+EXACT_PRODUCTS = frozenset({aten.convolution.default})
+
+
+def exact_rule(func: Any, rules_revision: int) -> bool:
+    """Whether calls of ``func`` have elements every machine computes alike that need no log entry, under
+    rules revision ``rules_revision`` (:func:`detrl.core.scale.exact_elements` finds them)."""
+    return (rules_revision >= 2 and func in EXACT_SUMS) or (rules_revision >= 3 and func in EXACT_PRODUCTS)
 
 
 def squares(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -28,18 +28,18 @@ from detrl.core import decompose, islands, kernel, native, randomness
 from detrl.core.dispatch import EagerDispatchMode
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import (
-    EXACT_SUMS,
     HIDDEN_WRITES,
     RULES_REVISION,
     SQUARES,
     OpKind,
     call_class,
     classify,
+    exact_rule,
     op_name,
     squares,
 )
 from detrl.core.optrace import OpTrace
-from detrl.core.scale import Scale, exact_sum_elements, reduction_scale, scale_spacing, spacing32
+from detrl.core.scale import Scale, exact_elements, reduction_scale, scale_spacing, spacing32
 from detrl.formats.roundlog import OpEntries, key32, nearest_with_low16
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
@@ -609,9 +609,9 @@ class RoundingMode(EagerDispatchMode):
         scaled: bool | Scale = kind is OpKind.REDUCTION
         if scaled:
             scaled = reduction_scale(func, args, x) or True
-        # rules revision 2: elements every machine sums alike need no entry (scale.exact_sum_elements);
+        # rules revisions 2 and 3: elements every machine sums alike need no entry (scale.exact_elements);
         # found only where some element is near a midpoint (most calls have none)
-        sums = self.rules_revision >= 2 and func in EXACT_SUMS
+        sums = exact_rule(func, self.rules_revision)
         if step.replay is None:
             if kernel.applies(x, strided=True):  # native: test, compact and round, in one pass
                 # A strided view (split, in place on it) goes as a dense copy, whose flat order is the
@@ -630,7 +630,7 @@ class RoundingMode(EagerDispatchMode):
                 x.copy_(rounded)
                 if entries is not None:
                     entries = split_short(entries, x, tau, scaled)  # x is rounded now
-            if entries is not None and sums and (exact := exact_sum_elements(func, args, x)) is not None:
+            if entries is not None and sums and (exact := exact_elements(func, args, x)) is not None:
                 entries = _without(entries, exact)[0]
                 entries = entries if entries.last_index() >= 0 else None
             if entries is not None:
@@ -640,7 +640,7 @@ class RoundingMode(EagerDispatchMode):
                 )
             return
         rounded = x.to(torch.float32)
-        exact = (lambda: exact_sum_elements(func, args, x)) if sums else None
+        exact = (lambda: exact_elements(func, args, x)) if sums else None
         self._replay(step, seq, name, x, rounded, tau, scaled, exact)
         x.copy_(rounded)
 

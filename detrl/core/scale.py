@@ -241,6 +241,72 @@ def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tenso
     return _exact_of(largest, smallest, terms).reshape(-1)
 
 
+def exact_product_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Which elements of a convolution's output every machine computes alike, in any order: all of them
+    (a flat bool mask of ones) where the whole call is exact, else None (also where it is not a plain
+    FP64 convolution of finite values on the FP32 grid, or transposed).
+
+    Each output element sums at most ``K = C_in / groups * prod(kernel)`` products and a bias. Every
+    element of ``x`` is a multiple of ``q_x``, the largest power of two dividing all of them
+    (:func:`_quantum`: 1/16 for digit pixels), and likewise ``w`` and ``b``; so every product is a multiple
+    of ``q_x * q_w`` (and exact in FP64: 48 significant bits at most), and every partial sum, in every
+    order, a multiple of ``q = min(q_x * q_w, q_b)`` of magnitude at most ``K * max|x| * max|w| + max|b|``.
+    Where that is at most ``2**52 * q`` (a factor of two below what FP64 holds, so that the bound's own
+    rounding cannot matter), every partial sum is exact: the same FP64 value on every machine, even where
+    it lies exactly on an FP32 midpoint (digit pixels have 5 significant bits: half of a ResNet-50 step's
+    log on digits was its first convolution's ties). The maxima, quanta and the bound's FP64 operations are
+    the same on every machine, so recorder and replayer decide alike; the native route decides with the
+    same operations (``native_dispatch.cpp``)."""
+    if func is not _CONVOLUTION or len(args) < 9 or out.numel() == 0:
+        return None
+    x, w, b, transposed, groups = args[0], args[1], args[2], args[6], args[8]
+    if transposed is not False or not isinstance(groups, int) or groups < 1:
+        return None
+    parts = [(x, "x"), (w, "w")] + ([(b, "b")] if b is not None else [])
+    largest, quantum = {}, {}
+    for t, key in parts:
+        if not isinstance(t, torch.Tensor) or not _fp32_grid(t):
+            return None
+        largest[key] = float(t.abs().max()) if t.numel() else 0.0
+        if not math.isfinite(largest[key]):
+            return None
+        quantum[key] = _quantum(t)
+    if w.dim() < 1 or w.shape[0] == 0:
+        return None
+    terms = float(math.prod(w.shape[1:]))  # C_in / groups * prod(kernel)
+    q = quantum["x"] * quantum["w"]
+    bias_largest = 0.0
+    if b is not None:
+        q, bias_largest = min(q, quantum["b"]), largest["b"]
+    if math.isinf(q):  # no nonzero product and no nonzero bias: zeros
+        return torch.ones(out.numel(), dtype=torch.bool, device=out.device)
+    if terms * largest["x"] * largest["w"] + bias_largest <= 2.0**52 * q:
+        return torch.ones(out.numel(), dtype=torch.bool, device=out.device)
+    return None
+
+
+def _quantum(t: torch.Tensor) -> float:
+    """The largest power of two that divides every element of finite FP64 ``t``: the least significant set
+    bit of its nonzero elements, the smallest of them (inf: no nonzero element). From the bits, exactly."""
+    bits = t.detach().contiguous().view(torch.int64).reshape(-1)
+    bits = bits[(bits & 0x7FFFFFFFFFFFFFFF) != 0]  # nonzero, either sign
+    if bits.numel() == 0:
+        return math.inf
+    field = (bits >> 52) & 0x7FF  # biased exponent: 0 for a subnormal, which has no implicit bit
+    mantissa = (bits & ((1 << 52) - 1)) | torch.where(field > 0, 1 << 52, 0)
+    exponent = torch.where(field > 0, field - 1075, -1074)  # value = mantissa * 2**exponent
+    lowest = torch.log2((mantissa & -mantissa).double()).long()  # a power of two: log2 is exact
+    return math.ldexp(1.0, int((exponent + lowest).min()))
+
+
+def exact_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """:func:`exact_sum_elements` or :func:`exact_product_elements`, by op (``oprules.exact_rule`` says
+    which ops a rules revision asks it for)."""
+    if func is _CONVOLUTION:
+        return exact_product_elements(func, args, out)
+    return exact_sum_elements(func, args, out)
+
+
 def _exact_of(largest: torch.Tensor, smallest: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
     """The rule of :func:`exact_sum_elements`, from each sum's largest and smallest nonzero term magnitude
     (inf: none) and its number of terms (broadcast against them): a bool tensor of their shape."""
@@ -298,6 +364,7 @@ _MM = torch.ops.aten.mm.default
 _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 _SUM_DIMS = torch.ops.aten.sum.dim_IntList
 _EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
+_CONVOLUTION = torch.ops.aten.convolution.default
 #: The ops :func:`reduction_scale` measures from their inputs; every other reduction is measured at its
 #: output's channel scale, from the output alone.
 SCALED_BY_INPUTS = frozenset({_MM, _CONV_BACKWARD})

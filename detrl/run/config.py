@@ -135,6 +135,13 @@ class OptimizerConfig(Strict):
     )
     cycles: int = Field(1, ge=1, description="cyclic: cosine cycles over train.steps (snapshot ensembles)")
     warmup_steps: int = Field(0, ge=0, description="warmup_linear: steps of linear warmup to lr")
+    reference_batch: int | None = Field(
+        None,
+        ge=1,
+        description="the batch size lr is given for: a run trains at lr * train.batch_size / reference_batch "
+        "(the linear scaling rule of Goyal et al. 2017), so a recipe keeps its schedule at a smaller batch; "
+        "none: lr as given",
+    )
 
 
 class TrainConfig(Strict):

@@ -218,37 +218,44 @@ def model_builder(
     return build
 
 
-def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def base_lr(cfg: RunConfig) -> float:
+    """``optimizer.lr`` at ``train.batch_size``: scaled linearly from ``optimizer.reference_batch`` where the
+    config gives one (a recipe written for batch 64 run at batch 8 trains at an eighth of its rate)."""
     o = cfg.optimizer
+    if o.reference_batch is None:
+        return o.lr
+    return o.lr * cfg.train.batch_size / o.reference_batch
+
+
+def make_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o, lr = cfg.optimizer, base_lr(cfg)
     if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(
-        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-    )
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
 def learning_rate(cfg: RunConfig, step: int) -> float:
     """The learning rate of optimizer step ``step`` (1-based) of ``train.steps``.
 
-    ``constant``: ``lr``. ``cosine``: from ``lr`` down a half cosine over the run. ``cyclic``: ``cycles``
+    ``lr`` is :func:`base_lr`. ``constant``: ``lr``. ``cosine``: from ``lr`` down a half cosine over the run. ``cyclic``: ``cycles``
     such half cosines, each restarting at ``lr`` (Huang et al. 2017's snapshot ensembles): the model at the
     end of each cycle (:func:`cycle_ends`) is one member of the ensemble. ``warmup_linear`` (GPT-2
     fine-tuning's schedule): ``lr * step / W`` over the first ``W = warmup_steps`` steps, then a straight
     line from ``lr`` at step ``W + 1`` to ``lr / (steps - W)`` at the last step (zero one step later).
     """
-    o, steps = cfg.optimizer, cfg.train.steps
+    o, steps, lr = cfg.optimizer, cfg.train.steps, base_lr(cfg)
     if o.schedule == "constant":
-        return o.lr
+        return lr
     if o.schedule == "warmup_linear":
         w = o.warmup_steps
         if step <= w:
-            return o.lr * step / w
-        return o.lr * (steps - step + 1) / (steps - w)
+            return lr * step / w
+        return lr * (steps - step + 1) / (steps - w)
     cycles = o.cycles if o.schedule == "cyclic" else 1
     ends = cycle_ends(steps, cycles)
     start = max([0, *(e for e in ends if e < step)])
     end = min(e for e in ends if e >= step)
-    return o.lr * 0.5 * (1.0 + math.cos(math.pi * (step - 1 - start) / (end - start)))
+    return lr * 0.5 * (1.0 + math.cos(math.pi * (step - 1 - start) / (end - start)))
 
 
 def cycle_ends(steps: int, cycles: int) -> list[int]:

@@ -76,6 +76,7 @@ class SteeringMode(RoundingMode):
         if policy not in POLICIES:
             raise ValueError(f"unknown steering policy {policy!r}; known: {', '.join(POLICIES)}")
         super().__init__(base.profile, base.thresholds, base.module_path)
+        self.rules_revision = base.rules_revision  # the session's (a resumed bundle's, or a test's)
         self.policy = policy
         self._coins = np.random.Generator(np.random.PCG64(seed))
         self.steered: list[int] = []
