@@ -530,54 +530,84 @@ py::array_t<T> array_of(const Stored* p, Py_ssize_t n) {
   return a;
 }
 
-// The largest magnitude of a plain FP64 tensor and the largest power of two dividing all its elements (inf
-// where none is nonzero; scale._quantum), as scale.exact_product_elements takes them; false where a value is
-// off the FP32 grid or not finite.
-bool magnitudes(const at::Tensor& t, double& largest, double& quantum) {
+// A running scan of a plain FP64 tensor for scale.exact_product_elements: its largest magnitude so far and
+// the smallest exponent of a least significant set bit so far (scale._quantum: the largest power of two
+// dividing every element is 2**lowest). The largest only grows and the quantum only shrinks as it goes.
+struct Magnitudes {
   at::Tensor dense;
-  {
+  const double* x = nullptr;
+  int64_t n = 0, next = 0;
+  double largest = 0.0;
+  int lowest = std::numeric_limits<int>::max();
+  bool valid = true;  // false once a value is off the FP32 grid or not finite
+
+  explicit Magnitudes(const at::Tensor& t) {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     dense = t.contiguous();
+    x = dense.data_ptr<double>();
+    n = dense.numel();
   }
-  const double* x = dense.data_ptr<double>();
-  int lowest = std::numeric_limits<int>::max();  // the smallest exponent of a least significant set bit
-  largest = 0.0;
-  for (int64_t i = 0, n = dense.numel(); i < n; ++i) {
-    const double v = x[i];
-    if (static_cast<double>(static_cast<float>(v)) != v || !std::isfinite(v)) return false;
-    const double m = std::fabs(v);
-    largest = m > largest ? m : largest;
-    if (m == 0.0) continue;
-    uint64_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    const int field = static_cast<int>((bits >> 52) & 0x7FF);
-    const uint64_t mantissa = (bits & ((uint64_t{1} << 52) - 1)) | (field > 0 ? uint64_t{1} << 52 : 0);
-    const int exponent = (field > 0 ? field - 1075 : -1074) + __builtin_ctzll(mantissa);
-    lowest = exponent < lowest ? exponent : lowest;
+  bool done() const { return next >= n || !valid; }
+  // Scans up to `count` more elements.
+  void scan(int64_t count) {
+    const int64_t stop = std::min(n, next + count);
+    for (; next < stop; ++next) {
+      const double v = x[next];
+      if (static_cast<double>(static_cast<float>(v)) != v || !std::isfinite(v)) {
+        valid = false;
+        return;
+      }
+      const double m = std::fabs(v);
+      largest = m > largest ? m : largest;
+      if (m == 0.0) continue;
+      uint64_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      const int field = static_cast<int>((bits >> 52) & 0x7FF);
+      const uint64_t mantissa = (bits & ((uint64_t{1} << 52) - 1)) | (field > 0 ? uint64_t{1} << 52 : 0);
+      const int exponent = (field > 0 ? field - 1075 : -1074) + __builtin_ctzll(mantissa);
+      lowest = exponent < lowest ? exponent : lowest;
+    }
   }
-  quantum = lowest == std::numeric_limits<int>::max() ? std::numeric_limits<double>::infinity()
-                                                      : std::ldexp(1.0, lowest);
-  return true;
-}
+  double quantum() const {
+    return lowest == std::numeric_limits<int>::max() ? std::numeric_limits<double>::infinity()
+                                                     : std::ldexp(1.0, lowest);
+  }
+};
 
 // scale.exact_product_elements of an aten.convolution call (args: its 9 arguments): whether every partial
-// sum of its products, in every order, is exact in FP64, with the same bound and FP64 operations.
+// sum of its products, in every order, is exact in FP64, with the same bound and FP64 operations. The
+// scans stop early once the bound fails on what they have read: it fails on the whole tensors then too (a
+// larger maximum, a smaller quantum), and most convolutions (24-bit activations) fail in their first block.
 bool products_exact(const std::vector<c10::IValue>& args) {
   if (args.size() < 9 || !args[6].isBool() || args[6].toBool() || !args[8].isInt() || args[8].toInt() < 1) return false;
-  double lx, qx, lw, qw, lb = 0.0, qb = std::numeric_limits<double>::infinity();
-  auto plain = [](const c10::IValue& v) { return v.isTensor() && v.toTensor().defined() && v.toTensor().scalar_type() == c10::ScalarType::Double && plain_cpu(v.toTensor()); };
+  auto plain = [](const c10::IValue& v) {
+    return v.isTensor() && v.toTensor().defined() && v.toTensor().scalar_type() == c10::ScalarType::Double &&
+           plain_cpu(v.toTensor());
+  };
   if (!plain(args[0]) || !plain(args[1])) return false;
   const at::Tensor& w = args[1].toTensor();
-  if (!magnitudes(args[0].toTensor(), lx, qx) || !magnitudes(w, lw, qw)) return false;
-  const bool bias = !args[2].isNone() && !(args[2].isTensor() && !args[2].toTensor().defined());
-  if (bias && (!plain(args[2]) || !magnitudes(args[2].toTensor(), lb, qb))) return false;
   if (w.dim() < 1 || w.size(0) == 0) return false;
+  const bool has_bias = !args[2].isNone() && !(args[2].isTensor() && !args[2].toTensor().defined());
+  if (has_bias && !plain(args[2])) return false;
   double terms = 1.0;
   for (int64_t d = 1; d < w.dim(); ++d) terms *= static_cast<double>(w.size(d));
-  double q = qx * qw;
-  if (bias) q = std::min(q, qb);
-  if (std::isinf(q)) return true;  // no nonzero product and no nonzero bias: zeros
-  return terms * lx * lw + lb <= 0x1p52 * q;
+  Magnitudes x(args[0].toTensor()), weight(w);
+  std::unique_ptr<Magnitudes> bias;
+  if (has_bias) bias = std::make_unique<Magnitudes>(args[2].toTensor());
+  auto fails = [&]() {  // the bound on what has been read (monotone: it holds on less if on all)
+    double q = x.quantum() * weight.quantum();
+    double lb = 0.0;
+    if (bias) q = std::min(q, bias->quantum()), lb = bias->largest;
+    if (std::isinf(q)) return false;  // no nonzero product and no nonzero bias so far
+    return !(terms * x.largest * weight.largest + lb <= 0x1p52 * q);
+  };
+  constexpr int64_t kBlock = 4096;
+  while (!(x.done() && weight.done() && (!bias || bias->done()))) {
+    x.scan(kBlock), weight.scan(kBlock);
+    if (bias) bias->scan(kBlock);
+    if (!x.valid || !weight.valid || (bias && !bias->valid) || fails()) return false;
+  }
+  return !fails();
 }
 
 // RoundingMode._round_logged's recording path for one dense FP64 output, with the kernel's pass as
