@@ -124,6 +124,29 @@ def _plain_group(opt: torch.optim.Adam) -> bool:
     )
 
 
+def _op_by_op_group(opt: torch.optim.Adam) -> bool:
+    """A plain group whose step torch takes op by op with number arguments: not capturable or
+    differentiable, no weight decay, betas numbers (what ListAdam's and LoopAdam's fast steps dispatch)."""
+    group = opt.param_groups[0]
+    return (
+        _plain_group(opt)
+        and not group["capturable"]
+        and not group["differentiable"]
+        and group["weight_decay"] == 0
+        and not any(isinstance(b, torch.Tensor) for b in group["betas"])
+    )
+
+
+def _real_cpu_tensors(opt: torch.optim.Adam) -> bool:
+    """:func:`_one_kind`, every parameter a real CPU tensor and every step counter on the CPU."""
+    params = opt.param_groups[0]["params"]
+    return (
+        _one_kind(opt)
+        and all(p.device.type == "cpu" and not p.is_complex() for p in params)
+        and all(opt.state[p]["step"].is_cpu for p in params)
+    )
+
+
 def _one_kind(opt: torch.optim.Adam) -> bool:
     """Every tensor of the (one) group on one device in one dtype, every one with state."""
     params = opt.param_groups[0]["params"]
@@ -175,23 +198,10 @@ class LoopAdam(_KeptListsAdam):
 
     def _settings_lean(self) -> bool:
         group = self.param_groups[0]
-        return (
-            _plain_group(self)
-            and group["foreach"] is False
-            and not group["fused"]
-            and not group["capturable"]
-            and not group["differentiable"]
-            and group["weight_decay"] == 0
-            and not any(isinstance(b, torch.Tensor) for b in group["betas"])
-        )
+        return _op_by_op_group(self) and group["foreach"] is False and not group["fused"]
 
     def _tensors_lean(self) -> bool:
-        params = self.param_groups[0]["params"]
-        return (
-            _one_kind(self)
-            and all(p.device.type == "cpu" and not p.is_complex() for p in params)
-            and all(self.state[p]["step"].is_cpu for p in params)
-        )
+        return _real_cpu_tensors(self)
 
     def _fast_step(self, lists: tuple[list[torch.Tensor], ...], grads: list[torch.Tensor]) -> None:
         group = self.param_groups[0]  # read each step: a schedule may change lr
@@ -226,23 +236,10 @@ class ListAdam(_KeptListsAdam):
         super().__init__(params, foreach=True, **kwargs)
 
     def _settings_lean(self) -> bool:
-        group = self.param_groups[0]
-        return (
-            _plain_group(self)
-            and group["foreach"]
-            and not group["capturable"]
-            and not group["differentiable"]
-            and group["weight_decay"] == 0
-            and not any(isinstance(b, torch.Tensor) for b in group["betas"])
-        )
+        return _op_by_op_group(self) and bool(self.param_groups[0]["foreach"])
 
     def _tensors_lean(self) -> bool:
-        params = self.param_groups[0]["params"]
-        return (
-            _one_kind(self)
-            and all(p.device.type == "cpu" and not p.is_complex() for p in params)
-            and all(self.state[p]["step"].is_cpu for p in params)
-        )
+        return _real_cpu_tensors(self)
 
     def _fast_step(self, lists: tuple[list[torch.Tensor], ...], grads: list[torch.Tensor]) -> None:
         params, exp_avgs, exp_avg_sqs, steps = lists

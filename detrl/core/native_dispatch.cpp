@@ -310,6 +310,11 @@ void collect(const c10::IValue& v, std::vector<at::Tensor>& out) {
 
 bool plain_cpu(const at::Tensor& t) { return t.is_cpu() && !t.is_conj() && !t.is_neg(); }
 
+// A defined, strided FP64 CPU tensor that is no lazy conjugate or negation.
+bool plain_double(const at::Tensor& t) {
+  return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.layout() == c10::kStrided && plain_cpu(t);
+}
+
 // An output the mode rounds: a non-empty FP64 tensor (other dtypes and empty ones it leaves as they are).
 bool rounded_output(const at::Tensor& t) {
   return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.numel() > 0;
@@ -580,10 +585,7 @@ struct Magnitudes {
 // larger maximum, a smaller quantum), and most convolutions (24-bit activations) fail in their first block.
 bool products_exact(const std::vector<c10::IValue>& args) {
   if (args.size() < 9 || !args[6].isBool() || args[6].toBool() || !args[8].isInt() || args[8].toInt() < 1) return false;
-  auto plain = [](const c10::IValue& v) {
-    return v.isTensor() && v.toTensor().defined() && v.toTensor().scalar_type() == c10::ScalarType::Double &&
-           plain_cpu(v.toTensor());
-  };
+  auto plain = [](const c10::IValue& v) { return v.isTensor() && plain_double(v.toTensor()); };
   if (!plain(args[0]) || !plain(args[1])) return false;
   const at::Tensor& w = args[1].toTensor();
   if (w.dim() < 1 || w.size(0) == 0) return false;
@@ -1126,10 +1128,6 @@ struct Decomposing {
     }
   }
 };
-
-bool plain_double(const at::Tensor& t) {
-  return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.layout() == c10::kStrided && plain_cpu(t);
-}
 
 // An optional tensor argument: undefined (None), or a plain FP64 CPU tensor; false for anything else.
 bool optional_double(const c10::IValue& v, at::Tensor& out) {
