@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -220,33 +221,48 @@ def test_a_mode_entered_inside_a_step_still_sees_every_op(tmp_path) -> None:  # 
     assert "aten.tanh.default" in seen[True] and "aten.tanh_backward.default" in seen[True]
 
 
+def _recorded(
+    on: bool, tau: float, body: Callable[[], object], rules_revision: int = RULES_REVISION
+) -> tuple:
+    """``body()`` in one recording step of a fresh rounding mode on the native profile at threshold ``tau``,
+    under rules revision ``rules_revision``, the route ``on`` or off. Returns the step's stats, op names and
+    entries (op, indices, directions, short indices), and the route's counts."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    step = StepRounding()
+    mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
+    mode.rules_revision = rules_revision
+    before = native._enabled
+    native.set_enabled(on)
+    native.counts.clear()
+    try:
+        with mode.step_scope(step):
+            body()
+    finally:
+        native.set_enabled(before)
+    entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
+    return (step.stats, step.op_names, entries), native.counts.copy()
+
+
 def _layer_norm_step(route: str, tau: float, values: torch.Tensor, monkeypatch) -> tuple:  # noqa: ANN001
     """A layer norm's forward and backward in one recorded step; ``route``: "off" (the mode alone), "on"
     (the route, which writes layer norm out itself), "mode" (the route, but the mode writes layer norm out
     and hands its sums back) or "flat" (that, and the sums stay in the mode). Returns the step's stats, op
     names, entries and the gradients, and the route's counts."""
-    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
-
     x = values.clone().requires_grad_()
     weight = torch.ones(values.shape[-1], dtype=torch.float64, requires_grad=True)
-    step = StepRounding()
-    mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
-    before = native._enabled
-    native.set_enabled(route != "off")
-    native.counts.clear()
+
+    def body() -> None:
+        y = torch.nn.functional.layer_norm(x, values.shape[-1:], weight)
+        y.backward(torch.ones_like(y))
+
     with monkeypatch.context() as m:
         if route in ("mode", "flat"):
             m.setattr(native, "_DECOMPOSED", {})
         if route == "flat":
             m.setattr(native, "nest", lambda: False)
-        try:
-            with mode.step_scope(step):
-                y = torch.nn.functional.layer_norm(x, values.shape[-1:], weight)
-                y.backward(torch.ones_like(y))
-        finally:
-            native.set_enabled(before)
-    entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
-    return (step.stats, step.op_names, entries, x.grad, weight.grad), native.counts.copy()
+        got, counts = _recorded(route != "off", tau, body)
+    return (*got, x.grad, weight.grad), counts
 
 
 @needs_native
@@ -521,30 +537,21 @@ def test_a_call_is_logged_at_its_class_threshold(on: bool) -> None:
 
 def _batch_norm_step(on: bool, tau: float, values: torch.Tensor) -> tuple:
     """Batch norm 2-d (affine, running statistics) and 1-d (neither), then cross-entropy and a softmax,
-    forward and backward in one recorded step, the route ``on`` or off. Returns the step's stats, op names, entries,
-    gradients and running statistics, and the route's counts."""
-    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
-
+    forward and backward in one recorded step, the route ``on`` or off. Returns the step's stats, op names,
+    entries, gradients and running statistics, and the route's counts."""
     torch.manual_seed(0)
     bn2d = torch.nn.BatchNorm2d(values.shape[1]).double()
     bn1d = torch.nn.BatchNorm1d(values.shape[1], affine=False, track_running_stats=False).double()
     bn2d.bias.requires_grad_(False)  # a frozen bias: the backward's output mask leaves its gradient out
     x = values.clone().requires_grad_()
     labels = torch.arange(values.shape[0]) % values.shape[1]
-    step = StepRounding()
-    mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
-    before = native._enabled
-    native.set_enabled(on)
-    native.counts.clear()
-    try:
-        with mode.step_scope(step):
-            z = bn1d(torch.nn.functional.relu(bn2d(x)).mean((2, 3)))
-            (torch.nn.functional.cross_entropy(z, labels) + (torch.softmax(z, 1) * z).sum()).backward()
-    finally:
-        native.set_enabled(before)
-    entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
-    tensors = (x.grad, bn2d.weight.grad, bn2d.running_mean, bn2d.running_var)
-    return (step.stats, step.op_names, entries, tensors), native.counts.copy()
+
+    def body() -> None:
+        z = bn1d(torch.nn.functional.relu(bn2d(x)).mean((2, 3)))
+        (torch.nn.functional.cross_entropy(z, labels) + (torch.softmax(z, 1) * z).sum()).backward()
+
+    got, counts = _recorded(on, tau, body)
+    return (*got, (x.grad, bn2d.weight.grad, bn2d.running_mean, bn2d.running_var)), counts
 
 
 @needs_native
@@ -576,25 +583,15 @@ def _convolution_step(on: bool, rules: int, pixels: torch.Tensor) -> tuple:
     """Two convolutions in one recorded step, the first on few-bit ``pixels`` (exact in every order), the
     second on its 24-bit output, at a threshold that finds near elements; the route ``on`` or off, under
     rules revision ``rules``. Returns the stats, op names and entries, and the route's counts."""
-    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
-
     g = torch.Generator().manual_seed(0)
     first = torch.randn(4, 3, 3, 3, generator=g, dtype=torch.float64).float().double()
     second = torch.randn(2, 4, 3, 3, generator=g, dtype=torch.float64).float().double()
-    step = StepRounding()
-    mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-3))
-    mode.rules_revision = rules
-    before = native._enabled
-    native.set_enabled(on)
-    native.counts.clear()
-    try:
-        with mode.step_scope(step):
-            h = torch.nn.functional.conv2d(pixels, first, padding=1)
-            torch.nn.functional.conv2d(h, second, padding=1)
-    finally:
-        native.set_enabled(before)
-    entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
-    return (step.stats, step.op_names, entries), native.counts.copy()
+
+    def body() -> None:
+        h = torch.nn.functional.conv2d(pixels, first, padding=1)
+        torch.nn.functional.conv2d(h, second, padding=1)
+
+    return _recorded(on, 2.0**-3, body, rules)
 
 
 @needs_native

@@ -35,17 +35,8 @@ STEPS, EVERY = 8, 2
 SETS = (f"train.steps={STEPS}", f"verify.checkpoint_every={EVERY}", "name=parallel_audit")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _rules_revision_2() -> Any:
-    """This module's bundles are recorded under rounding-rule revision 2 (they replay under it, as any
-    bundle replays under its own): its digits CNN log holds the first convolution's exact FP32 ties, about
-    2,000 entries a step, many of which change the state when flipped or removed. Revision 3 leaves those
-    out (exact in every order, tests/test_rounding.py), and a tampering test needs entries that matter."""
-    from detrl.core import engine
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(engine, "RULES_REVISION", 2)
-        yield
+# Recorded under rounding-rule revision 2, whose digits CNN log has entries that matter (conftest.py).
+pytestmark = pytest.mark.usefixtures("rules_revision_2")
 
 
 @pytest.fixture(scope="module")

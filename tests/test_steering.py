@@ -8,7 +8,6 @@ digits_cnn, 3 steps, 297 digits held out: 10 to 25 s in all on a busy 2-core mac
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,17 +27,8 @@ def _cfg():  # noqa: ANN202
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _rules_revision_2() -> Any:
-    """This module's bundles are recorded under rounding-rule revision 2 (they replay under it, as any
-    bundle replays under its own): its digits CNN log holds the first convolution's exact FP32 ties, about
-    2,000 entries a step, many of which change the state when flipped or removed. Revision 3 leaves those
-    out (exact in every order, tests/test_rounding.py), and a tampering test needs entries that matter."""
-    from detrl.core import engine
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(engine, "RULES_REVISION", 2)
-        yield
+# Recorded under rounding-rule revision 2, whose digits CNN log has entries that matter (conftest.py).
+pytestmark = pytest.mark.usefixtures("rules_revision_2")
 
 
 @pytest.fixture(scope="module")
