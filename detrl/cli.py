@@ -176,9 +176,11 @@ def _print_trained(
 
         log_bytes = sum(session.log_bytes)
         dense = dense_reference_bytes(t.rounded_elements)
+        largest = max(session.log_bytes[1:], default=0)  # this session's steps (the first: what came before)
         print(
             f"rounding log: {t.logged} elements, {format_bytes(log_bytes)} "
-            f"({format_bytes(log_bytes / max(1, session.step_index))}/step); dense reference encoding "
+            f"({format_bytes(log_bytes / max(1, session.step_index))}/step, largest step "
+            f"{format_bytes(largest)}); dense reference encoding "
             f"{format_bytes(dense)} ({dense / max(1, log_bytes):.0f}x larger)"
         )
     planned = task.planned_steps(cfg)

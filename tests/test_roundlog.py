@@ -110,12 +110,18 @@ def segment(
     return head + struct.pack("<I", zlib.crc32(comp, zlib.crc32(head))) + comp
 
 
-def file_header(version: int = FORMAT_VERSION) -> bytes:
+#: The format version of the records the helpers above write by hand (``record``: version 3's layout, which
+#: the reader still reads; ``record4`` writes version 4's).
+V3 = 3
+
+
+def file_header(version: int = V3) -> bytes:
     return HEADER.pack(b"DTRLRLOG", version, 0, 0)
 
 
-def forge(path: Path, segments: list[bytes], version: int = FORMAT_VERSION) -> None:
-    """Write a file from segment bytes: file header, then the segments back to back."""
+def forge(path: Path, segments: list[bytes], version: int = V3) -> None:
+    """Write a file from segment bytes (hand-made records: version 3 unless said otherwise): file header,
+    then the segments back to back."""
     path.write_bytes(file_header(version) + b"".join(segments))
 
 
@@ -321,7 +327,7 @@ def test_writer_rejects_bad_steps_and_levels(tmp_path: Path) -> None:
 def test_header_flushed_at_construction_and_segments_at_each_step(tmp_path: Path) -> None:
     p = tmp_path / "live.rlog"
     w = RoundLogWriter(p)
-    assert p.read_bytes() == file_header()  # visible to another reader before any step
+    assert p.read_bytes() == file_header(FORMAT_VERSION)  # visible to another reader before any step
     with RoundLogReader(p) as r:
         assert r.steps == [] and r.torn_bytes == 0
     w.write_step(1, [OpEntries(0, [3], [True])])
@@ -366,7 +372,11 @@ def test_encode_segment_is_the_bytes_written(tmp_path: Path) -> None:
 
 
 def _both_encoders(
-    step: int, ops: list, cctx: zstandard.ZstdCompressor, monkeypatch: pytest.MonkeyPatch
+    step: int,
+    ops: list,
+    cctx: zstandard.ZstdCompressor,
+    monkeypatch: pytest.MonkeyPatch,
+    version: int = FORMAT_VERSION,
 ) -> list:
     """encode_segment's bytes (or the ValueError's text) with the C record encoder and with the Python one."""
     from detrl.formats import roundlog
@@ -375,31 +385,32 @@ def _both_encoders(
     for native in (True, False):
         monkeypatch.setattr(roundlog, "NATIVE_RECORDS", native)
         try:
-            out.append(encode_segment(step, ops, cctx))
+            out.append(encode_segment(step, ops, cctx, version))
         except ValueError as e:
             out.append(f"ValueError: {e}")
     return out
 
 
 def test_the_c_record_encoder_writes_the_reference_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C encoder (detrl/formats/_segment.c) writes what the Python encoder writes: on random steps of
-    direction, pinned and short entries, with indices past 2**32 (8-byte deltas) and ops without entries;
-    and entries it declines (unsorted, overlapping kinds, negative, out of order, strided, other dtypes) get
-    the reference's error."""
+    """The C encoder (detrl/formats/_segment.c) writes what the Python encoder writes, in versions 4 and 3:
+    on random steps of direction, pinned and short entries, with indices past 2**32 (8-byte deltas, Rice
+    parameters past 32), dense runs (parameter 0) and ops without entries; and entries it declines
+    (unsorted, overlapping kinds, negative, out of order, strided, other dtypes) get the reference's error."""
     from detrl.formats import roundlog
 
     if roundlog._segment is None:
         pytest.skip("the C record encoder is not built here")
     rng = np.random.default_rng(11)
     cctx = segment_compressor()
-    for trial in range(200):
-        space = 1 << 40 if trial % 4 == 0 else 1 << 16
+    for trial in range(300):
+        space = (1 << 62, 1 << 40, 1 << 16, 64)[trial % 4]
         ops = random_ops(rng, int(rng.integers(0, 8)), int(rng.integers(1, 40)), space=space, pinned=True)
         if ops and trial % 3 == 0:  # an op with no entries at all
             ops[0] = OpEntries(ops[0].op, np.zeros(0, np.int64), np.zeros(0, bool))
-        assert roundlog._segment.encode_records(ops) is not None, trial  # taken by the C encoder
-        native, reference = _both_encoders(trial, ops, cctx, monkeypatch)
-        assert isinstance(native, bytes) and native == reference, trial
+        for version in (4, 3):
+            assert roundlog._segment.encode_records(ops, version) is not None, trial  # taken by the C encoder
+            native, reference = _both_encoders(trial, ops, cctx, monkeypatch, version)
+            assert isinstance(native, bytes) and native == reference, trial
     idx, up = np.array([3, 9, 40], np.int64), np.array([True, False, True])
 
     def entries(**changes: object) -> OpEntries:
@@ -421,9 +432,10 @@ def test_the_c_record_encoder_writes_the_reference_bytes(monkeypatch: pytest.Mon
         [entries(op=np.int64(2))],  # valid
     ]
     for ops in declined:
-        assert roundlog._segment.encode_records(ops) is None, ops
+        assert roundlog._segment.encode_records(ops, FORMAT_VERSION) is None, ops
         native, reference = _both_encoders(1, ops, cctx, monkeypatch)
         assert native == reference, ops
+    assert roundlog._segment.encode_records([entries()], 5) is None  # a version it does not write
 
 
 # --- appending (resume) ------------------------------------------------------------------------
@@ -469,7 +481,7 @@ def test_append_refuses_bad_offsets_and_files(tmp_path: Path, small_log: Path) -
     assert small_log.stat().st_size == size  # untouched
     other = tmp_path / "other"
     other.write_bytes(b"not a log at all, do not truncate me")
-    with pytest.raises(RoundLogError, match="not a version 3 rounding log"):
+    with pytest.raises(RoundLogError, match="not a version 3 or 4 rounding log"):
         RoundLogWriter.append(other, 16, last_step=None)
     assert other.read_bytes() == b"not a log at all, do not truncate me"
     with pytest.raises(RoundLogError, match="cannot open"):
@@ -548,12 +560,12 @@ def test_wrong_magic_and_version(small_log: Path, tmp_path: Path) -> None:
     p.write_bytes(b"NOTALOG!" + data[8:])
     assert_rejected(p, "bad magic")
     forge(p, [], version=7)
-    assert_rejected(p, "unsupported format version 7 (this detrl reads version 3)")
+    assert_rejected(p, "unsupported format version 7 (this detrl reads versions 3 and 4)")
     p.write_bytes(file_header(1) + data[16:])  # a version-1 file (its index and trailer not needed)
-    err = assert_rejected(p, "unsupported format version 1 (this detrl reads version 3)")
+    err = assert_rejected(p, "unsupported format version 1 (this detrl reads versions 3 and 4)")
     assert "\n" not in str(err)
     p.write_bytes(file_header(2) + data[16:])  # a version-2 file (no short pinned records)
-    assert_rejected(p, "unsupported format version 2 (this detrl reads version 3)")
+    assert_rejected(p, "unsupported format version 2 (this detrl reads versions 3 and 4)")
     p.write_bytes(HEADER.pack(b"DTRLRLOG", FORMAT_VERSION, 1, 0) + data[16:])
     assert_rejected(p, "unsupported header flags")
 
@@ -683,6 +695,104 @@ def test_bad_records(tmp_path: Path, raw: bytes, n_ops: int, match: str) -> None
     p = tmp_path / "rec.rlog"
     forge(p, [segment(0, 0, b""), segment(4, n_ops, raw)])
     assert_rejected(p, match)
+
+
+def record4(
+    op: int, count: int, k: int, unary: bytes, remainders: bytes, tail: bytes, flag: int = 0
+) -> bytes:
+    """One raw version-4 record, per the spec: header (op, count, kind byte, unary bytes), then the unary
+    code, the remainders and the payload as given."""
+    return struct.pack("<IIBI", op, count, k | flag, len(unary)) + unary + remainders + tail
+
+
+def test_a_version_4_record_by_hand(tmp_path: Path) -> None:
+    """The Rice code as docs/roundlog.md spells it: indices [5, 6, 20] have gaps [5, 0, 13]; with k = 2 the
+    quotients [1, 0, 3] are unary 01 1 0001 (then zero padding) and the remainders [1, 0, 1] are
+    01 00 01; the writer picks k = 2 (the smallest k of the shortest code), and the reader reads it back."""
+    raw = record4(7, 3, 2, bytes([0b01100010]), bytes([0b01000100]), bytes([0b10100000]))
+    entries = OpEntries(7, np.array([5, 6, 20], np.int64), np.array([True, False, True]))
+    from detrl.formats import roundlog
+
+    assert roundlog._encode_records([entries]) == (raw, 1)
+    assert roundlog.rice_parameter(np.array([5, 0, 13], np.uint64)) == 2
+    p = tmp_path / "v4.rlog"
+    forge(p, [segment(4, 1, raw)], version=4)
+    assert read_all(p) == {4: {7: entries}}
+
+
+@pytest.mark.parametrize(
+    ("raw", "n_ops", "match"),
+    [
+        # unary code with a fourth one bit for three entries
+        (record4(7, 3, 2, bytes([0b01100011]), bytes([0b01000100]), b"\xa0"), 1, "more than 3 quotients"),
+        # two one bits for three entries
+        (record4(7, 3, 2, bytes([0b01100000]), bytes([0b01000100]), b"\xa0"), 1, "holds 2 quotients, not 3"),
+        # a trailing zero byte after the last quotient
+        (record4(7, 3, 2, bytes([0b01100010, 0]), bytes([0b01000100]), b"\xa0"), 1, "runs past its last"),
+        # nonzero padding after the remainders (6 bits used of 8)
+        (record4(7, 3, 2, bytes([0b01100010]), bytes([0b01000101]), b"\xa0"), 1, "padding bits after"),
+        # a Rice parameter past 62
+        (record4(7, 1, 63, b"\x80", bytes(8), b"\x80"), 1, "Rice parameter 63 above 62"),
+        # fewer unary bytes than a one bit per entry needs
+        (record4(7, 9, 0, b"\xff", b"", b"\x00\x00"), 1, "cannot hold 9 quotients"),
+        # a gap of 2**63: quotient 2 with k = 62
+        (record4(7, 1, 62, b"\x20", bytes(8), b"\x80"), 1, "index exceeds 2**63 - 1"),
+        # two gaps of 2**63 - 1 each: indices past 2**63
+        (
+            record4(7, 2, 62, b"\x50", b"\xff" * 15 + b"\xf0", b"\x00"),
+            1,
+            "index 18446744073709551615 exceeds",
+        ),
+        # the unary code overruns the payload
+        (struct.pack("<IIBI", 7, 1, 0, 1000) + b"\x80\x80", 1, "overrun the payload"),
+        (record4(7, 0, 0, b"", b"", b"\x00\x00"), 1, "empty record"),
+        (record4(7, 1, 0, b"\x80", b"", b"\x80", flag=0xC0), 1, "flags both pinned and short"),
+        (
+            record4(7, 1, 0, b"\x80", b"", b"\x80") + record4(7, 1, 0, b"\x80", b"", b"\x80"),
+            2,
+            "op not greater",
+        ),
+        (record4(7, 1, 0, b"\x80", b"", b"\x80") + b"\x00", 1, "1 trailing bytes"),
+    ],
+)
+def test_bad_version_4_records(tmp_path: Path, raw: bytes, n_ops: int, match: str) -> None:
+    p = tmp_path / "rec4.rlog"
+    forge(p, [segment(0, 0, b""), segment(4, n_ops, raw)], version=4)
+    assert_rejected(p, match)
+
+
+def test_a_version_3_log_is_read_and_continued_in_version_3(tmp_path: Path) -> None:
+    """A log recorded before version 4 reads as before, and a resumed recording continues it in its own
+    version, byte for byte what a version-3 writer would have written."""
+    rng = np.random.default_rng(8)
+    steps = {s: random_ops(rng, 4, 30, pinned=True) for s in range(1, 6)}
+    cctx = segment_compressor()
+    p = tmp_path / "old.rlog"
+    forge(p, [encode_segment(s, steps[s], cctx, version=3) for s in (1, 2, 3)])
+    with RoundLogReader(p) as r:
+        assert r.version == 3 and r.steps == [1, 2, 3]
+        end = r.segment_end(3)
+    with RoundLogWriter.append(p, end, last_step=3) as w:
+        assert w.version == 3
+        for s in (4, 5):
+            w.write_step(s, steps[s])
+    expected = file_header(3) + b"".join(encode_segment(s, steps[s], cctx, version=3) for s in steps)
+    assert p.read_bytes() == expected
+    assert read_all(p) == {s: as_dict(ops) for s, ops in steps.items()}
+    with pytest.raises(ValueError, match="format version 5"):
+        encode_segment(1, steps[1], cctx, version=5)
+
+
+def test_version_4_is_smaller_on_clustered_and_sparse_indices(tmp_path: Path) -> None:
+    """The point of version 4: the same entries in fewer bytes than version 3, for sparse indices spread
+    over a large output (geometric gaps, as near-midpoint elements are) and for dense clusters."""
+    rng = np.random.default_rng(9)
+    cctx = segment_compressor(9)
+    for space, n in ((1 << 24, 2000), (4096, 1500)):
+        idx = np.sort(rng.choice(space, size=n, replace=False)).astype(np.int64)
+        ops = [OpEntries(3, idx, rng.random(n) < 0.5)]
+        v3, v4 = (len(encode_segment(1, ops, cctx, version=v)) for v in (3, 4))
+        assert v4 < 0.95 * v3, (space, v3, v4)
 
 
 def test_bad_segment_header(tmp_path: Path) -> None:

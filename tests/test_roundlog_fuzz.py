@@ -233,15 +233,16 @@ def test_huge_header_fields(base: int, which: int, field: tuple[int, str], value
     exercise(data[:at] + (with_crc(seg) if fix_crc else bytes(seg)) + data[end:])
 
 
-def _record(op: int, count: int, width_byte: int, body: bytes) -> bytes:
-    return struct.pack("<IIB", op, count, width_byte) + body
+def _record(op: int, count: int, kind_byte: int, unary: int, body: bytes) -> bytes:
+    return struct.pack("<IIBI", op, count, kind_byte, unary) + body  # version 4's record header
 
 
 records = st.builds(
     _record,
     st.integers(0, 15),
     st.one_of(st.integers(0, 40), st.sampled_from(HUGE).map(lambda v: v % (1 << 32))),
-    st.sampled_from([0, 2, 4, 8, 0x84, 0x88, 0x80, 0x44, 0x48, 0x40, 0xC4, 0xFF]),
+    st.sampled_from([0, 1, 2, 13, 62, 63, 0x84, 0x80, 0xBE, 0x44, 0x40, 0x7F, 0xC4, 0xFF]),
+    st.one_of(st.integers(0, 40), st.sampled_from(HUGE).map(lambda v: v % (1 << 32))),
     st.binary(max_size=200),
 )
 

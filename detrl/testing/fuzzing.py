@@ -351,19 +351,21 @@ def checkpoint_bytes(rng: random.Random, data: bytes) -> bytes:
 
 
 def _records(rng: random.Random, raw: bytes) -> bytes:
-    """A decompressed payload made of real and invented records, or the real one damaged."""
+    """A decompressed payload made of real and invented (version 4) records, or the real one damaged."""
     if rng.random() < 0.6:
         return mutate_bytes(rng, raw)
     out = bytearray()
     op = rng.randint(0, 3)
     for _ in range(rng.randint(0, 4)):
         count = rng.choice((0, 1, 2, 7, 8, 9, 100, rng.randint(1, 5000), 2**31, 2**32 - 1))
-        width = rng.choice((4, 8, 4 | 0x80, 8 | 0x80, 0, 3, 0xFF))
-        w = width & 0x7F
-        body_len = count * w + (4 * count if width & 0x80 else (count + 7) // 8) if w in (4, 8) else 0
+        kind = rng.choice((0, 2, 13, 0x80 | 5, 0x40 | 3, 62, 63, 0xC0, 0xFF))
+        k = kind & 0x3F
+        unary = rng.choice((0, 1, (count + 7) // 8, (3 * count + 7) // 8, rng.randint(0, 1 << 12), 2**32 - 1))
+        payload = 4 * count if kind & 0x80 else 2 * count if kind & 0x40 else (count + 7) // 8
+        body_len = unary + (count * k + 7) // 8 + payload
         body_len = min(body_len, 1 << 16) if rng.random() < 0.7 else min(body_len, rng.randint(0, 64))
         body = _blob(rng, body_len) if rng.random() < 0.5 else bytes(body_len)
-        out += _REC.pack(op % 2**32, count % 2**32, width) + body
+        out += _REC.pack(op % 2**32, count % 2**32, kind, unary % 2**32) + body
         op += rng.choice((0, 1, 1, 2, 50, 2**31))
     return bytes(out)
 
@@ -390,7 +392,7 @@ def roundlog_bytes(rng: random.Random, base: BaseBundle) -> bytes:
     if kind == "records":
         raw = _records(rng, s.raw)
         n_ops = (
-            s.n_ops if rng.random() < 0.5 else len(raw) // 14 if rng.random() < 0.5 else _int(rng, s.n_ops)
+            s.n_ops if rng.random() < 0.5 else len(raw) // 15 if rng.random() < 0.5 else _int(rng, s.n_ops)
         )
         comp = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw)
         encoded[i] = _segment_bytes(s.step, n_ops, len(raw), comp)
@@ -425,7 +427,7 @@ def roundlog_bytes(rng: random.Random, base: BaseBundle) -> bytes:
             encoded[i], encoded[j] = encoded[j], encoded[i]
     else:  # a small decompression bomb: a well-formed record body of zeros for an op nobody takes
         count = rng.choice((1 << 16, 1 << 19, 1 << 21))
-        raw = _REC.pack(2**32 - 1, count, 4) + bytes(count * 4 + (count + 7) // 8)
+        raw = _REC.pack(2**32 - 1, count, 0, count) + bytes(count + (count + 7) // 8)  # k 0, no one bits
         comp = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
         encoded[i] = _segment_bytes(s.step, 1, len(raw), comp)
     out = log[:_LOG_HEADER_BYTES] + b"".join(encoded)

@@ -84,13 +84,14 @@ def zstd_bomb_segment(step: int, raw_bytes: int) -> bytes:
     record, for an op position no replay asks for, is ``raw_bytes`` of zeros once decompressed."""
     import zstandard
 
-    count = (raw_bytes - 9) * 8 // 33  # 9-byte record header, 4-byte deltas, 1 bit per entry
-    raw_len = 9 + count * 4 + (count + 7) // 8
+    # a 13-byte record header, then a byte of (zero) unary code and a direction bit per entry
+    count = (raw_bytes - RECORD_HEADER.size) * 8 // 9
+    raw_len = RECORD_HEADER.size + count + (count + 7) // 8
     buf = io.BytesIO()
     cctx = zstandard.ZstdCompressor(level=3, write_content_size=True)
     with cctx.stream_writer(buf, size=raw_len, closefd=False) as w:
-        w.write(RECORD_HEADER.pack(2**32 - 1, count, 4))
-        zeros, left = bytes(1 << 20), raw_len - 9
+        w.write(RECORD_HEADER.pack(2**32 - 1, count, 0, count))
+        zeros, left = bytes(1 << 20), raw_len - RECORD_HEADER.size
         while left:
             w.write(zeros[: min(left, len(zeros))])
             left -= min(left, len(zeros))
