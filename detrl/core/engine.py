@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.module_tracker import ModuleTracker
 
-from detrl.core import calibrate
+from detrl.core import calibrate, native
 from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
 from detrl.core.oprules import RULES_REVISION
@@ -393,6 +393,8 @@ class Session:
             self._tracker = _OrderedTracker()
         self.rounding = RoundingMode(self.profile, self.thresholds, _weakly(self._module_path))
         self.rounding.rules_revision = self.rules_revision
+        if self.precision.is_verifiable:
+            native.available()  # load the native route now, with the Session: setup, not the first step's time
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.step_index = 0
