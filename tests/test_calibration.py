@@ -24,7 +24,8 @@ from detrl.core.calibrate import (
     Calibrator,
     shape_class,
 )
-from detrl.core.oprules import call_class, op_name
+from detrl.core.hardware import EmulatedProfile, get_profile
+from detrl.core.oprules import OpKind, call_class, op_name
 from detrl.core.rounding import Thresholds
 
 PROFILES = ["emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"]
@@ -220,6 +221,34 @@ def test_shape_class_keys_structure_not_values():
     assert shape_class("sum", (a, [0]), {}) == shape_class("sum", (big, [0]), {})  # sizes do not count
     assert shape_class("sum", (a, [0]), {}) != shape_class("sum", (big[0], [0]), {})  # ranks do
     assert shape_class("add", (a, a[:1].expand(4, 3)), {}) != shape_class("add", (a, a), {})  # broadcast
+
+
+def test_a_call_is_rerun_only_under_the_profiles_that_reorder_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``exp`` is another libm's op alone: only emulated:pairwise (the profile with one) reruns it, and its
+    disagreement is the one it measures; ``sum`` every profile reorders; ``relu`` none (not measured)."""
+    ran: collections.Counter[tuple[str, str]] = collections.Counter()
+    call = EmulatedProfile.__call__
+
+    def counted(self: EmulatedProfile, func: Any, args: tuple, kwargs: dict) -> Any:
+        ran[(op_name(func), self.name)] += 1
+        return call(self, func, args, kwargs)
+
+    monkeypatch.setattr(EmulatedProfile, "__call__", counted)
+    cal = Calibrator(
+        Thresholds(), [get_profile(p, seed=calibrate.CALIBRATION_SEED) for p in calibrate.PROFILES]
+    )
+    x = torch.randn(64, 33, dtype=torch.float64)
+    aten = torch.ops.aten
+    for func, args, kind in (
+        (aten.exp.default, (x,), OpKind.ELEMENTWISE),
+        (aten.sum.dim_IntList, (x, [1]), OpKind.REDUCTION),
+        (aten.relu.default, (x,), OpKind.ELEMENTWISE),
+    ):
+        cal(func, args, {}, [func(*args)], kind)
+    assert {k: v for k, v in ran.items() if k[0] == "exp"} == {("exp", "emulated:pairwise"): 1}
+    assert {k[1] for k in ran if k[0] == "sum"} == set(calibrate.PROFILES)
+    assert not any(k[0] == "relu" for k in ran)
+    assert cal.worst["exp"] > 0 and cal.worst["relu"] == 0  # pairwise's libm moved some exp results
 
 
 @pytest.mark.parametrize("model", [Stack, Convs])

@@ -72,6 +72,11 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     # another libm, another summation order: only the mode knows how
     assert route(aten.sigmoid.default, pairwise) is Route.PYTHON
     assert route(aten.sum.dim_IntList, pairwise) is Route.PYTHON
+    # a profile without another libm computes sigmoid natively: the route takes it; not its sums
+    splitk = get_profile("emulated:splitk")
+    assert route(aten.sigmoid.default, splitk) is Route.LOGGED
+    assert route(aten.pow.Tensor_Tensor, splitk) is Route.LOGGED
+    assert route(aten.sum.dim_IntList, splitk) is Route.PYTHON
     # a unit from the inputs, a hidden write, random, decomposed
     assert route(aten.mm.default) is Route.LOGGED_MM  # its unit from its inputs
     assert route(aten.convolution_backward.default) is Route.LOGGED_CONV  # its input gradient's from itself

@@ -25,8 +25,8 @@ that is not measured is logged with its class's threshold, else its op kind's so
 includes a measurement of that op kind: the first call of a kind opens a new class and is measured
 before it is rounded.
 
-A measured call is rerun only where a profile can change its bits (an op no emulated profile reorders,
-on the CPU, disagrees by 0), and a call too large to rerun whole (GPT-2's 50,257-wide logits and their
+A measured call is rerun only under the profiles that can change its bits (an op a profile does not
+reorder, on the CPU, disagrees by 0 under it: ``exp`` but under the profile with another libm), and a call too large to rerun whole (GPT-2's 50,257-wide logits and their
 gradients, ResNet's convolutions) on evenly spread rows of its result (:func:`_sample`), measured in the
 units of the whole result: the calibration step of GPT-2 small had cost 5.4 later steps.
 """
@@ -183,7 +183,8 @@ class Calibrator:
             self.classes[key] = seen + 1
         self.calibrated_calls += 1
         class_worst = self.class_worst.get(sized, 0.0)
-        if self._reruns_can_differ(func, produced):
+        profiles = self._rerunning(func, produced)
+        if profiles:
             sample = _sample(func, before, produced, self.sample_elements)
             if sample is None:
                 args = before
@@ -201,7 +202,7 @@ class Calibrator:
                 produced = [
                     a if d is None else a.index_select(d, rows) for a, d in zip(produced, sample.dims)
                 ]
-            for prof in self.profiles:
+            for prof in profiles:
                 fresh = snapshot(func, args)  # in-place ops must not touch the snapshot
                 alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
                 for a, b, unit in zip(produced, alt, units):
@@ -219,14 +220,15 @@ class Calibrator:
         floor = TAU_FLOOR_MEASURED if kind is OpKind.REDUCTION and worst > 0 else TAU_FLOOR
         return min(TAU_CAP, max(floor, self.margin * worst))
 
-    def _reruns_can_differ(self, func: Any, produced: list[torch.Tensor]) -> bool:
-        """Whether rerunning ``func`` under the profiles can give other bits than ``produced``. Not when
-        none of them reorders it and it ran on the CPU: then every profile, the recorder's too, calls the same
-        native kernel on the same inputs, and a CPU kernel gives the same bits each time (its disagreement
-        is 0, measured or not). A CUDA kernel need not (atomics): there the reruns are measured."""
-        if any(prof.reorders(func) for prof in self.profiles):
-            return True
-        return any(t.device.type != "cpu" for t in produced)
+    def _rerunning(self, func: Any, produced: list[torch.Tensor]) -> list[Profile]:
+        """The profiles whose reruns of ``func`` can give other bits than ``produced``: those that reorder it
+        (:meth:`~detrl.core.hardware.Profile.reorders`), where it ran on the CPU. A profile that does not
+        calls the same native kernel on the same inputs as the recorder, and a CPU kernel gives the same bits
+        each time (its disagreement is 0, measured or not): ``exp`` under a profile without another libm,
+        every op no profile emulates. A CUDA kernel need not (atomics): there every profile reruns it."""
+        if any(t.device.type != "cpu" for t in produced):
+            return self.profiles
+        return [prof for prof in self.profiles if prof.reorders(func)]
 
 
 def _disagreements(state: Mapping[Any, Any], what: str) -> dict[str, float]:

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 
 from detrl.core.hardware.machinery import _EXACT_POWERS, _bind, _libm_dtype, _perturb_
-from detrl.core.hardware.profiles import EmulatedProfile, Handler, _register, aten
+from detrl.core.hardware.profiles import _LIBM_ONLY, EmulatedProfile, Handler, _register, aten
 
 
 def _libm_handler(
@@ -46,6 +46,13 @@ def _libm_handler(
     return handler
 
 
+def _register_libm(*ops: OpOverload) -> Callable[[Handler], Handler]:
+    """Register the emulation of ``ops`` as another libm's alone (:data:`_LIBM_ONLY`): a profile without one
+    runs them natively, and says it does not reorder them."""
+    _LIBM_ONLY.update(ops)
+    return _register(*ops)
+
+
 def _overloads(*names: str) -> list[OpOverload]:
     """The functional and in-place ``.default`` overloads of the named ops that exist in this torch."""
     return [
@@ -57,16 +64,16 @@ def _overloads(*names: str) -> list[OpOverload]:
 
 _UNARY = ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "tanh", "sigmoid", "erf", "erfc", "erfinv",
           "sin", "cos", "tan", "rsqrt", "silu", "gelu", "mish", "log_sigmoid_forward")  # fmt: skip
-_register(*_overloads(*_UNARY, *(n + "_" for n in _UNARY)))(_libm_handler(0, 0))
-_register(*_overloads("gelu_backward", "silu_backward"))(_libm_handler(1, 0))
+_register_libm(*_overloads(*_UNARY, *(n + "_" for n in _UNARY)))(_libm_handler(0, 0))
+_register_libm(*_overloads("gelu_backward", "silu_backward"))(_libm_handler(1, 0))
 # elu(x, alpha, scale, input_scale): scale * x for x > 0 (a product); softplus(x, beta, threshold) and its
 # backward: x (resp. the gradient) once beta * x > threshold. No libm call there.
-_register(*_overloads("elu", "elu_"))(_libm_handler(0, 0, lambda b, x: x > 0))
-_register(*_overloads("softplus"))(_libm_handler(0, 0, lambda b, x: x * b[1] > b[2]))
-_register(*_overloads("softplus_backward"))(_libm_handler(1, 0, lambda b, x: x * b[2] > b[3]))
+_register_libm(*_overloads("elu", "elu_"))(_libm_handler(0, 0, lambda b, x: x > 0))
+_register_libm(*_overloads("softplus"))(_libm_handler(0, 0, lambda b, x: x * b[1] > b[2]))
+_register_libm(*_overloads("softplus_backward"))(_libm_handler(1, 0, lambda b, x: x * b[2] > b[3]))
 
 
-@_register(
+@_register_libm(
     aten.pow.Tensor_Scalar, aten.pow_.Scalar, aten.pow.Tensor_Tensor, aten.pow_.Tensor, aten.pow.Scalar
 )
 def _pow_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:

@@ -108,9 +108,10 @@ class EmulatedProfile(Profile):
         return handler(self, func, args, kwargs)
 
     def reorders(self, func: OpOverload) -> bool:
-        """Whether ``func`` has an emulation (every emulated profile shares the registry: an op without one
-        runs the native kernel under all of them)."""
-        return func in _HANDLERS
+        """Whether ``func`` has an emulation here: every emulated profile shares the registry (an op without
+        one runs the native kernel under all of them), but another libm's ops (:data:`_LIBM_ONLY`) run the
+        native kernel under a profile without one (``libm=False``)."""
+        return func in _HANDLERS and (self.libm or func not in _LIBM_ONLY)
 
     def plan(self, n: int, unit: Unit, device: torch.device) -> Plan | None:
         """Plan a reduction over ``n`` terms counted in ``unit``; None if it is too short to split."""
@@ -203,6 +204,9 @@ class HardwareMode(EagerDispatchMode):
 
 Handler = Callable[[EmulatedProfile, OpOverload, tuple, dict], Any]
 _HANDLERS: dict[OpOverload, Handler] = {}
+#: The ops whose only emulation is another libm's results (:mod:`detrl.core.hardware.libm`): a profile
+#: without one computes them natively, so it does not reorder them.
+_LIBM_ONLY: set[OpOverload] = set()
 
 
 _register = registrar(_HANDLERS, "hardware handler")  # @_register(ops): the emulation of ops
