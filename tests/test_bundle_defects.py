@@ -1,4 +1,4 @@
-"""Defective bundles (format version 3) to ``detrl audit``: exit code 2, one line naming the file and the
+"""Defective bundles (format version 3; rounding log version 4, and 3 where a test says so) to ``detrl audit``: exit code 2, one line naming the file and the
 problem, no traceback, nothing unpickled.
 
 One small digits_cnn bundle is recorded per module (8 steps, checkpoints at 4 and 8) and copied into
@@ -415,6 +415,18 @@ def test_commitments_records_beyond_a_finished_recording(
 
 
 # --- roundlog --------------------------------------------------------------------------------------
+
+
+def test_a_bundle_with_a_version_3_log_still_audits(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bundle recorded before log format 4: its log re-encoded in version 3 (the same entries) replays
+    on another profile as it did, and reads as version 3."""
+    old = bundle.parent / "v3.rlog"
+    rewrite(bundle / "roundlog", old, lambda step, ops: ops, version=3)
+    os.replace(old, bundle / "roundlog")
+    bundle_mod.reseal(bundle)
+    with RoundLogReader(bundle / "roundlog") as r:
+        assert r.version == 3 and r.steps == list(range(1, 9))
+    assert main(["audit", str(bundle), "--hardware", "emulated:splitk", "--quiet"]) == 0, capsys.readouterr()
 
 
 def test_roundlog_missing(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:

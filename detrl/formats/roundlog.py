@@ -480,8 +480,11 @@ class RoundLogWriter:
     :meth:`sync` also forces them to the disk (they survive a power loss).
     """
 
-    def __init__(self, path: str | os.PathLike, level: int = 3) -> None:
+    def __init__(self, path: str | os.PathLike, level: int = 3, version: int = FORMAT_VERSION) -> None:
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"roundlog format version {version!r}: this detrl writes {READABLE_VERSIONS}")
         self._setup(path, level)
+        self.version = version
         self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
         self._write(_FILE_HEADER.pack(FILE_MAGIC, self.version, 0, 0))
         self._f.flush()

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from detrl.formats import bundle as bundle_mod
-from detrl.formats.roundlog import OpEntries, RoundLogReader, RoundLogWriter
+from detrl.formats.roundlog import FORMAT_VERSION, OpEntries, RoundLogReader, RoundLogWriter
 
 
 def rewrite(
@@ -21,13 +21,15 @@ def rewrite(
     dst: str | os.PathLike,
     transform: Callable[[int, dict[int, OpEntries]], dict[int, OpEntries] | None],
     level: int = 3,
+    version: int = FORMAT_VERSION,
 ) -> None:
-    """Re-encode ``src`` into a new, well-formed log ``dst`` after ``transform(step, ops)``.
+    """Re-encode ``src`` into a new, well-formed log ``dst`` (in format ``version``) after
+    ``transform(step, ops)``.
 
     ``transform`` gets op -> entries for each step with a segment and returns the (possibly
     modified) mapping, or None to drop that step's segment. A torn tail of ``src`` is not copied.
     """
-    with RoundLogReader(src) as reader, RoundLogWriter(dst, level=level) as writer:
+    with RoundLogReader(src) as reader, RoundLogWriter(dst, level=level, version=version) as writer:
         for step in reader.steps:
             ops = transform(step, reader.read_step(step))
             if ops is not None:
