@@ -104,6 +104,17 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _gathered(t: Tensor, dim: int, perm: Tensor) -> Tensor:
+    """``t.index_select(dim, perm)``, contiguous like it, by ``gather`` where ``dim`` is not the first: the
+    same values in the same layout (so the same bits downstream), and about twice as fast off the first
+    dim, where index_select copies element by element."""
+    if dim == 0 or t.numel() == 0:
+        return t.index_select(dim, perm)
+    shape = [1] * t.dim()
+    shape[dim] = -1
+    return t.gather(dim, perm.view(shape).expand(*t.shape[:dim], -1, *t.shape[dim + 1 :])).contiguous()
+
+
 def _pieces(t: Tensor, dim: int, groups: int, plan: Plan) -> Iterator[Tensor]:
     """Yield ``t`` restricted to each chunk of ``plan`` along ``dim``.
 
@@ -112,8 +123,10 @@ def _pieces(t: Tensor, dim: int, groups: int, plan: Plan) -> Iterator[Tensor]:
     """
     dim %= t.dim()
     blocked = t.unflatten(dim, (groups, -1))
-    if plan.perm is not None:
-        blocked = blocked.index_select(dim + 1, plan.perm)
+    if plan.reverse:
+        blocked = blocked.flip(dim + 1).contiguous()
+    elif plan.perm is not None:
+        blocked = _gathered(blocked, dim + 1, plan.perm)
     for start, length in plan.pieces:
         yield blocked.narrow(dim + 1, start, length).flatten(dim, dim + 1)
 
