@@ -351,20 +351,20 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         before = zoo.record(specimen, old, steps=3)
     after = zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, RULES_REVISION] == [1, 3]
+    assert [m["rules_revision"] for m in manifests] == [1, RULES_REVISION] == [1, 4]
     assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, new):
         for hardware in ("native", get_profile("emulated:splitk", seed=0)):
             replayed = zoo.replay(specimen, bundle, hardware, steps=3)  # raises Divergence if it differs
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
-    manifests[1]["rules_revision"] = 4
+    manifests[1]["rules_revision"] = 5
     (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[1]))
     with pytest.raises(engine.BundleError) as raised:
         zoo.replay(specimen, new, "native", steps=3)
     message = str(raised.value)
     assert (
-        "recorded by a newer detrl (rounding-rule revision 4; this one applies revisions 1 to 3)" in message
+        "recorded by a newer detrl (rounding-rule revision 5; this one applies revisions 1 to 4)" in message
     )
     assert "\n" not in message
 
@@ -442,26 +442,57 @@ def test_rules_revision_3_leaves_a_first_convolutions_exact_ties_unlogged(tmp_pa
     """The digits CNN's first convolution takes digit pixels (5 significant bits): under rules revision 3
     its outputs are exact in every order, and their FP32 ties need no entry. The same weights as under
     revision 2 (the same Merkle root), a smaller log, and both bundles audit on an emulated GPU."""
+    _record_two_revisions(tmp_path, monkeypatch, capsys, 2, 3)
+
+
+def _record_two_revisions(tmp_path, monkeypatch, capsys, older: int, newer: int) -> list[int]:  # noqa: ANN001
+    """The digits CNN recorded under rules revisions ``older`` and ``newer``: the same weights (Merkle root),
+    a smaller log under ``newer``, and both bundles audit on an emulated GPU. Returns the two logs' sizes."""
     import json
 
     from detrl.cli import main
     from detrl.core import engine
     from detrl.formats import bundle as bundle_mod
 
-    old, new = tmp_path / "rules2", tmp_path / "rules3"
+    old, new = tmp_path / f"rules{older}", tmp_path / f"rules{newer}"
     config = "configs/supervised/digits_cnn.yaml"
-    with monkeypatch.context() as m:
-        m.setattr(engine, "RULES_REVISION", 2)
-        assert main(["train", config, "--out", str(old), "--quiet", "--set", "train.steps=12"]) == 0
-    assert main(["train", config, "--out", str(new), "--quiet", "--set", "train.steps=12"]) == 0
+    for revision, out in ((older, old), (newer, new)):
+        with monkeypatch.context() as m:
+            m.setattr(engine, "RULES_REVISION", revision)
+            assert main(["train", config, "--out", str(out), "--quiet", "--set", "train.steps=12"]) == 0
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, new)]
-    assert [m["rules_revision"] for m in manifests] == [2, 3]
+    assert [m["rules_revision"] for m in manifests] == [older, newer]
     assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
     sizes = [(d / bundle_mod.ROUNDLOG).stat().st_size for d in (old, new)]
     assert sizes[1] < sizes[0], sizes
     for bundle in (old, new):
         assert main(["audit", str(bundle), "--hardware", "emulated:splitk", "--quiet"]) == 0
     capsys.readouterr()
+    return sizes
+
+
+def test_rules_revision_4_gives_each_output_of_a_call_its_own_threshold(tmp_path, monkeypatch, capsys):
+    """Under rules revision 4 a convolution's input gradient is logged at its own threshold, not at its
+    weight gradient's (8x8 images, batch 32: 2,048 products a weight-gradient sum, 288 an input-gradient
+    one): the same weights, a smaller log, and both audit. The thresholds say so: each output of the
+    second convolution's backward has its own, the input gradient's below the weight gradient's."""
+    import json
+
+    from detrl.core.rounding import Thresholds, output_key
+
+    _record_two_revisions(tmp_path, monkeypatch, capsys, 3, 4)
+    thresholds = Thresholds.from_json(
+        json.loads((tmp_path / "rules4" / "manifest.json").read_text())["thresholds"]
+    )
+    backward = [k for k in thresholds.per_class if k.startswith("convolution_backward(") and "#" not in k]
+    assert backward
+    for cls in backward:
+        own = [thresholds.per_class.get(output_key(cls, i)) for i in range(2)]
+        if None not in own:  # both gradients measured: the input's is its own, below the class's
+            assert own[0] < own[1] == thresholds.per_class[cls]
+            break
+    else:
+        raise AssertionError(f"no convolution_backward class with a threshold per output: {backward}")
 
 
 def test_the_kernel_path_of_exact_sums_finds_what_the_torch_path_finds(monkeypatch) -> None:

@@ -42,7 +42,14 @@ import torch
 
 from detrl.core.dispatch import registrar
 from detrl.core.oprules import OpKind, call_class, op_name, shape_class
-from detrl.core.rounding import TAU_FLOOR, TAU_FLOOR_MEASURED, Thresholds, snapshot, written_tensors
+from detrl.core.rounding import (
+    TAU_FLOOR,
+    TAU_FLOOR_MEASURED,
+    Thresholds,
+    output_key,
+    snapshot,
+    written_tensors,
+)
 from detrl.core.scale import Scale, reduction_scale, scale_spacing, spacing32
 
 if TYPE_CHECKING:  # the profiles are the engine's to build: calibration only runs them
@@ -96,6 +103,7 @@ class Calibrator:
         margin: float = DEFAULT_MARGIN,
         max_per_class: int | None = DEFAULT_MAX_PER_CLASS,
         sample_elements: int | None = DEFAULT_SAMPLE_ELEMENTS,
+        per_output: bool = True,
     ) -> None:
         if max_per_class is not None and max_per_class < 1:
             raise ValueError(f"max_per_class must be at least 1 (or None), not {max_per_class}")
@@ -105,6 +113,8 @@ class Calibrator:
         self.margin = margin
         self.max_per_class = max_per_class
         self.sample_elements = sample_elements
+        #: a class's calls with several rounded outputs give each a threshold of its own (rules revision 4)
+        self.per_output = per_output
         self.profiles = list(profiles)
         self.worst: dict[str, float] = {}
         #: the largest disagreement measured per call class (:func:`call_class`), each measured at least once
@@ -185,6 +195,8 @@ class Calibrator:
         class_worst = self.class_worst.get(sized, 0.0)
         profiles = self._rerunning(func, produced)
         if profiles:
+            # the rounded outputs' positions (rounding.output_key: float64, with an element)
+            slots = [i for i, a in enumerate(produced) if a.dtype == torch.float64 and a.numel()]
             sample = _sample(func, before, produced, self.sample_elements)
             if sample is None:
                 args = before
@@ -202,12 +214,20 @@ class Calibrator:
                 produced = [
                     a if d is None else a.index_select(d, rows) for a, d in zip(produced, sample.dims)
                 ]
+            # each rounded output's largest disagreement (with its earlier calls')
+            outputs = {i: self.class_worst.get(output_key(sized, k), 0.0) for k, i in enumerate(slots)}
             for prof in profiles:
                 fresh = snapshot(func, args)  # in-place ops must not touch the snapshot
                 alt = written_tensors(func, fresh, kwargs, prof(func, fresh, kwargs))
-                for a, b, unit in zip(produced, alt, units):
-                    if unit is not None and b.dtype == torch.float64 and a.shape == b.shape:
-                        class_worst = max(class_worst, _disagreement(a, b, unit))
+                for i, (a, b, unit) in enumerate(zip(produced, alt, units)):
+                    if i in outputs and b.dtype == torch.float64 and a.shape == b.shape:
+                        outputs[i] = max(outputs[i], _disagreement(a, b, unit))
+            class_worst = max(class_worst, *outputs.values(), 0.0)
+            if self.per_output and len(slots) > 1:  # each output's own threshold, where it has a disagreement
+                for k, i in enumerate(slots):
+                    if outputs[i] > 0:
+                        self.class_worst[output_key(sized, k)] = outputs[i]
+                        self.thresholds.per_class[output_key(sized, k)] = self._tau(kind, outputs[i])
         worst = self.worst[name] = max(self.worst.get(name, 0.0), class_worst)
         self.thresholds.per_op[name] = self._tau(kind, worst)
         self.class_worst[sized] = class_worst

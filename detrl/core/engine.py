@@ -183,11 +183,11 @@ def _check_claims(
         raise ValueError(f"calibration_steps: {calibration_steps}, but its config calibrates in {calibrates}")
 
 
-def _calibrator(thresholds: Thresholds, margin: float) -> Calibrator:
+def _calibrator(thresholds: Thresholds, margin: float, rules_revision: int) -> Calibrator:
     """A calibration that measures against :data:`calibrate.PROFILES`, seeded so that every recording of a
     config measures (and so logs) the same."""
     profiles = [get_profile(p, seed=calibrate.CALIBRATION_SEED) for p in calibrate.PROFILES]
-    return Calibrator(thresholds, profiles, margin)
+    return Calibrator(thresholds, profiles, margin, per_output=rules_revision >= 4)
 
 
 def _weakly(method: Callable[[], str]) -> Callable[[], str]:
@@ -449,7 +449,7 @@ class Session:
         elif thresholds == "calibrate":
             self.thresholds = Thresholds(default=TAU_FLOOR * 64)
             if self.precision.is_verifiable:
-                self._calibrator = _calibrator(self.thresholds, margin)
+                self._calibrator = _calibrator(self.thresholds, margin, self.rules_revision)
                 self.calibration_steps = max(1, int(calibration_steps))
         else:
             raise ValueError(f"thresholds must be a Thresholds or 'calibrate', not {thresholds!r}")
@@ -519,11 +519,11 @@ class Session:
             return
         if r.step == 0:  # nothing measured yet: calibrate from the start, as a fresh recording does
             self.thresholds = Thresholds(default=TAU_FLOOR * 64)
-            self._calibrator = _calibrator(self.thresholds, self.margin)
+            self._calibrator = _calibrator(self.thresholds, self.margin, self.rules_revision)
             return
         try:
             self.thresholds = Thresholds.from_json(r.meta.get("thresholds", {}))
-            self._calibrator = _calibrator(self.thresholds, self.margin)
+            self._calibrator = _calibrator(self.thresholds, self.margin, self.rules_revision)
             self._calibrator.load_state(dict(r.meta.get("calibration", {})))
         except (TypeError, ValueError) as e:
             raise BundleError(f"{bundle_mod.checkpoint_name(r.step)}: bad calibration state ({e})") from None

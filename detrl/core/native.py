@@ -269,7 +269,7 @@ def scope(
     step: Any,
     logs: bool,
     round_logged: Callable[[Any, bool, torch.Tensor, tuple, float], None],
-    learned: Callable[[], tuple[float, bool] | None],
+    learned: Callable[[], tuple[tuple[float, ...], bool] | None],
     rules_revision: int,
     calibrator: Any = None,
     nesting: Callable[[int], None] | None = None,
@@ -279,8 +279,8 @@ def scope(
     (recording); ``round_logged(func, elementwise, t, args, tau)`` is the mode's logged rounding
     of an elementwise op's output or a reduction's (``args``: a matrix product's two inputs, for its unit;
     a sum's arguments, for its exact elements; else empty), for an output with an element near a midpoint.
-    ``learned()``: the threshold the mode gave the last logged call it rounded, and whether it is its
-    class's own (``RoundingMode.learned``): a call of an op whose threshold depends on the call's class
+    ``learned()``: the thresholds the mode gave the last logged call it rounded (one, or one per rounded
+    output: rules revision 4), and whether they are its class's own (``RoundingMode.learned``): a call of an op whose threshold depends on the call's class
     goes to the mode once per call key, and the fallback keeps what it learns. In a calibration step (``calibrator``: the
     :class:`~detrl.core.calibrate.Calibrator`) logged calls go to the mode until the calibrator declines
     to measure one (its shape class is measured enough); the fallback then rounds calls like it itself,

@@ -23,6 +23,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 #include <pybind11/numpy.h>
+#include <pybind11/stl.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -98,12 +99,16 @@ struct Entry {
 
 // The routes of the operators seen, kept across steps (the Python side clears it when thresholds or the
 // profile change).
+// A call's thresholds: one, or one per rounded output (rules revision 4).
+using Taus = std::vector<double>;
+
 struct Table {
   py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload, ...)
   std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
-  // The thresholds of classed ops' calls, by call key (call_key), as the mode gave them: the class is a
-  // function of the call's arguments, and the table's thresholds are fixed.
-  std::unordered_map<std::string, double> class_taus;
+  // The thresholds of classed ops' calls, by call key (call_key), as the mode gave them: one, or one per
+  // rounded output (rules revision 4). The class is a function of the call's arguments, and the table's
+  // thresholds are fixed.
+  std::unordered_map<std::string, Taus> class_taus;
 };
 
 // Without the C kernel, logged outputs of more elements than this go to the mode, whose torch reference is
@@ -115,10 +120,10 @@ constexpr int64_t kLargeOutput = 8192;
 // declines to measure them again), by a key finer than the class: the operator and every argument's
 // dtype, layout, sizes and strides, and every other argument's value. The class is a function of the
 // call's arguments and its count only grows, so a key once declined is declined for good.
-// Each with its class's own threshold where it has one (final: a declined class is measured no more), else
-// NaN: the op's live threshold.
+// Each with its class's own thresholds where it has them (final: a declined class is measured no more),
+// else NaN: the op's live threshold.
 struct Declined {
-  std::unordered_map<std::string, double> keys;
+  std::unordered_map<std::string, Taus> keys;
 };
 
 struct Step {
@@ -760,9 +765,11 @@ void input_gradient_rows(const DetrlKernelApi* api, const at::Tensor& dense, std
   for (double& r : rows) r = r >= 0x1p-126 ? r * 0x1p-23 : 0x1p-149;
 }
 
-void round_logged(Step* step, const Entry& e, int route, double tau, std::vector<at::Tensor>& targets,
+void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::vector<at::Tensor>& targets,
                   const Product* product, const std::vector<c10::IValue>* sum_inputs,
                   const std::vector<c10::IValue>* products = nullptr) {
+  // the k-th rounded output's threshold: its own (rules revision 4), else the call's one
+  auto tau_of = [&taus](size_t k) { return taus[std::min(k, taus.size() - 1)]; };
   std::vector<at::Tensor> dense;  // each rounded output, contiguous (itself, or a copy written back)
   Unit unit;
   int64_t total = 0;
@@ -790,8 +797,8 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
   std::vector<uint8_t> exact;  // a sum's exact elements, where the kernel found them (exact_sum_mask)
   bool masked = false;
   if (!to_mode && route != LOGGED_CONV && (step->kernel == nullptr || sum_inputs != nullptr)) {
-    for (const auto& d : dense) {
-      if (output_near(route, d, tau, unit)) {
+    for (size_t k = 0; k < dense.size(); ++k) {
+      if (output_near(route, dense[k], tau_of(k), unit)) {
         to_mode = true;
         break;
       }
@@ -809,6 +816,7 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
     size_t k = 0;
     for (const auto& t : targets) {
       if (!rounded_output(t)) continue;
+      const double tau = tau_of(k);
       at::Tensor& d = dense[k++];
       if (route == LOGGED_CONV) {  // with the kernel (to_mode without it)
         if (input_gradient(*sum_inputs, t)) {
@@ -844,9 +852,10 @@ void round_logged(Step* step, const Entry& e, int route, double tau, std::vector
     args = py::tuple(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) args[i] = torch::jit::toPyObject(inputs[i]);
   }
+  size_t k = 0;
   for (const auto& t : targets) {
     if (!rounded_output(t)) continue;
-    step->round_logged(e.func, route == LOGGED, t, args, tau);
+    step->round_logged(e.func, route == LOGGED, t, args, tau_of(k++));
   }
 }
 
@@ -935,12 +944,12 @@ void to_python_learning(Step* step, const std::string& key, const c10::OperatorH
   py::object learned = step->learned();
   // exactly one call counted, and declined: this one
   if (after.first == before.first + 1 && after.second == before.second + 1) {
-    double tau = std::numeric_limits<double>::quiet_NaN();
+    Taus taus{std::numeric_limits<double>::quiet_NaN()};
     if (!learned.is_none()) {
-      auto r = learned.cast<std::pair<double, bool>>();
-      if (r.second) tau = r.first;
+      auto r = learned.cast<std::pair<Taus, bool>>();
+      if (r.second && !r.first.empty()) taus = r.first;
     }
-    step->declined->keys.emplace(key, tau);
+    step->declined->keys.emplace(key, taus);
   }
 }
 
@@ -950,7 +959,10 @@ void to_python_classed(Step* step, const std::string& key, const c10::OperatorHa
   to_python(step, op, keys, stack);
   py::gil_scoped_acquire gil;
   py::object learned = step->learned();
-  if (!learned.is_none()) step->table->class_taus.emplace(key, learned.cast<std::pair<double, bool>>().first);
+  if (!learned.is_none()) {
+    Taus taus = learned.cast<std::pair<Taus, bool>>().first;
+    if (!taus.empty()) step->table->class_taus.emplace(key, std::move(taus));
+  }
 }
 
 // fused.py's split rules: the step to add to self, from separate correctly rounded IEEE operations.
@@ -1502,12 +1514,12 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     if (!split_step(route, *stack, first, split)) route = PYTHON;
   }
   if (route == PYTHON) return to_python(step, op, keys, stack);
-  double class_tau = std::numeric_limits<double>::quiet_NaN();  // the call's class's, where it has one
+  Taus class_taus;  // the call's class's (one, or one per rounded output), where it has them; NaN: the op's
   if (logged && step->declined != nullptr) {  // a calibration step: only calls known declined stay here
     std::string key = call_key(op, *stack, first, n_args);
     auto found = key.empty() ? step->declined->keys.end() : step->declined->keys.find(key);
     if (found == step->declined->keys.end()) return to_python_learning(step, key, op, keys, stack);
-    class_tau = found->second;
+    class_taus = found->second;
   } else if (logged && e.classed) {  // the threshold is its class's: learned from the mode once per call key
     std::string key = call_key(op, *stack, first, n_args);
     auto found = key.empty() ? step->table->class_taus.end() : step->table->class_taus.find(key);
@@ -1515,7 +1527,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       if (key.empty()) return to_python(step, op, keys, stack);
       return to_python_classed(step, key, op, keys, stack);
     }
-    class_tau = found->second;
+    class_taus = found->second;
   }
   ++step->native_ops;
   std::vector<at::Tensor> written;
@@ -1565,8 +1577,14 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       py::gil_scoped_acquire gil;
       tau = step->declined_call(e.name).cast<double>();  // counts the call, as the calibrator would
     }
-    if (!std::isnan(class_tau)) tau = class_tau;
-    return round_logged(step, e, route, tau, written, route == LOGGED_MM ? &product : nullptr,
+    Taus taus{tau};
+    if (!class_taus.empty()) {
+      taus = class_taus;
+      for (double& t : taus) {
+        if (std::isnan(t)) t = tau;
+      }
+    }
+    return round_logged(step, e, route, taus, written, route == LOGGED_MM ? &product : nullptr,
                         route == LOGGED_SUM || route == LOGGED_CONV ? &sum_inputs : nullptr,
                         e.exact_products ? &sum_inputs : nullptr);
   }

@@ -148,7 +148,10 @@ def _base_kind(func: Any) -> OpKind:
 #: 3. A convolution whose every partial sum of products is exact in FP64 in every order (inputs with few
 #:    significant bits: a first layer on pixel data) needs no log entry
 #:    (:func:`detrl.core.scale.exact_product_elements`, :data:`EXACT_PRODUCTS`).
-RULES_REVISION = 3
+#: 4. Calibration gives each output of a call class with several rounded outputs a threshold of its own
+#:    (:func:`detrl.core.rounding.output_key`): a convolution's input gradient (a few thousand products a
+#:    sum) was logged at its weight gradient's threshold (8,192 products a sum, 10-50x the disagreement).
+RULES_REVISION = 4
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.

@@ -58,6 +58,13 @@ def auditor_floor(reduction: bool) -> float:
     return TAU_FLOOR_MEASURED if reduction else TAU_FLOOR
 
 
+def output_key(cls: str, output: int) -> str:
+    """The ``per_class`` key of output ``output`` of calls of class ``cls`` (rules revision 4): its position
+    among the call's rounded outputs, those of dtype float64 with an element (a convolution's gradients:
+    0 the input's, 1 the weight's, 2 the bias's, of those its output mask asks for)."""
+    return f"{cls}#{output}"
+
+
 #: Most per-class thresholds a bundle may declare, and the longest class key (a bundle is untrusted input).
 MAX_CLASSES = 1 << 16
 MAX_CLASS_KEY = 1 << 12
@@ -82,10 +89,14 @@ class Thresholds:
     def tau(self, name: str) -> float:
         return self.per_op.get(name, self.default)
 
-    def tau_of(self, name: str, cls: str | None) -> float:
-        """The threshold of a call of op ``name`` in class ``cls`` (None: the op's)."""
-        if cls is not None and (tau := self.per_class.get(cls)) is not None:
-            return tau
+    def tau_of(self, name: str, cls: str | None, output: int | None = None) -> float:
+        """The threshold of a call of op ``name`` in class ``cls`` (None: the op's); with ``output`` (the
+        position of a rounded output among the call's, :func:`output_key`), that output's where it has one."""
+        if cls is not None:
+            if output is not None and (tau := self.per_class.get(output_key(cls, output))) is not None:
+                return tau
+            if (tau := self.per_class.get(cls)) is not None:
+                return tau
         return self.per_op.get(name, self.default)
 
     def classed_ops(self) -> frozenset[str]:
@@ -490,14 +501,16 @@ class RoundingMode(EagerDispatchMode):
         targets = written_tensors(func, args, kwargs, out)
         if calibrating:
             self.calibrate(func, before, kwargs, targets, kind)
-        tau: float | None = None
+        taus: list[float] | None = None
+        rounded = 0  # rounded outputs so far: the next one's position (rules revision 4: its threshold)
         for t in targets:
             if kind is OpKind.EXACT or self.step is None:
                 self._round_exact(t)
-            elif t.dtype == torch.float64 and t.numel():
-                if tau is None:
-                    tau = self._call_tau(func, args, kwargs)
-                self._round_logged(func, t, kind, args, tau)
+            elif _rounded_output(t):
+                if taus is None:
+                    taus = self._call_taus(func, args, kwargs, sum(map(_rounded_output, targets)))
+                self._round_logged(func, t, kind, args, taus[min(rounded, len(taus) - 1)])
+                rounded += 1
         if self.trace is not None:
             self._trace(func, targets)
         return out
@@ -566,15 +579,20 @@ class RoundingMode(EagerDispatchMode):
                 self._nested -= 1
 
     # ------------------------------------------------------------------ the logged path
-    def _call_tau(self, func: Any, args: tuple, kwargs: dict) -> float:
-        """The threshold of a logged call: its class's (:func:`call_class`) where the thresholds have one,
-        else its op's. The native route learns it from here, per call key (``learned``)."""
+    def _call_taus(self, func: Any, args: tuple, kwargs: dict, outputs: int) -> list[float]:
+        """The thresholds of a logged call's ``outputs`` rounded outputs (float64, with an element; in
+        order): its class's (:func:`call_class`) where the thresholds have one, an output's own where it
+        has one (:func:`output_key`), else its op's. The native route learns them from here, per call key
+        (``learned``)."""
         name = op_name(func)
         per_class = self.thresholds.per_class
         cls = call_class(name, args, kwargs) if per_class and name in self._classed_ops() else None
-        tau = self.thresholds.tau_of(name, cls)
-        self._last.learned = (tau, cls is not None and cls in per_class)
-        return tau
+        if outputs > 1 and cls is not None:
+            taus = [self.thresholds.tau_of(name, cls, i) for i in range(outputs)]
+        else:
+            taus = [self.thresholds.tau_of(name, cls)]
+        self._last.learned = (tuple(taus), cls is not None and cls in per_class)
+        return taus
 
     def _classed_ops(self) -> frozenset[str]:
         per_class = self.thresholds.per_class
@@ -582,9 +600,10 @@ class RoundingMode(EagerDispatchMode):
             self._classed = (per_class, len(per_class), self.thresholds.classed_ops())
         return self._classed[2]
 
-    def learned(self) -> tuple[float, bool] | None:
-        """The threshold of the last logged call rounded here, and whether it is its class's own (final
-        once calibration declines the class), then forgotten; None if none was (for the native route)."""
+    def learned(self) -> tuple[tuple[float, ...], bool] | None:
+        """The thresholds of the last logged call rounded here (one, or one per rounded output), and whether
+        they are its class's own (final once calibration declines the class), then forgotten; None if none
+        was (for the native route)."""
         learned = getattr(self._last, "learned", None)
         self._last.learned = None
         return learned
@@ -917,6 +936,12 @@ def snapshot(func: Any, args: tuple) -> tuple:
             a = type(a)(t.clone() if isinstance(t, torch.Tensor) else t for t in a)
         out.append(a)
     return tuple(out)
+
+
+def _rounded_output(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a rounded output of a logged op, one with a threshold (:func:`output_key` counts
+    them): float64 with an element, as the native route's ``rounded_output``."""
+    return t.dtype == torch.float64 and t.numel() > 0
 
 
 def written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
