@@ -167,17 +167,22 @@ def test_bounded_thresholds_match_unbounded_ones_closely(tmp_path, monkeypatch):
         assert full[name] / 4 <= bounded[name] <= full[name], name
 
 
-def test_resuming_inside_calibration_gives_the_uninterrupted_thresholds_and_log(tmp_path):
+@pytest.mark.parametrize("model", [Stack, Convs])
+def test_resuming_inside_calibration_gives_the_uninterrupted_thresholds_and_log(tmp_path, model):
+    """Also with thresholds per output (``Convs``: a convolution's backward, rules revision 4), which the
+    checkpointed calibration state carries."""
     steps, calibration = 6, 4
-    record(tmp_path / "whole", steps, calibration, checkpoint_every=1)
-    record(tmp_path / "resumed", steps, calibration, checkpoint_every=1, stop_after=2)
+    record(tmp_path / "whole", steps, calibration, checkpoint_every=1, model=model)
+    record(tmp_path / "resumed", steps, calibration, checkpoint_every=1, stop_after=2, model=model)
     meta = json.loads((tmp_path / "resumed" / "manifest.json").read_text())
     assert meta["status"] == "stopped"
     with Session(tmp_path / "resumed", mode="record", resume=True, planned_steps=steps) as s:
         assert s._calibrator is not None and s._calibrator.classes  # the counts came from the checkpoint
-        train(s, steps)
+        train(s, steps, model=model)
     a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("whole", "resumed"))
     assert a["thresholds"] == b["thresholds"]
+    if model is Convs:
+        assert any("#" in k for k in a["thresholds"]["per_class"])  # thresholds per output were written
     for name in ("commitments", "roundlog"):
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
 
