@@ -97,12 +97,8 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
 def _record(specimen: zoo.Specimen, run_dir, hardware: str, on: bool) -> Session:  # noqa: ANN001
     profile = get_profile(hardware, seed=3) if hardware == "emulated:atomic" else hardware
     session = Session(run_dir, mode="record", sources=Sources(), hardware=profile, planned_steps=2)
-    before = native._enabled
-    native.set_enabled(on)
-    try:
+    with native.switched(on):
         return zoo.train(session, specimen, 2)
-    finally:
-        native.set_enabled(before)
 
 
 def _assert_same_bundles(specimen: zoo.Specimen, tmp_path, hardware: str) -> collections.Counter:  # noqa: ANN001
@@ -205,16 +201,11 @@ def test_a_mode_entered_inside_a_step_still_sees_every_op(tmp_path) -> None:  # 
     seen = {}
     for on in (True, False):
         session = Session(tmp_path / str(on), mode="record", sources=Sources(), planned_steps=1)
-        before = native._enabled
-        native.set_enabled(on)
-        try:
-            with session:
-                model = session.init(lambda: torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()))
-                x = torch.ones(2, 4, dtype=torch.float64)
-                with session.step(batch=(x,)), OpNames() as count:
-                    model(x).sum().backward()
-        finally:
-            native.set_enabled(before)
+        with native.switched(on), session:
+            model = session.init(lambda: torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()))
+            x = torch.ones(2, 4, dtype=torch.float64)
+            with session.step(batch=(x,)), OpNames() as count:
+                model(x).sum().backward()
         seen[on] = count.ops
 
     # Except the detach calls autograd makes inside TensorImpl when it saves a tensor: not a dispatched op
@@ -237,14 +228,9 @@ def _recorded(
     step = StepRounding()
     mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
     mode.rules_revision = rules_revision
-    before = native._enabled
-    native.set_enabled(on)
     native.counts.clear()
-    try:
-        with mode.step_scope(step):
-            body()
-    finally:
-        native.set_enabled(before)
+    with native.switched(on), mode.step_scope(step):
+        body()
     entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
     return (step.stats, step.op_names, entries), native.counts.copy()
 
@@ -327,14 +313,9 @@ def test_sums_with_near_elements_log_alike_on_the_route_and_in_the_mode() -> Non
         mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-4))
         if on == "revision 1":  # every near element logged: what the exact elements leave out
             mode.rules_revision = 1
-        before = native._enabled
-        native.set_enabled(on is True)
         native.counts.clear()
-        try:
-            with mode.step_scope(step):
-                sums = [torch.sum(x, dims) for x, dims in calls]
-        finally:
-            native.set_enabled(before)
+        with native.switched(on is True), mode.step_scope(step):
+            sums = [torch.sum(x, dims) for x, dims in calls]
         logs[on] = ([(e.op, e.indices.tolist(), e.up.tolist()) for e in step.recorded], step.stats, sums)
         if on is True and kernel.available():
             assert native.counts["python"] == 0 and native.counts["entries"] > 0, dict(native.counts)
@@ -389,14 +370,9 @@ def test_split_ops_in_one_pass_give_the_modes_bits(nans: bool) -> None:
     for on in (True, False):
         step = StepRounding()
         mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
-        before = native._enabled
-        native.set_enabled(on)
         native.counts.clear()
-        try:
-            with mode.step_scope(step):
-                results[on] = _split_ops(torch.Generator().manual_seed(3), nans)
-        finally:
-            native.set_enabled(before)
+        with native.switched(on), mode.step_scope(step):
+            results[on] = _split_ops(torch.Generator().manual_seed(3), nans)
         if on:
             assert native.counts["one_pass"] > (0 if nans else 200), dict(native.counts)
     for got, want in zip(results[True], results[False], strict=True):
@@ -444,14 +420,9 @@ def test_convolution_gradients_log_alike_on_the_route_and_in_the_mode(tau: float
     for on in (True, False):
         rounding = StepRounding()
         mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
-        before = native._enabled
-        native.set_enabled(on)
         native.counts.clear()
-        try:
-            with mode.step_scope(rounding):
-                grads = step()
-        finally:
-            native.set_enabled(before)
+        with native.switched(on), mode.step_scope(rounding):
+            grads = step()
         if on and kernel.available():
             assert native.counts["python"] == 0, dict(native.counts)
         entries = [
@@ -479,15 +450,10 @@ def test_pow_is_exact_for_exponent_two_alone_on_the_route(exponent: object) -> N
     for on in (True, False):
         step = StepRounding()
         mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-3))  # large: entries at most ops
-        before = native._enabled
-        native.set_enabled(on)
-        try:
-            with mode.step_scope(step):
-                out = torch.pow(x, exponent)
-                inplace = x.clone()
-                inplace.pow_(exponent)
-        finally:
-            native.set_enabled(before)
+        with native.switched(on), mode.step_scope(step):
+            out = torch.pow(x, exponent)
+            inplace = x.clone()
+            inplace.pow_(exponent)
         entries = [(e.op, e.indices.tolist(), e.up.tolist()) for e in step.recorded]
         results[on] = (step.stats, step.op_names, entries, out, inplace)
     assert results[True][:3] == results[False][:3]
@@ -518,15 +484,10 @@ def test_a_call_is_logged_at_its_class_threshold(on: bool) -> None:
     def logged(thresholds: Thresholds) -> list[int]:
         step = StepRounding()
         mode = RoundingMode(get_profile("native"), thresholds)
-        before = native._enabled
-        native.set_enabled(on)
-        try:
-            with mode.step_scope(step):
-                for _ in range(2):  # the second call of each key: learned, where the route is on
-                    torch.mm(a, b)
-                    torch.mm(a, c.t())
-        finally:
-            native.set_enabled(before)
+        with native.switched(on), mode.step_scope(step):
+            for _ in range(2):  # the second call of each key: learned, where the route is on
+                torch.mm(a, b)
+                torch.mm(a, c.t())
         assert len(step.op_names) == 4
         per_op = [0] * 4
         for e in step.recorded:

@@ -598,14 +598,9 @@ def test_an_exact_sum_needs_no_entry_and_an_entry_for_one_is_refused(on: bool) -
         step = StepRounding(replay=replay)
         mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
         mode.rules_revision = revision
-        before = native._enabled
-        native.set_enabled(on)
         native.counts.clear()
-        try:
-            with mode.step_scope(step):
-                torch.sum(x, [0])
-        finally:
-            native.set_enabled(before)
+        with native.switched(on), mode.step_scope(step):
+            torch.sum(x, [0])
         if on and native.available() and replay is None:
             assert native.counts["native"] == 1 and native.counts["python"] == 0
         return step

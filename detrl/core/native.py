@@ -176,14 +176,19 @@ def set_enabled(on: bool) -> None:
 
 
 @contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Run the block on the Python mode alone."""
+def switched(on: bool) -> Iterator[None]:
+    """Run the block with the route switched ``on`` (or off: on the Python mode alone), then as it was."""
     before = _enabled
-    set_enabled(False)
+    set_enabled(on)
     try:
         yield
     finally:
         set_enabled(before)
+
+
+def disabled() -> contextlib.AbstractContextManager[None]:
+    """Run the block on the Python mode alone."""
+    return switched(False)
 
 
 def nest() -> bool:
