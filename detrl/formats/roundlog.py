@@ -111,9 +111,8 @@ _ZSTD_BLOCK_MAX = 1 << 17  # largest block (raw or regenerated) a frame may hold
 _IO_CHUNK = 1 << 20  # bytes per bounded read of compressed or decompressed data
 _ELEM_CHUNK = 1 << 16  # entries per step of chunked array work (bounds the temporaries)
 _UNARY_CHUNK = 1 << 13  # bytes of unary code per step (its 2**16 bits, and their positions, are temporaries)
-_RICE_CHUNK = (
-    1 << 13
-)  # remainders per step (a whole number of bytes; their bits, a byte each, are temporaries)
+# remainders per step (a whole number of bytes; their bits, a byte each, are temporaries)
+_RICE_CHUNK = 1 << 13
 
 
 class RoundLogError(ValueError):
@@ -216,6 +215,12 @@ def dense_reference_bytes(n_rounded_elements: int) -> int:
 
 
 # --- writer ------------------------------------------------------------------------------------
+
+
+def _check_version(version: object) -> None:
+    """Raise ValueError unless ``version`` is a format version this detrl writes (:data:`READABLE_VERSIONS`)."""
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"roundlog format version {version!r}: this detrl writes {READABLE_VERSIONS}")
 
 
 def _check_uint(name: str, value: object, limit: int) -> int:
@@ -426,8 +431,7 @@ def encode_segment(
     Pure: writes nothing.
     """
     step = _check_uint("step", step, _U64_LIMIT)
-    if version not in READABLE_VERSIONS:
-        raise ValueError(f"roundlog format version {version!r}: this detrl writes {READABLE_VERSIONS}")
+    _check_version(version)
     ops = list(ops)
     encoded = None
     if _segment is not None and NATIVE_RECORDS and all(type(e) is OpEntries for e in ops):
@@ -481,22 +485,20 @@ class RoundLogWriter:
     """
 
     def __init__(self, path: str | os.PathLike, level: int = 3, version: int = FORMAT_VERSION) -> None:
-        if version not in READABLE_VERSIONS:
-            raise ValueError(f"roundlog format version {version!r}: this detrl writes {READABLE_VERSIONS}")
-        self._setup(path, level)
-        self.version = version
+        _check_version(version)
+        self._setup(path, level, version)
         self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
         self._write(_FILE_HEADER.pack(FILE_MAGIC, self.version, 0, 0))
         self._f.flush()
 
-    def _setup(self, path: str | os.PathLike, level: int) -> None:
+    def _setup(self, path: str | os.PathLike, level: int, version: int) -> None:
         self.path = os.fspath(path)
         self._cctx = segment_compressor(level)
         self._f: BinaryIO | None = None
         self._last_step: int | None = None
         self._pos = 0
         #: the format version written: :data:`FORMAT_VERSION`, or the version of the log being continued
-        self.version = FORMAT_VERSION
+        self.version = version
 
     @classmethod
     def append(
@@ -514,7 +516,7 @@ class RoundLogWriter:
         a bad offset or step.
         """
         self = cls.__new__(cls)
-        self._setup(path, level)
+        self._setup(path, level, FORMAT_VERSION)  # the file's own version once its header is read
         offset = _check_uint("offset", offset, _U64_LIMIT)
         if offset < HEADER_BYTES:
             raise ValueError(f"offset {offset} is inside the {HEADER_BYTES}-byte file header")
