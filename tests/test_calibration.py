@@ -259,9 +259,10 @@ def test_a_call_is_rerun_only_under_the_profiles_that_reorder_it(monkeypatch: py
 @pytest.mark.parametrize("model", [Stack, Convs])
 def test_sampled_calibration_replicates_on_every_profile_and_is_deterministic(tmp_path, monkeypatch, model):
     """Calls larger than ``sample_elements`` are measured on evenly spread rows: here (``sample_elements``
-    16) the stack's 16 x 16 products, the softmax and its gradient, and the convolutions (by output
-    channel) and their gradients (by input channel, past the 3-channel input), so the op kinds' thresholds
-    rest on sampled rows. The recording still replays on every profile, and records the same bytes twice."""
+    16) the stack's tanh, its bias gradients' sums, the softmax and its gradient, and the convolutions (by
+    output channel) and their gradients (by input channel, past the 3-channel input), so the op kinds'
+    thresholds rest on sampled rows (the stack's products, of 16 terms, are cut by no profile and
+    not rerun). The recording still replays on every profile, and records the same bytes twice."""
     init = Calibrator.__init__
 
     def sampled(self: Calibrator, *a: Any, **k: Any) -> None:
@@ -271,8 +272,8 @@ def test_sampled_calibration_replicates_on_every_profile_and_is_deterministic(tm
     samples: collections.Counter[str] = collections.Counter()
     real_sample = calibrate._sample
 
-    def counting(func: Any, args: tuple, produced: list, budget: int | None) -> Any:
-        out = real_sample(func, args, produced, budget)
+    def counting(func: Any, args: tuple, produced: list, budget: int | None, kwargs: Any = None) -> Any:
+        out = real_sample(func, args, produced, budget, kwargs)
         if out is not None:
             assert len(out.rows) == MIN_SAMPLED_ROWS  # 8 of 16 rows (at least 8: the budget asks for 1)
             samples[op_name(func)] += 1
@@ -281,7 +282,7 @@ def test_sampled_calibration_replicates_on_every_profile_and_is_deterministic(tm
     monkeypatch.setattr(calibrate, "_sample", counting)
     steps = 3
     rec = record(tmp_path / "run", steps, calibration_steps=2, model=model)
-    expected = {"convolution", "convolution_backward"} if model is Convs else {"mm", "addmm", "_log_softmax"}
+    expected = {"convolution", "convolution_backward"} if model is Convs else {"tanh", "sum", "_log_softmax"}
     assert expected | {"nll_loss_backward"} <= set(samples), samples
     assert rec.thresholds.per_class  # (the log itself may be empty: these sums are exact in FP64)
     params = {n: p.detach().clone() for n, p in rec.model.named_parameters()}
@@ -313,6 +314,8 @@ def _slicing_cases() -> list[tuple[Any, tuple]]:
         (aten.bmm.default, (r(2, 40, 30), r(2, 30, 20))),
         (aten._log_softmax.default, (r(40, 30), 1, False)),
         (aten.sum.dim_IntList, (r(40, 30), [1])),
+        (aten.sum.dim_IntList, (r(30, 40), [0], True)),  # a bias gradient: its columns
+        (aten.sum.dim_IntList, (r(3, 10, 40), [0, 1])),
         (aten.exp.default, (r(40, 30),)),
         (aten.nll_loss_backward.default, (r(()), r(40, 30), torch.randint(0, 30, (40,), generator=g), None, 1, -100, r(()).abs())),
         (aten.embedding_dense_backward.default, (r(40, 30), torch.randint(0, 12, (40,), generator=g), 12, -1, False)),
@@ -322,7 +325,7 @@ def _slicing_cases() -> list[tuple[Any, tuple]]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(14))
 def test_sampled_rows_are_the_whole_calls_rows(case):
     """Each op the calibrator samples: the cut call's results are the whole call's rows (to rounding: the
     native kernels may block fewer rows otherwise), under an emulated profile that splits its sums."""
@@ -339,3 +342,20 @@ def test_sampled_rows_are_the_whole_calls_rows(case):
     for a, b, d in zip(whole, cut, sample.dims, strict=True):
         expected = a if d is None else a.index_select(d, sample.rows)
         assert expected.shape == b.shape and torch.allclose(expected, b, rtol=1e-12, atol=1e-12), (func, d)
+
+
+def test_a_sums_keepdim_passed_by_keyword_cuts_the_results_own_dim():
+    """``sum(x, [0], keepdim=True)`` of a ``(3, 40, 40)`` tensor keeps dims 1 and 2: its columns (dim 2) are
+    cut in the argument and at dim 2 of the ``(1, 40, 40)`` result. Read as ``keepdim=False`` (a keyword the
+    slicing cannot see), the result's dim would be 1, of the same size, and the comparison wrong."""
+    from detrl.core.hardware import get_profile
+
+    aten = torch.ops.aten
+    x = torch.randn(3, 40, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    kwargs = {"keepdim": True}
+    prof = get_profile("emulated:pairwise")
+    whole = prof(aten.sum.dim_IntList, (x, [0]), kwargs)
+    sample = calibrate._sample(aten.sum.dim_IntList, (x, [0]), [whole], 64, kwargs)
+    assert sample is not None and sample.dims == (2,) and sample.args[0].shape == (3, 40, len(sample.rows))
+    cut = prof(aten.sum.dim_IntList, sample.args, kwargs)
+    assert torch.allclose(whole.index_select(2, sample.rows), cut, rtol=1e-12, atol=1e-12)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from detrl.core.hardware import HardwareMode, Profile, get_profile, profile_names
 
@@ -580,3 +582,72 @@ def test_another_libm_reaches_the_composite_kernels():
         assert all(torch.equal(a, b) for a, b in zip(*plain, strict=True)), func
         libm = _outputs(get_profile("emulated:pairwise")(func, args, {}))
         assert any(not torch.equal(a, b) for a, b in zip(libm, plain[0], strict=True)), func
+
+
+# ------------------------------------------------------------------------ which calls a profile splits
+
+
+def _product_call(
+    op: str, k: int, c: int, n: int, groups: int, mask: list[bool], dtype: torch.dtype
+) -> tuple:
+    """``(func, args)``: a product of ``k`` terms, or a 3x3 convolution of ``c * groups`` input channels,
+    ``2 * groups`` output channels and batch ``n`` (or its backward with output mask ``mask``)."""
+    g = torch.Generator().manual_seed(k * 1000 + c * 10 + n)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    if op == "mm":
+        return aten.mm.default, (r(3, k), r(k, 2))
+    if op == "bmm":
+        return aten.bmm.default, (r(2, 3, k), r(2, k, 2))
+    if op == "addmm":
+        return aten.addmm.default, (r(2), r(3, k), r(k, 2))
+    if op == "baddbmm":
+        return aten.baddbmm.default, (r(2, 3, 2), r(2, 3, k), r(2, k, 2))
+    x, w = r(n, c * groups, 4, 4), r(2 * groups, c, 3, 3)
+    if op == "convolution":
+        return aten.convolution.default, (x, w, r(2 * groups), [1, 1], [1, 1], [1, 1], False, [0, 0], groups)
+    go = r(n, 2 * groups, 4, 4)
+    args = (go, x, w, [2 * groups], [1, 1], [1, 1], [1, 1], False, [0, 0], groups, mask)
+    return aten.convolution_backward.default, args
+
+
+#: Sizes at the profiles' chunk edges (8, 16, 24, 32, 45, 64 terms; 1, 2, 3 samples) and beyond.
+_EDGES = [1, 2, 3, 4, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32, 33, 44, 45, 46, 63, 64, 65, 100, 140]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(EMULATED),
+    op=st.sampled_from(["mm", "bmm", "addmm", "baddbmm", "convolution", "convolution_backward"]),
+    k=st.sampled_from(_EDGES),
+    c=st.sampled_from(_EDGES[:18]),
+    n=st.sampled_from(_EDGES[:6]),
+    groups=st.sampled_from([1, 2]),
+    mask=st.lists(st.booleans(), min_size=3, max_size=3).filter(any),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_a_call_that_splits_nothing_is_the_native_call(name, op, k, c, n, groups, mask, dtype):
+    """``reorders(func, args, kwargs)`` is true exactly where the emulation draws a plan that cuts (so
+    calibration may skip the others), and a call it is false for gives the native kernel's bits."""
+    from detrl.core.hardware import profiles
+
+    func, args = _product_call(op, k, c, n, groups, mask, dtype)
+    profile = get_profile(name, seed=0)
+    cuts: list[bool] = []
+    real_plan = profiles.EmulatedProfile.plan
+
+    def plan(self, *a):  # noqa: ANN001, ANN202
+        out = real_plan(self, *a)
+        cuts.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(profiles.EmulatedProfile, "plan", plan)
+        emulated = profile(func, args, {})
+    assert profile.reorders(func, args, {}) == any(cuts)
+    if not any(cuts):
+        native = func(*args)
+        for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (emulated, native)), strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)

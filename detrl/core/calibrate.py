@@ -77,8 +77,10 @@ CLASS_WORST_KEY = "#class-worst"
 #: A measured call whose largest tensor (an argument or a result) holds more elements than this is measured
 #: on a sample of its rows (:func:`_sample`): evenly spread rows of about this many elements of that tensor,
 #: at least :data:`MIN_SAMPLED_ROWS` of them. GPT-2 small's logits and their gradients (50,257 wide: 25.7M
-#: elements, products of 20 GFLOP) were measured whole under each of the four profiles.
-DEFAULT_SAMPLE_ELEMENTS = 1 << 16
+#: elements, products of 20 GFLOP) were measured whole under each of the four profiles. 2**14 (2**16 before):
+#: each profile still meets over 16,000 results of a sampled call, and the character LSTM's calibration step,
+#: whose 512-row products and bias-gradient sums were a third of it, fell from 2.3x to 2.0x a later step.
+DEFAULT_SAMPLE_ELEMENTS = 1 << 14
 MIN_SAMPLED_ROWS = 8
 
 
@@ -193,11 +195,11 @@ class Calibrator:
             self.classes[key] = seen + 1
         self.calibrated_calls += 1
         class_worst = self.class_worst.get(sized, 0.0)
-        profiles = self._rerunning(func, produced)
+        profiles = self._rerunning(func, before, kwargs, produced)
         if profiles:
             # the rounded outputs' positions (rounding.output_key: float64, with an element)
             slots = [i for i, a in enumerate(produced) if a.dtype == torch.float64 and a.numel()]
-            sample = _sample(func, before, produced, self.sample_elements)
+            sample = _sample(func, before, produced, self.sample_elements, kwargs)
             if sample is None:
                 args = before
                 # each result's unit once, not once per profile: the same for every alternative it meets
@@ -240,15 +242,16 @@ class Calibrator:
         floor = TAU_FLOOR_MEASURED if kind is OpKind.REDUCTION and worst > 0 else TAU_FLOOR
         return min(TAU_CAP, max(floor, self.margin * worst))
 
-    def _rerunning(self, func: Any, produced: list[torch.Tensor]) -> list[Profile]:
-        """The profiles whose reruns of ``func`` can give other bits than ``produced``: those that reorder it
-        (:meth:`~detrl.core.hardware.Profile.reorders`), where it ran on the CPU. A profile that does not
-        calls the same native kernel on the same inputs as the recorder, and a CPU kernel gives the same bits
-        each time (its disagreement is 0, measured or not): ``exp`` under a profile without another libm,
-        every op no profile emulates. A CUDA kernel need not (atomics): there every profile reruns it."""
+    def _rerunning(self, func: Any, args: tuple, kwargs: dict, produced: list[torch.Tensor]) -> list[Profile]:
+        """The profiles whose reruns of the call ``func(*args, **kwargs)`` can give other bits than
+        ``produced``: those that reorder it (:meth:`~detrl.core.hardware.Profile.reorders`), where it ran
+        on the CPU. A profile that does not calls the same native kernel on the same inputs as the recorder,
+        and a CPU kernel gives the same bits each time (its disagreement is 0, measured or not): ``exp``
+        under a profile without another libm, every op no profile emulates, a product of fewer terms than
+        the profile's chunk. A CUDA kernel need not (atomics): there every profile reruns it."""
         if any(t.device.type != "cpu" for t in produced):
             return self.profiles
-        return [prof for prof in self.profiles if prof.reorders(func)]
+        return [prof for prof in self.profiles if prof.reorders(func, args, kwargs)]
 
 
 def _disagreements(state: Mapping[Any, Any], what: str) -> dict[str, float]:
@@ -370,12 +373,21 @@ def _softmax_rows(args: tuple) -> _Cut | None:
 
 
 @_slices(aten.sum.dim_IntList)
-def _sum_rows(args: tuple) -> _Cut | None:
-    """A sum over dims that keeps dim 0 (the row sums of a decomposed softmax or layer norm)."""
+def _sum_kept(args: tuple) -> _Cut | None:
+    """A sum over some dims is independent along each dim it keeps: cut along dim 0 where it is kept (the
+    row sums of a decomposed softmax or layer norm), else along the last kept dim (a bias gradient: the
+    columns of a ``(rows, features)`` sum over its rows), which is dim ``kept - reduced before it`` of the
+    result without ``keepdim``."""
     x, dims = args[0], args[1] if len(args) > 1 else None
-    if x.dim() < 2 or not dims or any(d % x.dim() == 0 for d in dims):
+    if x.dim() < 2 or not dims:
         return None
-    return {0: 0}, (0,)
+    reduced = {d % x.dim() for d in dims}
+    kept = [d for d in range(x.dim()) if d not in reduced]
+    if not kept:
+        return None
+    keepdim = len(args) > 2 and bool(args[2])
+    cut = 0 if kept[0] == 0 else kept[-1]
+    return {0: cut}, (cut if keepdim else cut - sum(d < cut for d in reduced),)
 
 
 @_slices(aten.nll_loss_backward.default)
@@ -436,10 +448,21 @@ _slices(
 )(_elementwise_rows)  # fmt: skip
 
 
-def _sample(func: Any, args: tuple, produced: list[torch.Tensor], budget: int | None) -> _Sample | None:
+def _positional(func: Any, args: tuple, kwargs: Mapping) -> tuple:
+    """``args`` followed by the schema's later arguments: from ``kwargs``, else their defaults (None where
+    there is none)."""
+    later = func._schema.arguments[len(args) :]
+    return (*args, *(kwargs.get(a.name, a.default_value if a.has_default_value() else None) for a in later))
+
+
+def _sample(
+    func: Any, args: tuple, produced: list[torch.Tensor], budget: int | None, kwargs: Mapping | None = None
+) -> _Sample | None:
     """Evenly spread rows of a call too large to measure whole (None: measure it whole): a call of an op in
     :data:`_SLICINGS` whose largest tensor cut has more than ``budget`` elements. Enough rows that that
-    tensor's share is about ``budget`` elements, at least :data:`MIN_SAMPLED_ROWS`.
+    tensor's share is about ``budget`` elements, at least :data:`MIN_SAMPLED_ROWS`. The slicing reads the
+    arguments passed by keyword (``kwargs``: a sum's ``keepdim``) at their schema positions; it cuts only
+    arguments passed by position.
 
     The rows are a function of the sizes alone (no random draw), so a recording samples the same rows
     every time. Each row's results under a profile are what that profile computes for it in the whole call
@@ -448,10 +471,12 @@ def _sample(func: Any, args: tuple, produced: list[torch.Tensor], budget: int | 
     slicing = _SLICINGS.get(func)
     if budget is None or slicing is None:
         return None
-    cut = slicing(args)
+    cut = slicing(_positional(func, args, kwargs) if kwargs else args)
     if cut is None or len(cut[1]) != len(produced):
         return None
     holders, dims = cut
+    if any(i >= len(args) for i in holders):
+        return None
     sliced = [(args[i], d) for i, d in holders.items()]
     sliced += [(t, d) for t, d in zip(produced, dims) if d is not None]
     if any(t.dim() <= d for t, d in sliced):

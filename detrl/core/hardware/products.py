@@ -7,7 +7,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 
 from detrl.core.hardware.machinery import _acc_dtype, _bind, _combine, _emulable, _pieces
-from detrl.core.hardware.profiles import EmulatedProfile, _register, aten
+from detrl.core.hardware.profiles import EmulatedProfile, _register, _splits, aten
 
 
 def _matmul(p: EmulatedProfile, a: Tensor, b: Tensor) -> Tensor | None:
@@ -51,6 +51,18 @@ def _addmm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> T
     return out.to(m1.dtype)
 
 
+@_splits(aten.mm.default, aten.bmm.default)
+def _mm_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
+    a, b = _bind(func, args, kwargs)
+    return _emulable(a, b) and p.splits(a.shape[-1], "k")
+
+
+@_splits(aten.addmm.default, aten.baddbmm.default)
+def _addmm_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
+    self_, m1, m2, _, _ = _bind(func, args, kwargs)
+    return _emulable(self_, m1, m2) and p.splits(m1.shape[-1], "k")
+
+
 @_register(aten.convolution.default)
 def _convolution(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """Convolution ``x: (N, C_in, *S) -> (N, C_out, *S')``, split over the input channels of each group.
@@ -77,6 +89,12 @@ def _convolution(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
     return out.to(x.dtype)
 
 
+@_splits(aten.convolution.default)
+def _convolution_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
+    x, w, *_, groups = _bind(func, args, kwargs)
+    return _emulable(x, w) and p.splits(x.shape[1] // groups, "channel")
+
+
 @_register(aten.convolution_backward.default)
 def _convolution_backward(
     p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
@@ -97,7 +115,10 @@ def _convolution_backward(
 
     def call(go_: Tensor, x_: Tensor, w_: Tensor, mask_: list[bool]) -> tuple:
         sizes = bias_sizes if mask_[2] else None
-        return func(go_, x_, w_, sizes, stride, padding, dilation, transposed, output_padding, groups, mask_)
+        grads = func(go_, x_, w_, sizes, stride, padding, dilation, transposed, output_padding, groups, mask_)
+        # only what the mask asks for: the CPU kernel returns a weight gradient it was not asked for, for
+        # a batch of two samples or more, and then one piece's would meet another's None
+        return tuple(g if wanted else None for g, wanted in zip(grads, mask_, strict=True))
 
     grad_input = grad_weight = grad_bias = None
     if mask[0]:
@@ -123,3 +144,13 @@ def _convolution_backward(
             )
             grad_weight, grad_bias = _combine(plan, parts)
     return tuple(None if g is None else g.to(dtype) for g in (grad_input, grad_weight, grad_bias))
+
+
+@_splits(aten.convolution_backward.default)
+def _convolution_backward_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
+    go, x, w, _, _, _, _, _, _, groups, mask = _bind(func, args, kwargs)
+    if not _emulable(go, x, w):
+        return False
+    return bool(mask[0] and p.splits(go.shape[1] // groups, "channel")) or bool(
+        (mask[1] or mask[2]) and p.splits(x.shape[0], "batch")
+    )

@@ -41,9 +41,9 @@ class Profile:
         """Compute aten op ``func(*args, **kwargs)`` under this profile; returns what ``func`` returns."""
         return func(*args, **kwargs)
 
-    def reorders(self, func: OpOverload) -> bool:
+    def reorders(self, func: OpOverload, args: tuple | None = None, kwargs: dict | None = None) -> bool:
         """Whether this profile may compute ``func`` other than the native kernel does (the native profile
-        never does)."""
+        never does); with ``args`` and ``kwargs``, that call of it."""
         return False
 
     def __repr__(self) -> str:
@@ -110,19 +110,32 @@ class EmulatedProfile(Profile):
             return func(*args, **kwargs)
         return handler(self, func, args, kwargs)
 
-    def reorders(self, func: OpOverload) -> bool:
+    def reorders(self, func: OpOverload, args: tuple | None = None, kwargs: dict | None = None) -> bool:
         """Whether ``func`` has an emulation here: every emulated profile shares the registry (an op without
         one runs the native kernel under all of them), but another libm's ops (:data:`_LIBM_ONLY`) run the
-        native kernel under a profile without one (``libm=False``)."""
-        return func in _HANDLERS and (self.libm or func not in _LIBM_ONLY)
+        native kernel under a profile without one (``libm=False``). With ``args`` and ``kwargs``: whether
+        this call splits a reduction, where its op's family says (:data:`_SPLITS`: a product over 32 terms,
+        a convolution of 8 input channels, run natively here); without, or where it does not say, whether
+        it may."""
+        if func not in _HANDLERS or (not self.libm and func in _LIBM_ONLY):
+            return False
+        splits = _SPLITS.get(func)
+        return splits is None or args is None or splits(self, func, args, kwargs or {})
+
+    def splits(self, n: int, unit: Unit) -> bool:
+        """Whether :meth:`plan` cuts ``n`` terms counted in ``unit`` (no random order is drawn to tell)."""
+        return n >= 2 and self._chunk(n, unit) < n
+
+    def _chunk(self, n: int, unit: Unit) -> int:
+        """The base chunk of ``unit``, grown (in multiples of it) until at most MAX_PIECES chunks remain."""
+        base = self.chunks[unit]
+        return base * max(1, math.ceil(math.ceil(n / MAX_PIECES) / base))
 
     def plan(self, n: int, unit: Unit, device: torch.device) -> Plan | None:
         """Plan a reduction over ``n`` terms counted in ``unit``; None if it is too short to split."""
-        base = self.chunks[unit]
-        # Grow the chunk (in multiples of the base size) until at most MAX_PIECES chunks remain.
-        chunk = base * max(1, math.ceil(math.ceil(n / MAX_PIECES) / base))
-        if n < 2 or chunk >= n:
+        if not self.splits(n, unit):
             return None
+        chunk = self._chunk(n, unit)
         pieces = tuple((start, min(chunk, n - start)) for start in range(0, n, chunk))
         if self.reorder == "reverse":
             return Plan(None, pieces, self.tree, reverse=True)
@@ -215,3 +228,10 @@ _LIBM_ONLY: set[OpOverload] = set()
 
 
 _register = registrar(_HANDLERS, "hardware handler")  # @_register(ops): the emulation of ops
+#: Whether a call of an op splits a reduction under a profile (the handler then reorders it; else it runs
+#: the native kernel on the same inputs, and gives the native bits): ``(profile, func, args, kwargs) ->
+#: bool``, true wherever the handler draws a plan that cuts. Calibration skips the reruns that cannot
+#: disagree (:meth:`EmulatedProfile.reorders`); an op without one is taken to split every call.
+Splits = Callable[["EmulatedProfile", OpOverload, tuple, dict], bool]
+_SPLITS: dict[OpOverload, Splits] = {}
+_splits = registrar(_SPLITS, "split rule")  # @_splits(ops): when the emulation of ops splits a call
