@@ -651,3 +651,24 @@ def test_a_call_that_splits_nothing_is_the_native_call(name, op, k, c, n, groups
         native = func(*args)
         for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (emulated, native)), strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", EMULATED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_embedding_gradient_chunks_in_one_call_are_the_per_rank_adds(
+    name: str, dtype: torch.dtype, monkeypatch
+):
+    """On the CPU a chunk of ranks is one ``index_add_`` (it adds rows in their order); elsewhere one call a
+    rank. Both give the same bits: 512 lookups of 16 rows (each row about 32 times, cut into the profile's
+    chunks), with padding and frequency scaling."""
+    g = torch.Generator().manual_seed(7)
+    go, idx = torch.randn(512, 8, generator=g, dtype=dtype), torch.randint(0, 16, (512,), generator=g)
+    func = aten.embedding_dense_backward.default
+    for args in ((go, idx, 16, -1, False), (go, idx, 16, 3, True)):
+        together = get_profile(name, seed=1)(func, args, {})
+        monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False))  # as on a GPU: rank by rank
+        one_by_one = get_profile(name, seed=1)(func, args, {})
+        monkeypatch.undo()
+        assert torch.equal(together, one_by_one)
+        if dtype == torch.float32:  # the chunks did reorder the sums: other float32 bits than native
+            assert not torch.equal(together, func(*args))

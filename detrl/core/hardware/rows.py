@@ -232,7 +232,13 @@ def _embedding_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwarg
     bounds = [0, *itertools.accumulate(per_rank)]
 
     def chunk_sum(start: int, length: int) -> Tensor:
+        # The chunk's ranks in rank order, one index_add_: it adds its rows one at a time in their order
+        # (a sequential loop on the CPU; a GPU's atomics would not, so only there rank by rank), so each
+        # slot gets rank start, then start + 1, ...: the same adds, in the same order, as one call a rank.
         part = torch.zeros(uniq.numel(), g.shape[1], dtype=g.dtype, device=g.device)
+        if part.is_cpu:
+            rows = by_rank[bounds[start] : bounds[start + length]]
+            return part.index_add_(0, slot[rows], g[rows])
         for r in range(start, start + length):  # within a rank the slots are distinct: plain adds
             rows = by_rank[bounds[r] : bounds[r + 1]]
             part.index_add_(0, slot[rows], g[rows])
