@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -678,3 +680,40 @@ def test_embedding_gradient_chunks_in_one_call_are_the_per_rank_adds(
         assert torch.equal(together, one_by_one)
         if dtype == torch.float32:  # the chunks did reorder the sums: other float32 bits than native
             assert not torch.equal(together, func(*args))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    name=st.sampled_from(EMULATED),
+    shape=st.sampled_from([(7,), (300,), (4, 50), (50, 4), (3, 5, 64), (16, 9, 70), (2, 3, 4, 5), (600, 3)]),
+    transpose=st.booleans(),
+    pick=st.integers(0, 15),
+    keepdim=st.booleans(),
+    unit=st.sampled_from(["k", "row"]),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+    negative_zeros=st.booleans(),
+)
+def test_a_sums_equal_chunks_in_one_call_are_the_chunk_by_chunk_sums(
+    name, shape, transpose, pick, keepdim, unit, dtype, negative_zeros
+):
+    """The emulated sum adds a plan's equal chunks in one ``sum`` over a ``(..., chunks, length)`` view where
+    the reduced axis is contiguous, and accumulates the chunks' sums level by level (a tree) or by a
+    ``cumsum`` (float64): the same bits as a ``sum`` a chunk added one by one, on every profile, for any dims
+    kept, a transposed input (a strided axis: chunk by chunk), each accumulation dtype, and -0.0 sums."""
+    from detrl.core.hardware import machinery
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(pick), dtype=torch.float64).to(dtype)
+    x = torch.full_like(x, -0.0) if negative_zeros else x
+    x = x.transpose(0, -1) if transpose else x
+    dims = [d for d in range(x.dim()) if pick >> d & 1] or [x.dim() - 1]
+    plan_of = get_profile(name, seed=pick).plan(math.prod(x.shape[d] for d in dims), unit, x.device)
+    if plan_of is None:
+        return
+    kept = [d for d in range(x.dim()) if d not in dims]
+    flat = x.to(machinery._acc_dtype(x.dtype)).permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], -1)
+    chunk_by_chunk = machinery._combine(
+        plan_of, (piece.sum(-1) for piece in machinery._pieces(flat, -1, 1, plan_of))
+    )
+    out = machinery._sum(get_profile(name, seed=pick), x, dims, keepdim, None, unit)
+    out = out.reshape(chunk_by_chunk.shape)
+    assert torch.equal(out, chunk_by_chunk) and torch.equal(out.signbit(), chunk_by_chunk.signbit())

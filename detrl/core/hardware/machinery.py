@@ -115,6 +115,19 @@ def _gathered(t: Tensor, dim: int, perm: Tensor) -> Tensor:
     return t.gather(dim, perm.view(shape).expand(*t.shape[:dim], -1, *t.shape[dim + 1 :])).contiguous()
 
 
+def _reordered(t: Tensor, dim: int, groups: int, plan: Plan) -> Tensor:
+    """``t`` with ``dim`` unflattened into ``(groups, block)`` and each block reordered as ``plan`` says (a
+    flip or a permutation, contiguous; else ``t`` as it is): the chunks of the plan are then consecutive
+    along ``dim + 1`` (``dim`` counted from the front)."""
+    dim %= t.dim()
+    blocked = t.unflatten(dim, (groups, -1))
+    if plan.reverse:
+        return blocked.flip(dim + 1).contiguous()
+    if plan.perm is not None:
+        return _gathered(blocked, dim + 1, plan.perm)
+    return blocked
+
+
 def _pieces(t: Tensor, dim: int, groups: int, plan: Plan) -> Iterator[Tensor]:
     """Yield ``t`` restricted to each chunk of ``plan`` along ``dim``.
 
@@ -122,13 +135,51 @@ def _pieces(t: Tensor, dim: int, groups: int, plan: Plan) -> Iterator[Tensor]:
     positions *within* a block, so each yielded tensor keeps ``groups`` blocks of ``length`` each.
     """
     dim %= t.dim()
-    blocked = t.unflatten(dim, (groups, -1))
-    if plan.reverse:
-        blocked = blocked.flip(dim + 1).contiguous()
-    elif plan.perm is not None:
-        blocked = _gathered(blocked, dim + 1, plan.perm)
+    blocked = _reordered(t, dim, groups, plan)
     for start, length in plan.pieces:
         yield blocked.narrow(dim + 1, start, length).flatten(dim, dim + 1)
+
+
+def _chunk_sums(t: Tensor, plan: Plan) -> Tensor | None:
+    """The sum over the last dim of each chunk of ``plan`` (``t: (*kept, n)``, in the profile's order),
+    stacked in plan order: ``(chunks, *kept)``; None where ``t`` is not a CPU tensor contiguous along that
+    dim (then a ``sum`` a chunk, :func:`_pieces`).
+
+    The chunks of equal length (all but maybe the last) are summed in one call over a ``(*kept, chunks,
+    length)`` view: each sums its own contiguous elements as a call of its own does, the same bits
+    (``tests/test_hardware.py`` holds them equal), in one call where there were up to 32."""
+    chunk = plan.pieces[0][1]
+    equal = sum(1 for _, length in plan.pieces if length == chunk)
+    if not t.is_cpu or t.stride(-1) != 1 or equal < 2:
+        return None
+    heads = t.narrow(-1, 0, equal * chunk).unflatten(-1, (equal, chunk)).sum(-1).movedim(-1, 0)
+    if equal == len(plan.pieces):
+        return heads.contiguous()
+    start, length = plan.pieces[-1]
+    return torch.cat([heads, t.narrow(-1, start, length).sum(-1).unsqueeze(0)])
+
+
+def _accumulated(parts: Tensor, tree: bool) -> Tensor:
+    """:func:`_combine` of ``parts: (chunks, *kept)`` along dim 0, in fewer calls and the same bits.
+
+    A tree adds neighbours level by level, an odd one out carried up: the tree :func:`_combine` builds (a
+    binary counter) for every count of chunks. In order: ``cumsum`` adds left to right in the dtype for
+    float64 on the CPU (the other dtypes accumulate in another there), starting from +0.0 where the first
+    chunk is the start: the two differ only where every chunk's sum is -0.0."""
+    if tree:
+        while parts.shape[0] > 1:
+            half = parts.shape[0] // 2
+            pairs = parts[0 : 2 * half : 2] + parts[1 : 2 * half : 2]
+            parts = torch.cat([pairs, parts[2 * half :]]) if parts.shape[0] % 2 else pairs
+        return parts[0]
+    if parts.dtype == torch.float64 and parts.is_cpu:
+        total = parts.cumsum(0)[-1]
+        all_negative_zero = ((parts == 0) & parts.signbit()).all(0)
+        return torch.where(all_negative_zero, -0.0, total) if bool(all_negative_zero.any()) else total
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc.add_(part)
+    return acc
 
 
 T = TypeVar("T", Tensor, tuple)
@@ -189,7 +240,12 @@ def _sum(
     if plan is None:
         return None
     flat = x.to(_acc_dtype(out_dtype)).permute(*kept, *dims).reshape(*[x.shape[d] for d in kept], n)
-    out = _combine(plan, (piece.sum(-1) for piece in _pieces(flat, -1, 1, plan)))
+    ordered = _reordered(flat, -1, 1, plan).flatten(-2)
+    parts = _chunk_sums(ordered, plan)
+    if parts is None:
+        out = _combine(plan, (ordered.narrow(-1, start, length).sum(-1) for start, length in plan.pieces))
+    else:
+        out = _accumulated(parts, plan.tree)
     if keepdim:
         out = out.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
     return out
