@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from detrl.core.dispatch import registrar
+from detrl.core.dispatch import bound_arguments, registrar
 from detrl.core.oprules import OpKind, call_class, op_name, shape_class
 from detrl.core.rounding import (
     TAU_FLOOR,
@@ -448,13 +448,6 @@ _slices(
 )(_elementwise_rows)  # fmt: skip
 
 
-def _positional(func: Any, args: tuple, kwargs: Mapping) -> tuple:
-    """``args`` followed by the schema's later arguments: from ``kwargs``, else their defaults (None where
-    there is none)."""
-    later = func._schema.arguments[len(args) :]
-    return (*args, *(kwargs.get(a.name, a.default_value if a.has_default_value() else None) for a in later))
-
-
 def _sample(
     func: Any, args: tuple, produced: list[torch.Tensor], budget: int | None, kwargs: Mapping | None = None
 ) -> _Sample | None:
@@ -471,7 +464,7 @@ def _sample(
     slicing = _SLICINGS.get(func)
     if budget is None or slicing is None:
         return None
-    cut = slicing(_positional(func, args, kwargs) if kwargs else args)
+    cut = slicing(tuple(bound_arguments(func, args, kwargs)) if kwargs else args)
     if cut is None or len(cut[1]) != len(produced):
         return None
     holders, dims = cut

@@ -41,3 +41,17 @@ def registrar(table: dict[Any, F], what: str) -> Callable[..., Callable[[F], F]]
         return register
 
     return handles
+
+
+def bound_arguments(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """All arguments of aten op ``func`` in schema order, those passed by keyword and the defaults filled in
+    (None where there is none), so a per-op handler or rule need not parse kwargs."""
+    bound = []
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound.append(args[i])
+        elif arg.name in kwargs:
+            bound.append(kwargs[arg.name])
+        else:
+            bound.append(arg.default_value if arg.has_default_value() else None)
+    return bound

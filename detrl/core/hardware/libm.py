@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
-from detrl.core.hardware.machinery import _EXACT_POWERS, _bind, _libm_dtype, _perturb_
+from detrl.core.dispatch import bound_arguments
+from detrl.core.hardware.machinery import _EXACT_POWERS, _libm_dtype, _perturb_
 from detrl.core.hardware.profiles import _LIBM_ONLY, EmulatedProfile, Handler, _register, aten
 
 
@@ -26,7 +27,7 @@ def _libm_handler(
     """
 
     def handler(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
-        bound = _bind(func, args, kwargs)
+        bound = bound_arguments(func, args, kwargs)
         x = bound[x_arg]
         if not p.libm or not _libm_dtype(x):
             return func(*args, **kwargs)
@@ -79,7 +80,7 @@ _register_libm(*_overloads("softplus_backward"))(_libm_handler(1, 0, lambda b, x
 def _pow_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``pow`` with the profile's libm, except where kernels use exact IEEE operations (:data:`_EXACT_POWERS`)
     or the result is exact (``1 ** y``, ``x ** 0``, and integer powers of a scalar base such as ``2 ** k``)."""
-    base, exponent = _bind(func, args, kwargs)
+    base, exponent = bound_arguments(func, args, kwargs)
     if not p.libm:
         return func(*args, **kwargs)
     if isinstance(exponent, Tensor):

@@ -1,6 +1,7 @@
-"""What the handler families share: binding an op's arguments, cutting a reduced axis into a profile's
-chunks and combining the partials in its order, and the emulated libm's perturbation (the libm family's
-handlers and the row kernels' ``exp``, ``log``, ``rsqrt`` and ``pow`` apply it)."""
+"""What the handler families share (beside ``dispatch.bound_arguments``, which reads an op's arguments):
+cutting a reduced axis into a profile's chunks and combining the partials in its order, and the emulated
+libm's perturbation (the libm family's handlers and the row kernels' ``exp``, ``log``, ``rsqrt`` and ``pow``
+apply it)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
-from torch._ops import OpOverload
 
 if TYPE_CHECKING:  # annotations only: nothing here needs the profiles module at run time
     from detrl.core.hardware.profiles import EmulatedProfile, Plan, Unit
@@ -80,19 +80,6 @@ def _pow(p: EmulatedProfile, x: Tensor, exponent: float) -> Tensor:
 _EXACT_POWERS = (0.0, 0.5, 1.0, 2.0, 3.0, -1.0, -2.0)
 
 
-def _bind(func: OpOverload, args: tuple, kwargs: dict) -> list[Any]:
-    """All arguments of ``func`` in schema order, defaults filled in (so handlers need not parse kwargs)."""
-    bound = []
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args):
-            bound.append(args[i])
-        elif arg.name in kwargs:
-            bound.append(kwargs[arg.name])
-        else:
-            bound.append(arg.default_value if arg.has_default_value() else None)
-    return bound
-
-
 def _emulable(*tensors: Tensor) -> bool:
     """Whether we reorder ops on these operands: dense, floating point, one dtype."""
     dtype = tensors[0].dtype
@@ -143,7 +130,7 @@ def _pieces(t: Tensor, dim: int, groups: int, plan: Plan) -> Iterator[Tensor]:
 def _chunk_sums(t: Tensor, plan: Plan) -> Tensor | None:
     """The sum over the last dim of each chunk of ``plan`` (``t: (*kept, n)``, in the profile's order),
     stacked in plan order: ``(chunks, *kept)``; None where ``t`` is not a CPU tensor contiguous along that
-    dim (then a ``sum`` a chunk, :func:`_pieces`).
+    dim (then :func:`_sum` sums a chunk a call).
 
     The chunks of equal length (all but maybe the last) are summed in one call over a ``(*kept, chunks,
     length)`` view: each sums its own contiguous elements as a call of its own does, the same bits

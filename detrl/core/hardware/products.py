@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
-from detrl.core.hardware.machinery import _acc_dtype, _bind, _combine, _emulable, _pieces
+from detrl.core.dispatch import bound_arguments
+from detrl.core.hardware.machinery import _acc_dtype, _combine, _emulable, _pieces
 from detrl.core.hardware.profiles import EmulatedProfile, _register, _splits, aten
 
 
@@ -30,7 +31,7 @@ def _matmul(p: EmulatedProfile, a: Tensor, b: Tensor) -> Tensor | None:
 @_register(aten.mm.default, aten.bmm.default)
 def _mm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``mm: (M, K) @ (K, N) -> (M, N)``; ``bmm: (B, M, K) @ (B, K, N) -> (B, M, N)``."""
-    a, b = _bind(func, args, kwargs)
+    a, b = bound_arguments(func, args, kwargs)
     out = _matmul(p, a, b)
     return func(*args, **kwargs) if out is None else out.to(a.dtype)
 
@@ -38,7 +39,7 @@ def _mm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tens
 @_register(aten.addmm.default, aten.baddbmm.default)
 def _addmm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``beta * self + alpha * (m1 @ m2)``; ``self`` broadcasts to ``(M, N)`` / ``(B, M, N)``."""
-    self_, m1, m2, beta, alpha = _bind(func, args, kwargs)
+    self_, m1, m2, beta, alpha = bound_arguments(func, args, kwargs)
     if not _emulable(self_, m1, m2):
         return func(*args, **kwargs)
     out = _matmul(p, m1, m2)
@@ -53,13 +54,13 @@ def _addmm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> T
 
 @_splits(aten.mm.default, aten.bmm.default)
 def _mm_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
-    a, b = _bind(func, args, kwargs)
+    a, b = bound_arguments(func, args, kwargs)
     return _emulable(a, b) and p.splits(a.shape[-1], "k")
 
 
 @_splits(aten.addmm.default, aten.baddbmm.default)
 def _addmm_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
-    self_, m1, m2, _, _ = _bind(func, args, kwargs)
+    self_, m1, m2, _, _ = bound_arguments(func, args, kwargs)
     return _emulable(self_, m1, m2) and p.splits(m1.shape[-1], "k")
 
 
@@ -69,7 +70,9 @@ def _convolution(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
 
     weight is ``(C_out, C_in / G, *k)``, or ``(C_in, C_out / G, *k)`` when transposed; bias ``(C_out,)``.
     """
-    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = _bind(func, args, kwargs)
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = bound_arguments(
+        func, args, kwargs
+    )
     plan = p.plan(x.shape[1] // groups, "channel", x.device) if _emulable(x, w) else None
     if plan is None:
         return func(*args, **kwargs)
@@ -91,7 +94,7 @@ def _convolution(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
 
 @_splits(aten.convolution.default)
 def _convolution_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
-    x, w, *_, groups = _bind(func, args, kwargs)
+    x, w, *_, groups = bound_arguments(func, args, kwargs)
     return _emulable(x, w) and p.splits(x.shape[1] // groups, "channel")
 
 
@@ -105,8 +108,8 @@ def _convolution_backward(
     each group; grad_weight ``(C_out, C_in / G, *k)`` and grad_bias ``(C_out,)`` reduce over the batch (and
     space), so they are split over the batch.
     """
-    (go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask) = _bind(
-        func, args, kwargs
+    (go, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask) = (
+        bound_arguments(func, args, kwargs)
     )
     if not _emulable(go, x, w):
         return func(*args, **kwargs)
@@ -148,7 +151,7 @@ def _convolution_backward(
 
 @_splits(aten.convolution_backward.default)
 def _convolution_backward_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
-    go, x, w, _, _, _, _, _, _, groups, mask = _bind(func, args, kwargs)
+    go, x, w, _, _, _, _, _, _, groups, mask = bound_arguments(func, args, kwargs)
     if not _emulable(go, x, w):
         return False
     return bool(mask[0] and p.splits(go.shape[1] // groups, "channel")) or bool(

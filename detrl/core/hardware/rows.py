@@ -12,7 +12,8 @@ from torch import Tensor
 from torch._ops import OpOverload
 
 from detrl.core import decompose
-from detrl.core.hardware.machinery import _bind, _combine, _exp, _log, _pow, _rsqrt, _sum
+from detrl.core.dispatch import bound_arguments
+from detrl.core.hardware.machinery import _combine, _exp, _log, _pow, _rsqrt, _sum
 from detrl.core.hardware.profiles import EmulatedProfile, Plan, _register, aten
 
 # Each is recomputed from its textbook formula, with every reduction in the profile's "row" order and its
@@ -70,7 +71,7 @@ def _row_decomposed(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: d
     ``exp`` and layer norm's ``rsqrt`` from its libm. Where the formula does not apply, and for half types,
     the native kernel runs. (In verifiable precision the rounding mode decomposes all but softmax forward
     before a profile sees them; their row sums reach :func:`_sum_op`, which orders them the same way.)"""
-    bound = tuple(_bind(func, args, kwargs))
+    bound = tuple(bound_arguments(func, args, kwargs))
     if not decompose.formula_applies(func, bound) or not _rows(*(t for t in bound if isinstance(t, Tensor))):
         return func(*args, **kwargs)
     steps = decompose.Steps(
@@ -85,7 +86,7 @@ def _group_norm(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Group norm of ``x: (N, C, *S)`` with ``HxW = prod(S)``: ``(out, mean: (N, G), rstd: (N, G))``;
     weight and bias are ``(C,)``."""
-    x, weight, bias, n_, c, hxw, groups, eps = _bind(func, args, kwargs)
+    x, weight, bias, n_, c, hxw, groups, eps = bound_arguments(func, args, kwargs)
     if not _rows(x, weight, bias) or x.numel() == 0:
         return func(*args, **kwargs)
     xhat, mean, rstd = _normalize(p, x.reshape(n_ * groups, -1), eps)
@@ -103,7 +104,7 @@ def _group_norm_backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients of :func:`_group_norm`: ``(grad_x: (N, C, *S), grad_weight: (C,), grad_bias: (C,))``; the
     parameter gradients sum over the batch and space."""
-    go, x, mean, rstd, weight, n_, c, hxw, groups, mask = _bind(func, args, kwargs)
+    go, x, mean, rstd, weight, n_, c, hxw, groups, mask = bound_arguments(func, args, kwargs)
     if not _rows(go, x, mean, rstd, weight) or x.numel() == 0 or (mask[1] and weight is None):
         return func(*args, **kwargs)
     g = go.reshape(n_, c, hxw)
@@ -123,7 +124,7 @@ def _group_norm_backward(
 @_register(aten._log_softmax.default)
 def _log_softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``(x - max) - log(sum(exp(x - max)))`` along ``dim``."""
-    x, dim, half_to_float = _bind(func, args, kwargs)
+    x, dim, half_to_float = bound_arguments(func, args, kwargs)
     if half_to_float or not _rows(x) or x.dim() == 0 or x.numel() == 0:
         return func(*args, **kwargs)
     shifted = x - x.amax(dim, keepdim=True)
@@ -133,7 +134,7 @@ def _log_softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
 @_register(aten._log_softmax_backward_data.default)
 def _log_softmax_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``g - exp(y) * sum(g)`` along ``dim``, for ``y = log_softmax(x)``."""
-    g, y, dim, input_dtype = _bind(func, args, kwargs)
+    g, y, dim, input_dtype = bound_arguments(func, args, kwargs)
     if not _rows(g, y) or input_dtype != g.dtype or g.dim() == 0 or g.numel() == 0:
         return func(*args, **kwargs)
     return g - _exp(p, y) * _reduce(p, g, [dim])
@@ -161,7 +162,7 @@ def _nll_rows(x: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Ten
 def _nll_loss(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor]:
     """Summed or mean NLL: ``(sum_i w[t_i] * -x[i, t_i] (/ sum_i w[t_i]), total_weight)``, both 0-dim, the
     sums in the profile's row order. ``reduction = none`` sums nothing and runs natively."""
-    x, target, weight, reduction, ignore_index = _bind(func, args, kwargs)
+    x, target, weight, reduction, ignore_index = bound_arguments(func, args, kwargs)
     if reduction == 0 or not _rows(x, weight) or x.numel() == 0:
         return func(*args, **kwargs)
     rows = _nll_rows(x, target, ignore_index)
@@ -181,7 +182,7 @@ def _nll_loss_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs
     """Gradient of :func:`_nll_loss` (input-shaped, zero off the targets). It sums nothing: the only order
     left is the class weight's product, ``-(w[t] * g) / total`` here, ``w[t] * -(g / total)`` natively
     (the same bits without class weights)."""
-    g, x, target, weight, reduction, ignore_index, total = _bind(func, args, kwargs)
+    g, x, target, weight, reduction, ignore_index, total = bound_arguments(func, args, kwargs)
     if reduction == 0 or weight is None or not _rows(g, x, weight, total) or x.numel() == 0:
         return func(*args, **kwargs)
     rows = _nll_rows(x, target, ignore_index)
@@ -209,7 +210,7 @@ def _embedding_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwarg
     and the chunk partials combined in plan order. Every add targets distinct rows, so no device's
     scatter-add order enters.
     """
-    go, indices, num_weights, padding_idx, scale_grad_by_freq = _bind(func, args, kwargs)
+    go, indices, num_weights, padding_idx, scale_grad_by_freq = bound_arguments(func, args, kwargs)
     if not _rows(go) or go.numel() == 0:
         return func(*args, **kwargs)
     idx = indices.reshape(-1)
@@ -278,7 +279,7 @@ def _norm_emulable(x: Any, ord: Any) -> bool:
 @_register(aten.linalg_vector_norm.default)
 def _linalg_vector_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``linalg_vector_norm(x, ord, dim, keepdim, dtype)`` (``x.norm()`` and ``clip_grad_norm_`` reach it)."""
-    x, ord, dim, keepdim, dtype = _bind(func, args, kwargs)
+    x, ord, dim, keepdim, dtype = bound_arguments(func, args, kwargs)
     if dtype is not None and dtype != x.dtype or not _norm_emulable(x, ord):
         return func(*args, **kwargs)
     return _vector_norm(p, x, float(ord), dim, keepdim)
@@ -287,7 +288,7 @@ def _linalg_vector_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwarg
 @_register(aten.norm.Scalar, aten.norm.ScalarOpt_dim)
 def _norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """The legacy ``norm(x, p)`` / ``norm(x, p, dim, keepdim)`` overloads (``p = None`` is 2)."""
-    bound = _bind(func, args, kwargs)
+    bound = bound_arguments(func, args, kwargs)
     x, ord = bound[0], 2 if bound[1] is None else bound[1]
     dim, keepdim = (bound[2], bound[3]) if func is aten.norm.ScalarOpt_dim else (None, False)
     if not _norm_emulable(x, ord):
@@ -298,7 +299,7 @@ def _norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Te
 @_register(aten._foreach_norm.Scalar)
 def _foreach_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> list[Tensor]:
     """Per-tensor norms of a list (``clip_grad_norm_``'s first step): one 0-dim tensor each."""
-    tensors, ord, dtype = _bind(func, args, kwargs)
+    tensors, ord, dtype = bound_arguments(func, args, kwargs)
     if dtype is not None or not all(_norm_emulable(t, ord) for t in tensors):
         return func(*args, **kwargs)
     return [_vector_norm(p, t, float(ord), None, False) for t in tensors]

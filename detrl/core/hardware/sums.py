@@ -8,7 +8,8 @@ from torch import Tensor
 from torch._ops import OpOverload
 
 from detrl.core import decompose
-from detrl.core.hardware.machinery import _bind, _emulable, _sum
+from detrl.core.dispatch import bound_arguments
+from detrl.core.hardware.machinery import _emulable, _sum
 from detrl.core.hardware.profiles import EmulatedProfile, _register, aten
 
 
@@ -16,9 +17,9 @@ from detrl.core.hardware.profiles import EmulatedProfile, _register, aten
 def _sum_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``sum(x: (*S), dim, keepdim, dtype)``; ``sum.default`` reduces everything to a 0-dim tensor."""
     if func is aten.sum.default:
-        (x, dtype), dim, keepdim = _bind(func, args, kwargs), None, False
+        (x, dtype), dim, keepdim = bound_arguments(func, args, kwargs), None, False
     else:
-        x, dim, keepdim, dtype = _bind(func, args, kwargs)
+        x, dim, keepdim, dtype = bound_arguments(func, args, kwargs)
     # A row sum of a decomposed layer norm or softmax (verifiable precision) is ordered as the row kernel it
     # came from would order it: in "row" chunks, not as a plain sum over a long axis.
     out = _sum(p, x, dim, keepdim, dtype, "row" if decompose.summing_rows() else "k")
@@ -29,9 +30,9 @@ def _sum_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> 
 def _mean_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``mean(x: (*S), dim, keepdim, dtype)``: the emulated sum divided by the number of reduced terms."""
     if func is aten.mean.default:
-        (x, dtype), dim, keepdim = _bind(func, args, kwargs), None, False
+        (x, dtype), dim, keepdim = bound_arguments(func, args, kwargs), None, False
     else:
-        x, dim, keepdim, dtype = _bind(func, args, kwargs)
+        x, dim, keepdim, dtype = bound_arguments(func, args, kwargs)
     out = _sum(p, x, dim, keepdim, dtype)
     if out is None:
         return func(*args, **kwargs)
