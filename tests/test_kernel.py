@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from detrl.core import kernel
+from detrl.core import scale as scale_module
 from detrl.core.rounding import _take, _uncertainty, entries_for, near_midpoint, split_short
 from detrl.core.scale import Scale, channel_scale, reduction_scale
 from detrl.formats.roundlog import OpEntries
@@ -154,7 +155,17 @@ def test_matrix_scale_row_times_column(tau: float) -> None:
     _assert_same(adv.reshape(33, 17), tau, scale)  # any output values against that unit
     a[0, 0], a[1, :], b[0, 2], b[:, 3] = float("inf"), 0.0, float("nan"), 0.0
     special = reduction_scale(_MM, (a, b), out)
-    assert special is not None and torch.isinf(special.row[0]) and torch.isinf(special.col[2])
+    # an infinity or a NaN does not set its row's or column's unit: the finite elements beside it do, in
+    # the kernel and in torch's ops alike
+    plain = reduction_scale(_MM, (a.nan_to_num(posinf=0.0), b.nan_to_num(nan=0.0)), out)
+    assert special is not None and plain is not None and special.row is not None and plain.row is not None
+    assert torch.equal(special.row, plain.row) and torch.equal(special.col, plain.col)
+    assert torch.isfinite(special.row).all() and torch.isfinite(special.col).all()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scale_module, "_native", None)
+        by_torch = reduction_scale(_MM, (a, b), out)
+    assert by_torch is not None and by_torch.row is not None
+    assert torch.equal(by_torch.row, special.row) and torch.equal(by_torch.col, special.col)
     _assert_same(out, tau, special)
     _assert_same(out, tau, channel_scale(out))  # a channel scale as a Scale: the same as scaled=True
     want = _reference(out, tau, True)[1]
@@ -192,8 +203,8 @@ def test_matrix_scale_grows_with_the_square_root_of_the_sum_length() -> None:
 def test_matrix_scale_row_maxima_match_torch_on_strided_and_special_inputs() -> None:
     """mm's unit factors come from the kernel (one pass, no ``abs`` temporary): the same bits as torch's
     ``x.abs().amax(dim=1)`` through the power of two, clamp and scale, on contiguous, transposed, sliced and
-    expanded matrices of magnitudes 1e-50..1e30 (below the floor 2**-149 too), with NaN and infinities (both
-    give an infinite factor)."""
+    expanded matrices of magnitudes 1e-50..1e30 (below the floor 2**-149 too), with NaN, infinities and
+    FP64 values past FP32's range: none of them sets a factor (those of the other elements of its row do)."""
     from detrl.core import scale as scale_mod
 
     g = torch.Generator().manual_seed(7)
@@ -207,9 +218,13 @@ def test_matrix_scale_row_maxima_match_torch_on_strided_and_special_inputs() -> 
             flat[torch.randint(0, m * k, (2,), generator=g)] = float("nan")
         if trial % 4 == 0:
             flat[torch.randint(0, m * k, (1,), generator=g)] = -float("inf")
+        if trial % 5 == 0:  # finite in FP64, an infinity in FP32
+            flat[torch.randint(0, m * k, (1,), generator=g)] = 1e39
         for view in (x, x.t(), x.t().contiguous().t(), x[:, ::2], x[:1].expand(m, k)):
             for times in (1.0, 2.0**-23 * 16):
-                want = scale_mod._power_of_two(view.abs().amax(dim=1)).clamp_(min=2.0**-149).mul_(times)
+                magnitude = view.abs()
+                finite = magnitude.where(magnitude < scale_mod.FP32_OVERFLOW, 0.0)
+                want = scale_mod._power_of_two(finite.amax(dim=1)).clamp_(min=2.0**-149).mul_(times)
                 assert torch.equal(scale_mod.unit_factors(view, times), want)
 
 

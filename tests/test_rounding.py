@@ -13,7 +13,7 @@ from detrl.core import kernel
 from detrl.core.hardware import get_profile
 from detrl.core.oprules import OpKind, classify
 from detrl.core.rounding import RoundingMode, StepRounding, Thresholds, near_midpoint, split_short
-from detrl.core.scale import Scale
+from detrl.core.scale import Scale, scale_spacing
 from detrl.formats.roundlog import OpEntries, key32
 
 aten = torch.ops.aten
@@ -611,3 +611,25 @@ def test_an_exact_sum_needs_no_entry_and_an_entry_for_one_is_refused(on: bool) -
     step = entries(2, replay=forged)
     assert step.stats.refused == 1 and [a.kind for a in step.anomalies] == ["logged-not-near"]
     assert entries(1, replay=forged).stats.refused == 0  # revision 1 honours it
+
+
+def test_infinite_attention_scores_set_no_unit_and_need_no_entry(tmp_path) -> None:
+    """Causal and key-padding masks of ``-inf`` (plain torch's ``nn.TransformerEncoder`` with
+    ``generate_square_subsequent_mask``) put infinities in a matrix product's output. An infinity rounds
+    alike everywhere: it is never near a midpoint, and the unit of the scores beside it is their own
+    largest finite magnitude. Before, it made its channel's unit infinite: 330 of 337 entries were the
+    masked scores, and the replayer refused every one (``inf - inf`` is no distance), so an honest bundle
+    audited as log incomplete on its own machine."""
+    from detrl.testing import zoo
+
+    specimen = zoo.SPECIMENS["masked_encoder"]
+    rec = zoo.record(specimen, tmp_path / "run", steps=2)
+    want = {k: v.detach().clone() for k, v in rec.model.named_parameters()}
+    assert rec.totals.logged < 50
+    for hardware in ("native", "emulated:pairwise"):
+        rep = zoo.replay(specimen, tmp_path / "run", hardware, steps=2)
+        assert rep.totals.refused == 0 and rep.totals.unlogged_near == 0, hardware
+        assert all(torch.equal(v, want[k]) for k, v in rep.model.named_parameters()), hardware
+    x = torch.tensor([[1.5, float("-inf"), -3.0], [float("inf"), float("nan"), 1e39]], dtype=torch.float64)
+    # the largest magnitude per channel (column) that is finite in FP32: 1.5, none (0), 3 (1e39 overflows)
+    assert torch.equal(scale_spacing(x), torch.tensor([[2.0**-23, 2.0**-149, 2.0**-22]], dtype=torch.float64))

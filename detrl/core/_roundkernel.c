@@ -32,10 +32,13 @@ static inline double power_of_two(double d) {
     return d;
 }
 
-/* rounding.scale_spacing for one channel: FP32 spacing at |max| (an FP32 value; NaN if the channel holds
- * one), times tau. */
-static double channel_threshold(float amax, int has_nan, double tau) {
-    double d = power_of_two(has_nan ? (double)NAN : (double)amax) * 0x1p-23;
+/* Magnitudes at or above this round to an FP32 infinity (2**128 - 2**103, the midpoint above FLT_MAX, ties
+ * to even). A unit is set by the elements whose FP32 rounding is finite (scale.FP32_OVERFLOW). */
+static const double FP32_OVERFLOW = 0x1.ffffffp+127;
+
+/* rounding.scale_spacing for one channel: FP32 spacing at |max| (an FP32 value), times tau. */
+static double channel_threshold(float amax, double tau) {
+    double d = power_of_two((double)amax) * 0x1p-23;
     if (d < 0x1p-149) d = 0x1p-149;
     return d * tau;
 }
@@ -119,20 +122,20 @@ VECTOR_CLONES static void round_block(double *x, Py_ssize_t n) {
     for (Py_ssize_t j = 0; j < n; j++) x[j] = (double)(float)x[j];
 }
 
-/* max |x| over n elements as a double, or NaN where one of them is NaN or infinite (both make the channel's
- * threshold infinite, see channel_threshold). Rounding to FP32 is monotone and symmetric, so (float) of this
- * max is the max of |(float)x|, the reference's FP32 amax, without a cast per element. The max of finite
- * values is exact in any order, and so is a sum of zeros and NaNs (x - x is 0 for a finite x, NaN
- * otherwise): the reductions may run in vector lanes (-fopenmp-simd; the OpenMP runtime is not used). */
+/* max |x| over the n elements whose FP32 rounding is finite, as a double (0 where none is): an infinity
+ * or a NaN, which rounds alike on every machine, must not set the unit of the values beside it (an
+ * attention mask's -inf made every score of its channel a log entry). Rounding to FP32 is monotone and
+ * symmetric, so (float) of this max is the max of the finite |(float)x|, the reference's FP32 amax, without
+ * a cast per element. The max is exact in any order: the reduction may run in vector lanes
+ * (-fopenmp-simd; the OpenMP runtime is not used). */
 VECTOR_CLONES static double abs_max(const double *x, Py_ssize_t n, double amax) {
-    double bad = 0.0;
-#pragma omp simd reduction(max : amax) reduction(+ : bad)
+#pragma omp simd reduction(max : amax)
     for (Py_ssize_t j = 0; j < n; j++) {
         double r = fabs(x[j]);
-        bad += r - r;
+        r = r < FP32_OVERFLOW ? r : 0.0; /* NaN fails the comparison too */
         amax = r > amax ? r : amax;
     }
-    return bad != bad ? (double)NAN : amax;
+    return amax;
 }
 
 /* round_inplace(address, n): x[i] = (double)(float)x[i]. */
@@ -149,23 +152,22 @@ static PyObject *round_inplace(PyObject *self, PyObject *args) {
 
 /* unit_factors(address, rows, cols, row_stride, col_stride, times, out): a matrix product's unit factors
  * (scale.reduction_scale) of a strided FP64 matrix (strides in elements): out[r] = max(2**floor(log2(m_r)),
- * 2**-149) * times, m_r = max_c |x[r, c]|. A row holding a NaN or an infinity gets an infinite factor, as
- * torch's x.abs().amax(dim=1) (NaN or inf) does through scale._power_of_two. times is a power of two. Rows
- * run contiguous (col_stride 1) or side by side (row_stride 1: a transposed view). */
+ * 2**-149) * times, m_r = max |x[r, c]| over the row's elements whose FP32 rounding is finite (abs_max).
+ * times is a power of two. Rows run contiguous (col_stride 1) or side by side (row_stride 1: a transposed
+ * view). */
 VECTOR_CLONES static void strided_row_abs_max(const double *x, Py_ssize_t rows, Py_ssize_t cols,
-                                              Py_ssize_t row_stride, Py_ssize_t col_stride, double *out,
-                                              double *bad) {
+                                              Py_ssize_t row_stride, Py_ssize_t col_stride, double *out) {
     if (col_stride == 1) {
         for (Py_ssize_t r = 0; r < rows; r++) out[r] = abs_max(x + r * row_stride, cols, 0.0);
         return;
     }
-    for (Py_ssize_t r = 0; r < rows; r++) out[r] = bad[r] = 0.0;
+    for (Py_ssize_t r = 0; r < rows; r++) out[r] = 0.0;
     if (row_stride == 1) {
         for (Py_ssize_t c = 0; c < cols; c++) {
             const double *column = x + c * col_stride;
             for (Py_ssize_t r = 0; r < rows; r++) {
                 double v = fabs(column[r]);
-                bad[r] += v - v;
+                v = v < FP32_OVERFLOW ? v : 0.0;
                 out[r] = v > out[r] ? v : out[r];
             }
         }
@@ -173,24 +175,19 @@ VECTOR_CLONES static void strided_row_abs_max(const double *x, Py_ssize_t rows, 
         for (Py_ssize_t r = 0; r < rows; r++)
             for (Py_ssize_t c = 0; c < cols; c++) {
                 double v = fabs(x[r * row_stride + c * col_stride]);
-                bad[r] += v - v;
+                v = v < FP32_OVERFLOW ? v : 0.0;
                 out[r] = v > out[r] ? v : out[r];
             }
     }
-    for (Py_ssize_t r = 0; r < rows; r++)
-        if (bad[r] != bad[r]) out[r] = (double)NAN;
 }
 
 static int unit_factors_into(const double *x, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t row_stride,
                              Py_ssize_t col_stride, double times, double *out) {
-    double *bad = NULL;
-    if (col_stride != 1 && rows > 0 && !(bad = PyMem_RawMalloc((size_t)rows * sizeof(double)))) return -1;
-    strided_row_abs_max(x, rows, cols, row_stride, col_stride, out, bad);
+    strided_row_abs_max(x, rows, cols, row_stride, col_stride, out);
     for (Py_ssize_t r = 0; r < rows; r++) {
         double p = power_of_two(out[r]);
         out[r] = (p < 0x1p-149 ? 0x1p-149 : p) * times;
     }
-    PyMem_RawFree(bad);
     return 0;
 }
 
@@ -213,23 +210,19 @@ static PyObject *unit_factors(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* out[c] = T of channel c of a dense (outer, channels, inner) buffer; -1 where it could not allocate. */
+/* out[c] = T of channel c of a dense (outer, channels, inner) buffer (0: it cannot fail). */
 static int channel_thresholds_into(const double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
                                    double tau, double *out) {
-    double *bad = NULL;
-    if (inner == 1 && channels > 0 && !(bad = PyMem_RawMalloc((size_t)channels * sizeof(double)))) return -1;
-    if (bad) { /* (outer, channels): a channel is a column, every row updates all maxima side by side */
-        strided_row_abs_max(x, channels, outer, 1, channels, out, bad);
-        for (Py_ssize_t c = 0; c < channels; c++) out[c] = channel_threshold((float)out[c], out[c] != out[c], tau);
+    if (inner == 1) { /* (outer, channels): a channel is a column, every row updates all maxima side by side */
+        strided_row_abs_max(x, channels, outer, 1, channels, out);
+        for (Py_ssize_t c = 0; c < channels; c++) out[c] = channel_threshold((float)out[c], tau);
     } else {
         for (Py_ssize_t c = 0; c < channels; c++) {
             double amax = 0.0;
-            for (Py_ssize_t o = 0; o < outer && amax == amax; o++)
-                amax = abs_max(x + (o * channels + c) * inner, inner, amax);
-            out[c] = channel_threshold((float)amax, amax != amax, tau);
+            for (Py_ssize_t o = 0; o < outer; o++) amax = abs_max(x + (o * channels + c) * inner, inner, amax);
+            out[c] = channel_threshold((float)amax, tau);
         }
     }
-    PyMem_RawFree(bad);
     return 0;
 }
 

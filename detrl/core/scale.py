@@ -29,17 +29,38 @@ def spacing32(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), (e - 24).clamp(min=-149))
 
 
+#: Magnitudes at or above this (2**128 - 2**103, the midpoint above FP32's largest finite value) round to an
+#: FP32 infinity. Units are set by the elements whose FP32 rounding is finite (:func:`finite_amax`).
+FP32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def finite_amax(x: torch.Tensor, dim: list[int] | int) -> torch.Tensor:
+    """The largest ``|x|`` over ``dim`` (kept, as size 1) among the elements whose FP32 rounding is finite,
+    0 where none is, in ``x``'s dtype.
+
+    An infinity or a NaN rounds alike on every machine and is never near a midpoint, so it must not set
+    the unit of the values beside it: an attention score masked with ``-inf`` made its whole channel's
+    unit infinite, and every score of it a log entry the replayer then refused (``inf - inf`` is no
+    distance). The native kernel takes the same maxima (``abs_max`` in ``_roundkernel.c``)."""
+    amax = torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
+    bound = FP32_OVERFLOW if x.dtype == torch.float64 else math.inf  # an FP32 tensor's own infinities
+    if bool((amax < bound).all()):  # the usual case: every element finite, one pass fewer
+        return amax
+    magnitude = x.abs()
+    return magnitude.masked_fill_(~(magnitude < bound), 0).amax(dim=dim, keepdim=True)
+
+
 def scale_spacing(x: torch.Tensor) -> torch.Tensor:
     """FP32 spacing at an output's scale, as FP64: its largest magnitude per channel (dim 1) for tensors of
-    rank >= 2 (a convolution's output channel, a linear layer's feature), per tensor otherwise.
+    rank >= 2 (a convolution's output channel, a linear layer's feature), per tensor otherwise, over the
+    elements whose FP32 rounding is finite (:func:`finite_amax`).
 
     Reduction errors grow with the magnitude of the terms summed, which varies by channel far more than
     within one; the result broadcasts against ``x``. ``x`` may be the FP32 rounding of the output (half
-    the bytes to read; its binade is the same or, at a binade edge, one higher: a larger, safe spacing). A
-    channel holding inf or NaN gets an infinite spacing (all its elements are logged, harmlessly).
+    the bytes to read; its binade is the same or, at a binade edge, one higher: a larger, safe spacing).
     """
     dims = [d for d in range(x.dim()) if d != 1] if x.dim() >= 2 else list(range(x.dim()))
-    amax = torch.maximum(x.amax(dim=dims, keepdim=True), x.amin(dim=dims, keepdim=True).neg_()).double()
+    amax = finite_amax(x, dims).double()
     # 2**floor(log2(amax)) by clearing the mantissa bits, times 2**-23: the FP32 spacing there.
     power = (amax.view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
     return power.mul_(2.0**-23).clamp_(min=2.0**-149)
@@ -130,12 +151,12 @@ def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
 
 def unit_factors(x: torch.Tensor, times: float) -> torch.Tensor:
     """A matrix product's unit factor per row of a matrix ``x`` (FP64 ``(rows,)``): the power of two at or
-    below the row's largest magnitude, at least 2**-149, times ``times`` (a power of two); infinite for a
-    row holding a NaN or an infinity. The native kernel computes it in one pass over a strided FP64 CPU
+    below the row's largest magnitude (over the elements whose FP32 rounding is finite: :func:`finite_amax`),
+    at least 2**-149, times ``times`` (a power of two). The native kernel computes it in one pass over a strided FP64 CPU
     matrix, torch's ops elsewhere: the same bits (a max is exact in any order; the rest is exact), so it
     does so whether or not the rounding itself is on the kernel (:func:`detrl.core.kernel.disabled`)."""
     if _native is None or x.dtype != torch.float64 or not x.is_cpu or x.is_neg() or 0 in x.shape:
-        return _power_of_two(x.abs().amax(dim=1)).clamp_(min=2.0**-149).mul_(times)
+        return _power_of_two(finite_amax(x, 1).squeeze(1)).clamp_(min=2.0**-149).mul_(times)
     out = torch.empty(x.shape[0], dtype=torch.float64)
     _native.unit_factors(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), times, out.data_ptr()
@@ -160,7 +181,7 @@ def _sample_channel_scale(args: tuple, out: torch.Tensor) -> Scale | None:
         return None
     n, c = out.shape[0], out.shape[1]
     flat = out.reshape(n * c, -1)
-    amax = torch.maximum(flat.amax(dim=1), flat.amin(dim=1).neg_())
+    amax = finite_amax(flat, 1).squeeze(1)
     row = _power_of_two(amax).mul_(2.0**-23).clamp_(min=2.0**-149)
     return Scale(
         outer=n * c, channels=1, inner=flat.shape[1], col=torch.ones(1, dtype=torch.float64), row=row

@@ -131,6 +131,26 @@ class Encoder(nn.Module):
         return self.head(self.body(self.emb(tokens)))
 
 
+class MaskedEncoder(nn.Module):
+    """``nn.TransformerEncoder`` with the masks plain torch code writes: a causal mask of ``-inf`` above
+    the diagonal (``nn.Transformer.generate_square_subsequent_mask``) and a key padding mask (ids below 8 pad,
+    past the first position): attention scores infinite by design, in a matrix product's output."""
+
+    def __init__(self, width: int = 32, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        x = self.emb(tokens)  # (B, T, width)
+        causal = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=x.dtype)  # (T, T)
+        pads = (tokens < 8) & (torch.arange(tokens.shape[1]) > 0)  # the first key stays: no NaN row
+        padding = torch.zeros(tokens.shape, dtype=x.dtype).masked_fill(pads, float("-inf"))  # (B, T)
+        return self.head(self.body(x, mask=causal, src_key_padding_mask=padding))
+
+
 class LSTMNet(nn.Module):
     def __init__(self, width: int = 32, vocab: int = 64) -> None:
         super().__init__()
@@ -236,6 +256,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
                              d_ff=2 * w, num_layers=2, num_heads=4, decoder_start_token_id=0, pad_token_id=0),
                 toks, _t5_loss, "T5ForConditionalGeneration"),
             Specimen("transformer_encoder", functools.partial(Encoder, w, v), toks, next_token),
+            Specimen("masked_encoder", functools.partial(MaskedEncoder, w, v), toks, next_token),
             Specimen("lstm", functools.partial(LSTMNet, w, v), toks, next_token),
             Specimen("autocast_bf16", functools.partial(AutocastCNN, w), imgs, classify),
             Specimen("cnn_batch_norm", functools.partial(BatchNormCNN, w), imgs, classify),
