@@ -66,9 +66,14 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.pow.Tensor_Scalar) is Route.EXACT_IF_SQUARE
     assert route(aten.pow_.Scalar) is Route.EXACT_IF_SQUARE
     assert route(aten.pow.Tensor_Tensor) is Route.LOGGED
-    assert route(aten.sum.dim_IntList) is Route.LOGGED_SUM
+    assert route(aten.sum.dim_IntList, rules_revision=4) is Route.LOGGED_SUM
     assert route(aten.embedding_dense_backward.default) is Route.LOGGED_SUM
-    assert route(aten.sum.default) is Route.LOGGED_REDUCTION
+    assert route(aten.sum.default, rules_revision=4) is Route.LOGGED_REDUCTION
+    # from rules revision 5, sums and means in their terms' units (a sum over dims as LOGGED_SUM besides)
+    assert route(aten.sum.dim_IntList) is Route.LOGGED_TERMS
+    assert route(aten.sum.default) is Route.LOGGED_TERMS
+    assert route(aten.mean.dim) is Route.LOGGED_TERMS
+    assert route(aten.mean.dim, rules_revision=4) is Route.LOGGED_REDUCTION
     # another libm, another summation order: only the mode knows how
     assert route(aten.sigmoid.default, pairwise) is Route.PYTHON
     assert route(aten.sum.dim_IntList, pairwise) is Route.PYTHON

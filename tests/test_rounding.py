@@ -13,7 +13,7 @@ from detrl.core import kernel
 from detrl.core.hardware import get_profile
 from detrl.core.oprules import OpKind, classify
 from detrl.core.rounding import RoundingMode, StepRounding, Thresholds, near_midpoint, split_short
-from detrl.core.scale import Scale, scale_spacing
+from detrl.core.scale import Scale, reduction_scale, scale_spacing
 from detrl.formats.roundlog import OpEntries, key32
 
 aten = torch.ops.aten
@@ -332,9 +332,10 @@ def test_verifiable_sessions_pin_optimizers_to_one_op_sequence_on_every_device(t
 
 def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
     """Rules revision 2 takes ``pow(x, 2)`` as exact (``x * x``): a GPT-2 (tanh GELU: squares in its
-    backward) records the same weights under revisions 1 and 2, a smaller log under 2 (its squares' ties
-    are not logged), and each bundle replays on its own rules on two profiles with nothing unlogged or
-    refused. A bundle of a revision this detrl does not know is bad input, in one line."""
+    backward) records the same weights under revisions 1, 4 and the latest (5: sums in their terms' units),
+    a smaller log under 4 than under 1 (its squares' ties are not logged), and each bundle replays on its
+    own rules on two profiles with nothing unlogged or refused. A bundle of a revision this detrl does not
+    know is bad input, in one line."""
     import json
 
     from detrl.core import engine
@@ -345,26 +346,28 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
     specimen = zoo.SPECIMENS["hf_gpt2"]
     if not zoo.available(specimen):
         pytest.skip("this transformers has no GPT2LMHeadModel")
-    old, new = tmp_path / "rules1", tmp_path / "rules2"
+    old, middle, new = tmp_path / "rules1", tmp_path / "rules4", tmp_path / "latest"
     with monkeypatch.context() as m:
         m.setattr(engine, "RULES_REVISION", 1)
         before = zoo.record(specimen, old, steps=3)
-    after = zoo.record(specimen, new, steps=3)
-    manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, RULES_REVISION] == [1, 4]
-    assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
+        m.setattr(engine, "RULES_REVISION", 4)
+        after = zoo.record(specimen, middle, steps=3)
+    zoo.record(specimen, new, steps=3)
+    manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 5]
+    assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
-    for bundle in (old, new):
+    for bundle in (old, middle, new):
         for hardware in ("native", get_profile("emulated:splitk", seed=0)):
             replayed = zoo.replay(specimen, bundle, hardware, steps=3)  # raises Divergence if it differs
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
-    manifests[1]["rules_revision"] = 5
-    (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[1]))
+    manifests[2]["rules_revision"] = 6
+    (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[2]))
     with pytest.raises(engine.BundleError) as raised:
         zoo.replay(specimen, new, "native", steps=3)
     message = str(raised.value)
     assert (
-        "recorded by a newer detrl (rounding-rule revision 5; this one applies revisions 1 to 4)" in message
+        "recorded by a newer detrl (rounding-rule revision 6; this one applies revisions 1 to 5)" in message
     )
     assert "\n" not in message
 
@@ -633,3 +636,27 @@ def test_infinite_attention_scores_set_no_unit_and_need_no_entry(tmp_path) -> No
     x = torch.tensor([[1.5, float("-inf"), -3.0], [float("inf"), float("nan"), 1e39]], dtype=torch.float64)
     # the largest magnitude per channel (column) that is finite in FP32: 1.5, none (0), 3 (1e39 overflows)
     assert torch.equal(scale_spacing(x), torch.tensor([[2.0**-23, 2.0**-149, 2.0**-22]], dtype=torch.float64))
+
+
+def test_a_sum_whose_terms_cancel_is_measured_in_its_terms_units(tmp_path) -> None:
+    """Rules revision 5: instance norm then global average pooling, layer norm then a mean over its features
+    (the zoo's ``norms_then_means``): their backward sums cancel to rounding noise. Measured at their
+    results' own scale, those calls disagreed between profiles by 0.004 spacings where their class's
+    forward sums, which calibration had measured, disagreed by 2e-9; logged at that class's threshold, the
+    replay diverged at step 1 on every emulated profile, with no anomaly. In their terms' units they log
+    their noise, pinned, and replay."""
+    from detrl.testing import zoo
+
+    specimen = zoo.SPECIMENS["norms_then_means"]
+    rec = zoo.record(specimen, tmp_path / "run", steps=2)
+    want = {k: v.detach().clone() for k, v in rec.model.named_parameters()}
+    for hardware in ("emulated:reversed", "emulated:pairwise"):
+        rep = zoo.replay(specimen, tmp_path / "run", hardware, steps=2)  # raises Divergence if it differs
+        assert rep.totals.refused == 0 and rep.totals.unlogged_near == 0, hardware
+        assert all(torch.equal(v, want[k]) for k, v in rep.model.named_parameters()), hardware
+    # the unit of a sum is its terms': at a result that cancelled to 0, still the spacing at its terms
+    x = torch.tensor([[3.0, -3.0], [0.5, 0.25]], dtype=torch.float64)
+    unit = reduction_scale(torch.ops.aten.sum.dim_IntList, (x, [1]), x.sum(1))
+    assert unit is not None and unit.row is not None
+    assert torch.equal(unit.dense().reshape(-1), torch.tensor([2.0, 0.5], dtype=torch.float64) * 2.0**-23)
+    assert reduction_scale(torch.ops.aten.sum.dim_IntList, (x, [1]), x.sum(1), rules_revision=4) is None

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrl.core.dispatch import bound_arguments, registrar
-from detrl.core.oprules import OpKind, call_class, op_name, shape_class
+from detrl.core.oprules import RULES_REVISION, OpKind, call_class, op_name, shape_class
 from detrl.core.rounding import (
     TAU_FLOOR,
     TAU_FLOOR_MEASURED,
@@ -106,6 +106,7 @@ class Calibrator:
         max_per_class: int | None = DEFAULT_MAX_PER_CLASS,
         sample_elements: int | None = DEFAULT_SAMPLE_ELEMENTS,
         per_output: bool = True,
+        rules_revision: int = RULES_REVISION,
     ) -> None:
         if max_per_class is not None and max_per_class < 1:
             raise ValueError(f"max_per_class must be at least 1 (or None), not {max_per_class}")
@@ -117,6 +118,8 @@ class Calibrator:
         self.sample_elements = sample_elements
         #: a class's calls with several rounded outputs give each a threshold of its own (rules revision 4)
         self.per_output = per_output
+        #: the rules the recording follows: its units (scale.reduction_scale) are the ones measured in
+        self.rules_revision = rules_revision
         self.profiles = list(profiles)
         self.worst: dict[str, float] = {}
         #: the largest disagreement measured per call class (:func:`call_class`), each measured at least once
@@ -204,13 +207,18 @@ class Calibrator:
                 args = before
                 # each result's unit once, not once per profile: the same for every alternative it meets
                 units = [
-                    _unit(func, before, a, kind) if a.dtype == torch.float64 and a.numel() else None
+                    _unit(func, before, a, kind, self.rules_revision)
+                    if a.dtype == torch.float64 and a.numel()
+                    else None
                     for a in produced
                 ]
             else:  # the rows' own results, in the units the whole results are logged in
                 args, rows = sample.args, sample.rows
+                revision = self.rules_revision
                 units = [
-                    _unit(func, before, a, kind) if d is None else _unit(func, before, a, kind, args, d, rows)
+                    _unit(func, before, a, kind, revision)
+                    if d is None
+                    else _unit(func, before, a, kind, revision, args, d, rows)
                     for a, d in zip(produced, sample.dims, strict=True)
                 ]
                 produced = [
@@ -271,6 +279,7 @@ def _unit(
     args: tuple,
     a: torch.Tensor,
     kind: OpKind,
+    rules_revision: int,
     sampled_args: tuple | None = None,
     dim: int = 0,
     rows: torch.Tensor | None = None,
@@ -280,7 +289,7 @@ def _unit(
     spacing. With ``rows`` (int64 indices along ``a``'s dim ``dim``, of the call with ``sampled_args``):
     the same units at ``a.index_select(dim, rows)`` only, viewed as that."""
     if rows is None:
-        scale: Scale | None = reduction_scale(func, args, a)
+        scale: Scale | None = reduction_scale(func, args, a, rules_revision)
         if scale is not None:
             return (scale.outer, scale.channels, scale.inner), scale.dense()
         return tuple(a.shape), scale_spacing(a) if kind is OpKind.REDUCTION else spacing32(a)
@@ -289,7 +298,7 @@ def _unit(
     # An mm's unit is a row scale (from the rows of ``a @ b``'s ``a``) times a column scale: the sampled
     # call's are the whole call's rows. An element's own spacing is its own. A channel scale is the whole
     # result's largest magnitude per channel: taken from the whole result, then the sampled channels'.
-    scale = reduction_scale(func, sampled_args, part)
+    scale = reduction_scale(func, sampled_args, part, rules_revision)
     if scale is not None:
         return (scale.outer, scale.channels, scale.inner), scale.dense()
     if kind is not OpKind.REDUCTION:

@@ -187,7 +187,9 @@ def _calibrator(thresholds: Thresholds, margin: float, rules_revision: int) -> C
     """A calibration that measures against :data:`calibrate.PROFILES`, seeded so that every recording of a
     config measures (and so logs) the same."""
     profiles = [get_profile(p, seed=calibrate.CALIBRATION_SEED) for p in calibrate.PROFILES]
-    return Calibrator(thresholds, profiles, margin, per_output=rules_revision >= 4)
+    return Calibrator(
+        thresholds, profiles, margin, per_output=rules_revision >= 4, rules_revision=rules_revision
+    )
 
 
 def _weakly(method: Callable[[], str]) -> Callable[[], str]:

@@ -42,7 +42,7 @@ from detrl.core.oprules import (
     SQUARES,
     OpKind,
 )
-from detrl.core.scale import SCALED_BY_INPUTS
+from detrl.core.scale import SCALED_BY_INPUTS, TERMS_SCALED
 from detrl.formats.roundlog import OpEntries
 
 aten = torch.ops.aten
@@ -81,6 +81,9 @@ class Route(enum.IntEnum):
     DECOMPOSED_LAYER_NORM = 19  # (with the C kernel: its exact rows)
     DECOMPOSED_LAYER_NORM_BACKWARD = 20
     DECOMPOSED_SOFTMAX_BACKWARD = 21
+    # a sum or a mean from rules revision 5 (scale.TERMS_SCALED): its unit from its terms
+    # (scale.reduction_scale), ``sum.dim_IntList`` as LOGGED_SUM besides; with the C kernel (else the mode)
+    LOGGED_TERMS = 22
 
 
 _SPLITS = {"add": Route.SPLIT_ADD, "sub": Route.SPLIT_SUB, "addcmul": Route.SPLIT_ADDCMUL}
@@ -134,6 +137,8 @@ def route(
             return Route.LOGGED_MM
         if func is CONV_BACKWARD and func not in HIDDEN_WRITES:
             return Route.LOGGED_CONV
+        if rules_revision >= 5 and func in TERMS_SCALED:  # in its terms' units
+            return Route.LOGGED_TERMS
         if func in SCALED_BY_INPUTS or func in HIDDEN_WRITES:
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:

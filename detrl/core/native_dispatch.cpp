@@ -71,6 +71,10 @@ enum Route : int {
   DECOMPOSED_BATCH_NORM = 16, DECOMPOSED_BATCH_NORM_BACKWARD = 17, DECOMPOSED_LOG_SOFTMAX_BACKWARD = 18,
   // ... and layer norm, its backward (with the C kernel: its exact rows) and softmax's backward
   DECOMPOSED_LAYER_NORM = 19, DECOMPOSED_LAYER_NORM_BACKWARD = 20, DECOMPOSED_SOFTMAX_BACKWARD = 21,
+  // a sum or a mean from rules revision 5 (scale.TERMS_SCALED): its unit from its terms
+  // (scale._terms_scale) as an (elements, 1) product's, a row factor per element and one column factor;
+  // aten.sum.dim_IntList as LOGGED_SUM besides; with the kernel only
+  LOGGED_TERMS = 22,
   // (internal) a unit of row factors over (outer, 1, inner) with column factor 1: an input gradient's
   LOGGED_ROWS = 100,
 };
@@ -95,6 +99,7 @@ struct Entry {
   bool classed = false;        // LOGGED: its threshold depends on the call's class (Thresholds.per_class)
   bool sum_dims = false;       // LOGGED_SUM: aten.sum.dim_IntList, whose exact elements the kernel finds
   bool exact_products = false; // a convolution whose calls exact in every order need no entry (rules revision 3)
+  bool mean = false;           // LOGGED_TERMS: a mean, whose unit is its sum's over the terms' count
 };
 
 // The routes of the operators seen, kept across steps (the Python side clears it when thresholds or the
@@ -179,6 +184,7 @@ const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
     e.float32_exact = r[5].cast<bool>();
     e.classed = r[6].cast<bool>();
     e.sum_dims = name.name == "aten::sum" && name.overload_name == "dim_IntList";
+    e.mean = name.name == "aten::mean";
     e.exact_products = r[7].cast<bool>();
   }
   return table->entries.emplace(key, std::move(e)).first->second;
@@ -740,6 +746,44 @@ int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& ar
   return api->exact_sums(rows.data_ptr<double>(), out_elements, terms, mask.data());
 }
 
+// scale._terms_scale of a sum's or a mean's call (args: its positional arguments: the terms, then the dims
+// where it has them) with out_elements results, with the kernel: per result, max(2**floor(log2(m)),
+// 2**-149) of the largest |term| m whose FP32 rounding is finite (the kernel's unit_factors over the terms
+// of each sum laid out in a row), and the column factor 2**-23 terms_factor(terms), for a mean divided by
+// 2**floor(log2(terms)). False where the mode decides (not a plain FP64 CPU tensor).
+bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args, int64_t out_elements, bool mean,
+                Unit& unit) {
+  if (args.empty() || !args[0].isTensor()) return false;
+  const at::Tensor& x = args[0].toTensor();
+  if (!x.defined() || x.scalar_type() != c10::ScalarType::Double || x.layout() != c10::kStrided || !x.is_cpu() ||
+      x.is_conj() || x._is_zerotensor() || x.dim() == 0 || x.numel() == 0)
+    return false;
+  const int64_t rank = x.dim();
+  std::vector<bool> reduced(static_cast<size_t>(rank), true);  // no dims (None or []): every dim
+  if (args.size() >= 2 && args[1].isIntList() && !args[1].toIntList().empty()) {
+    reduced.assign(static_cast<size_t>(rank), false);
+    for (int64_t d : args[1].toIntList()) reduced[static_cast<size_t>(((d % rank) + rank) % rank)] = true;
+  } else if (args.size() >= 2 && !args[1].isNone() && !args[1].isIntList()) {
+    return false;
+  }
+  std::vector<int64_t> order;
+  int64_t terms = 1;
+  for (int64_t d = 0; d < rank; ++d) {
+    if (!reduced[static_cast<size_t>(d)]) order.push_back(d);
+  }
+  for (int64_t d = 0; d < rank; ++d) {
+    if (reduced[static_cast<size_t>(d)]) order.push_back(d), terms *= x.size(d);
+  }
+  if (terms == 0 || out_elements * terms != x.numel()) return false;
+  at::Tensor rows = x.permute(order).resolve_neg().contiguous();  // the terms of each sum in a row
+  unit.rows.resize(static_cast<size_t>(out_elements));
+  if (api->unit_factors(rows.data_ptr<double>(), out_elements, terms, terms, 1, 1.0, unit.rows.data()) != 0)
+    throw std::bad_alloc();
+  const int log2_terms = 63 - __builtin_clzll(static_cast<unsigned long long>(terms));
+  unit.cols.assign(1, std::ldexp(0x1p-23 * terms_factor(terms), mean ? -log2_terms : 0));
+  return true;
+}
+
 // A logged op's FP64 outputs (written arguments, else outputs), rounded as logged, each taking an op
 // position. With the C kernel: all here, log entries included (device tensors go to the Python mode).
 // Without it: here when no element of any is near a midpoint, else by the mode, as are large outputs (the
@@ -794,11 +838,24 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
     }
   }
   if (route == LOGGED_SUM) route = LOGGED_REDUCTION;  // its unit, here
+  // a sum in its terms' units (rules revision 5): an (elements, 1) product's unit, with the kernel
+  const bool by_terms = route == LOGGED_TERMS;
+  if (by_terms) {
+    route = LOGGED_MM;
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // its own torch ops are not the step's
+    to_mode = to_mode || step->kernel == nullptr || dense.size() != 1 ||
+              !terms_unit(step->kernel, *sum_inputs, dense[0].numel(), e.mean, unit);
+  }
+  // as the product it is measured as: (elements, 1)
+  auto as_measured = [by_terms](const at::Tensor& d) {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // a view of ours, not an op of the step
+    return by_terms ? d.view({-1, 1}) : d;
+  };
   std::vector<uint8_t> exact;  // a sum's exact elements, where the kernel found them (exact_sum_mask)
   bool masked = false;
   if (!to_mode && route != LOGGED_CONV && (step->kernel == nullptr || sum_inputs != nullptr)) {
     for (size_t k = 0; k < dense.size(); ++k) {
-      if (output_near(route, dense[k], tau_of(k), unit)) {
+      if (output_near(route, as_measured(dense[k]), tau_of(k), unit)) {
         to_mode = true;
         break;
       }
@@ -827,8 +884,10 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
           take_entries(step, e, LOGGED_REDUCTION, tau, d, nullptr, nullptr);
         }
       } else if (step->kernel != nullptr) {
-        take_entries(step, e, route, tau, d, product ? unit.cols.data() : nullptr,
-                     product ? unit.rows.data() : nullptr, masked ? exact.data() : nullptr, products);
+        at::Tensor measured = as_measured(d);
+        const bool factors = product != nullptr || by_terms;
+        take_entries(step, e, route, tau, measured, factors ? unit.cols.data() : nullptr,
+                     factors ? unit.rows.data() : nullptr, masked ? exact.data() : nullptr, products);
       } else {
         round_dense(d.data_ptr<double>(), d.numel());
         count_rounded(step, t.numel());
@@ -1465,7 +1524,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // add and sub with alpha 1 are the plain IEEE op, not split (fused.split_needed)
   if ((route == SPLIT_ADD || route == SPLIT_SUB) && alpha_is_one(schema, *stack, first)) route = EXACT;
   const bool logged = route == LOGGED || route == LOGGED_REDUCTION || route == LOGGED_MM || route == LOGGED_SUM ||
-                      route == LOGGED_CONV;
+                      route == LOGGED_CONV || route == LOGGED_TERMS;
   if (logged && !step->logs) route = PYTHON;
   Product product;
   if (route == LOGGED_MM) {  // plain FP64 CPU matrices, or the mode decides (scale.reduction_scale)
@@ -1556,7 +1615,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // A LOGGED_SUM's positional arguments (the mode's args; keyword-only ones are its kwargs, which
   // exact_sum_elements does not read): its terms, should an element be near.
   std::vector<c10::IValue> sum_inputs;
-  if (route == LOGGED_SUM || route == LOGGED_CONV || (logged && e.exact_products)) {
+  if (route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV || (logged && e.exact_products)) {
     for (size_t i = 0; i < n_args && !schema.arguments()[i].kwarg_only(); ++i) sum_inputs.push_back((*stack)[first + i]);
   }
   {
@@ -1585,7 +1644,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       }
     }
     return round_logged(step, e, route, taus, written, route == LOGGED_MM ? &product : nullptr,
-                        route == LOGGED_SUM || route == LOGGED_CONV ? &sum_inputs : nullptr,
+                        route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV ? &sum_inputs : nullptr,
                         e.exact_products ? &sum_inputs : nullptr);
   }
   for (const auto& t : written) {

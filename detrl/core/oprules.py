@@ -151,7 +151,12 @@ def _base_kind(func: Any) -> OpKind:
 #: 4. Calibration gives each output of a call class with several rounded outputs a threshold of its own
 #:    (:func:`detrl.core.rounding.output_key`): a convolution's input gradient (a few thousand products a
 #:    sum) was logged at its weight gradient's threshold (8,192 products a sum, 10-50x the disagreement).
-RULES_REVISION = 4
+#: 5. A sum or a mean (``sum``, ``mean``, with or without dims) is measured in its terms' units, not its
+#:    result's (:func:`detrl.core.scale.reduction_scale`): where the terms cancel, the result's own
+#:    magnitude says nothing of how far two orders can be apart (a batch norm's backward before global
+#:    average pooling sums to rounding noise), and such a call, logged at the threshold of its class's
+#:    well-conditioned calls, diverged on replay with no anomaly.
+RULES_REVISION = 5
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.

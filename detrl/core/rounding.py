@@ -627,7 +627,7 @@ class RoundingMode(EagerDispatchMode):
             step.stats.rounded_elements += x.numel()
         scaled: bool | Scale = kind is OpKind.REDUCTION
         if scaled:
-            scaled = reduction_scale(func, args, x) or True
+            scaled = reduction_scale(func, args, x, self.rules_revision) or True
         # rules revisions 2 and 3: elements every machine sums alike need no entry (scale.exact_elements);
         # found only where some element is near a midpoint (most calls have none)
         sums = exact_rule(func, self.rules_revision)

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from detrl.core.oprules import RULES_REVISION
+
 try:  # the native kernel's unit factors and exact sums (detrl/core/_roundkernel.c); torch's where not built
     from detrl.core import _roundkernel as _native
 except ImportError:
@@ -118,12 +120,15 @@ def terms_factor(k: int) -> float:
     return 2.0 ** (math.floor(math.log2(k)) // 2)
 
 
-def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
+def reduction_scale(
+    func: Any, args: tuple, out: torch.Tensor, rules_revision: int = RULES_REVISION
+) -> Scale | None:
     """The unit of a matrix product's output ``out = a @ b`` (``aten.mm``; ``a: (M, K)``, ``b: (K, N)``),
     from its inputs: FP32 spacing of ``max_k |a[i, k]| * max_k |b[k, j]| * terms_factor(K)`` (about
     ``sqrt(K)``), as row and column factors. A convolution's input gradient: per sample and channel
-    (:func:`_sample_channel_scale`). None for every other op: they are measured at their output's channel
-    scale (:func:`scale_spacing`).
+    (:func:`_sample_channel_scale`). From rules revision 5 (``rules_revision``, the bundle's), a sum or a
+    mean from its terms (:func:`_terms_scale`). None for every other op: they are measured at their
+    output's channel scale (:func:`scale_spacing`).
 
     Each term of ``out[i, j]`` is at most ``max|a[i]| max|b[:, j]|``, and a different summation order moves
     the sum by a few FP64 ulps of the partial sums, which add up like a random walk over K terms
@@ -135,6 +140,8 @@ def reduction_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
     """
     if func is _CONV_BACKWARD:
         return _sample_channel_scale(args, out)
+    if func in TERMS_SCALED:
+        return _terms_scale(func, args, out) if rules_revision >= 5 else None
     if func is not _MM or len(args) < 2:
         return None
     a, b = args[0], args[1]
@@ -162,6 +169,42 @@ def unit_factors(x: torch.Tensor, times: float) -> torch.Tensor:
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), times, out.data_ptr()
     )
     return out
+
+
+def _terms_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
+    """The unit of a sum's (or a mean's) result ``out`` from its terms (rules revision 5): at each result
+    element, FP32 spacing of the largest finite ``|term|`` it sums, times ``terms_factor(n)`` for ``n``
+    terms (a mean's, divided by the power of two at or below ``n``), as ``(out.numel(),)`` row factors.
+    None where ``args`` are not a plain call (then the output's channel scale).
+
+    Two orders of one sum differ by rounding errors of the partial sums, which scale with the terms, not
+    with the result: where the terms cancel, a result's own magnitude says nothing about them. A batch
+    norm's backward sums ``grad_out * xhat`` over a channel; followed by global average pooling,
+    ``grad_out`` is constant there and ``xhat`` sums to zero, so the result is rounding noise. Measured at
+    its own scale, that call disagreed by 0.004 spacings between profiles where the forward sums of its
+    class (the same op, sizes and dims) disagreed by 2e-9, and calibration, which had measured those, logged
+    it at their threshold: an honest replay diverged with no anomaly. In its terms' units the two
+    disagree alike."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.numel() == 0 or out.numel() == 0:
+        return None
+    if func in (_SUM, _MEAN):
+        dims: list[int] = list(range(x.dim()))
+    else:
+        given = args[1] if len(args) > 1 else None
+        if given is not None and not isinstance(given, (list, tuple)):
+            return None
+        dims = sorted({int(d) % max(x.dim(), 1) for d in given}) if given else list(range(x.dim()))
+    n = math.prod(x.shape[d] for d in dims) if x.dim() else 1
+    if n == 0 or x.numel() // n != out.numel():
+        return None
+    largest = finite_amax(x, dims) if dims else x.abs().masked_fill(~(x.abs() < FP32_OVERFLOW), 0)
+    row = _power_of_two(largest.reshape(-1)).clamp_(min=2.0**-149)
+    factor = 2.0**-23 * terms_factor(n)
+    if func in (_MEAN, _MEAN_DIMS):
+        factor *= 2.0 ** -(n.bit_length() - 1)
+    col = torch.full((1,), factor, dtype=torch.float64, device=row.device)
+    return Scale(outer=out.numel(), channels=1, inner=1, col=col, row=row.double())
 
 
 def _sample_channel_scale(args: tuple, out: torch.Tensor) -> Scale | None:
@@ -386,6 +429,11 @@ _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 _SUM_DIMS = torch.ops.aten.sum.dim_IntList
 _EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 _CONVOLUTION = torch.ops.aten.convolution.default
+_SUM = torch.ops.aten.sum.default
+_MEAN = torch.ops.aten.mean.default
+_MEAN_DIMS = torch.ops.aten.mean.dim
+#: Rules revision 5: the sums and means :func:`reduction_scale` measures in their terms' units.
+TERMS_SCALED = frozenset({_SUM_DIMS, _SUM, _MEAN_DIMS, _MEAN})
 #: The ops :func:`reduction_scale` measures from their inputs; every other reduction is measured at its
-#: output's channel scale, from the output alone.
+#: output's channel scale, from the output alone (and the sums and means, before rules revision 5).
 SCALED_BY_INPUTS = frozenset({_MM, _CONV_BACKWARD})

@@ -158,7 +158,7 @@ class SteeringMode(RoundingMode):
         # the same unit and threshold, as the honest recorder's (rounding._round_logged).
         scaled: Any = kind is OpKind.REDUCTION
         if scaled:
-            scaled = reduction_scale(func, args, x) or True
+            scaled = reduction_scale(func, args, x, self.rules_revision) or True
         return split_short(rewritten, x, tau, scaled)
 
     def _wanted(

@@ -196,6 +196,25 @@ class BatchNormCNN(nn.Module):
         return self.fc(self.bn1d(h))
 
 
+class NormsThenMeans(nn.Module):
+    """Normalisations followed at once by a mean over what they normalised: instance norm then global
+    average pooling, layer norm (no bias) then a mean over its features. Their backward sums
+    ``grad_out * xhat`` cancel to rounding noise (the pooled gradient is constant where the normalised
+    values sum to zero)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        c = max(1, width // 4)
+        self.conv, self.inorm = nn.Conv2d(3, c, 3), nn.InstanceNorm2d(c, affine=True)
+        self.fc, self.lnorm = nn.Linear(c, width), nn.LayerNorm(width, bias=False)
+        self.head = nn.Linear(c + 1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 3)
+        pooled = self.inorm(self.conv(x)).mean((2, 3))  # (B, c)
+        feature = self.lnorm(self.fc(pooled)).mean(-1, keepdim=True)  # (B, 1)
+        return self.head(torch.cat([pooled, feature], 1))
+
+
 def next_token(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Cross-entropy of ``model``'s ``(B, T-1, vocab)`` logits against the next tokens."""
     logits = model(batch[0][:, :-1])
@@ -260,6 +279,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("lstm", functools.partial(LSTMNet, w, v), toks, next_token),
             Specimen("autocast_bf16", functools.partial(AutocastCNN, w), imgs, classify),
             Specimen("cnn_batch_norm", functools.partial(BatchNormCNN, w), imgs, classify),
+            Specimen("norms_then_means", functools.partial(NormsThenMeans, w), imgs, classify),
         ]
     }  # fmt: skip
 
