@@ -717,3 +717,22 @@ def test_a_sums_equal_chunks_in_one_call_are_the_chunk_by_chunk_sums(
     out = machinery._sum(get_profile(name, seed=pick), x, dims, keepdim, None, unit)
     out = out.reshape(chunk_by_chunk.shape)
     assert torch.equal(out, chunk_by_chunk) and torch.equal(out.signbit(), chunk_by_chunk.signbit())
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_a_channels_last_grouped_convolutions_gradients_are_the_native_ones_reordered(name: str) -> None:
+    """The emulated convolution backward cuts the batch into pieces; a one-sample piece of a channels_last
+    batch has a batch stride of C (legal for a dim of size 1), for which torch's CPU kernel returns a wrong
+    grouped weight gradient (off by its own size). The pieces go in the default layout: every gradient is
+    the native one up to the reordering's rounding."""
+    g = torch.Generator().manual_seed(0)
+    x, w, go = (
+        torch.randn(*shape, generator=g, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+        for shape in ((4, 8, 10, 10), (8, 4, 3, 3), (4, 8, 8, 8))
+    )
+    args = (go, x, w, [8], [1, 1], [0, 0], [1, 1], False, [0, 0], 2, [True, True, True])
+    func = torch.ops.aten.convolution_backward.default
+    want = func(*args)
+    got = get_profile(name, seed=0)(func, args, {})
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

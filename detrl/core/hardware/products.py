@@ -118,6 +118,9 @@ def _convolution_backward(
 
     def call(go_: Tensor, x_: Tensor, w_: Tensor, mask_: list[bool]) -> tuple:
         sizes = bias_sizes if mask_[2] else None
+        # Pieces in the default layout: a one-sample piece of a channels_last batch has a batch stride of
+        # C (legal for a dim of size 1), and torch's CPU kernel then returns a wrong grouped weight gradient
+        go_, x_ = go_.contiguous(), x_.contiguous()
         grads = func(go_, x_, w_, sizes, stride, padding, dilation, transposed, output_padding, groups, mask_)
         # only what the mask asks for: the CPU kernel returns a weight gradient it was not asked for, for
         # a batch of two samples or more, and then one piece's would meet another's None
