@@ -25,3 +25,31 @@ def test_every_zoo_model_replicates_on_every_emulated_profile(tmp_path, name):
         rep = zoo.replay(s, tmp_path / "run", hw, steps=3)
         assert rep.step_index == 3, hw
         assert all(torch.equal(v, want[k]) for k, v in rep.model.named_parameters()), hw
+
+
+def _penalised(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Cross-entropy plus a gradient penalty: ``autograd.grad`` of the loss w.r.t. a leaf copy of the input
+    (``create_graph=True``), as WGAN-GP and input-gradient regularisers take it."""
+    x = batch[0].clone().requires_grad_(True)
+    loss = torch.nn.functional.cross_entropy(model(x), batch[1])
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    return loss + grad.pow(2).sum()
+
+
+def test_a_gradient_penalty_on_a_leaf_input_replays(tmp_path) -> None:
+    """The replayer names each op's module with torch's module tracker, which hooked every module input
+    requiring a gradient; torch refuses such a hook on a leaf while ``autograd.grad`` runs, so the replay
+    of a gradient-penalty step crashed (its recording did not). Leaf inputs get no hook now."""
+    import functools
+
+    specimen = zoo.Specimen(
+        "penalty",
+        functools.partial(zoo.BatchNormCNN, 16),
+        functools.partial(zoo.images, zoo.Size()),
+        _penalised,
+    )
+    rec = zoo.record(specimen, tmp_path / "run", steps=2)
+    want = {k: v.detach().clone() for k, v in rec.model.named_parameters()}
+    rep = zoo.replay(specimen, tmp_path / "run", "emulated:pairwise", steps=2)
+    assert rep.totals.refused == 0 and rep.totals.unlogged_near == 0
+    assert all(torch.equal(v, want[k]) for k, v in rep.model.named_parameters())

@@ -32,6 +32,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from detrl.core import calibrate, native
@@ -145,6 +147,20 @@ class _OrderedTracker(ModuleTracker):
             enter(*args)
 
         return append
+
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:  # noqa: A002 (torch's name)
+        """torch's, except that a leaf input (a tensor the step made ``requires_grad_()`` for a gradient
+        penalty's ``autograd.grad``) gets no backward hook: torch refuses a multi-grad hook on a leaf while
+        ``autograd.grad`` runs, and the replay of such a step crashed. Such a module leaves in backward as
+        one whose inputs need no gradient does: never (the innermost one still running names the op)."""
+        name = self._get_mod_name(mod)
+        self._get_append_fn(name, False)()
+        args, _ = tree_flatten(input)
+        tensors = [
+            a for a in args if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is not None
+        ]
+        if tensors:
+            self._hooks.append(register_multi_grad_hook(tensors, self._get_pop_fn(name, True)))
 
     def current(self) -> str:
         """The module path of the op running now ("" outside every module)."""
