@@ -187,3 +187,22 @@ def test_cache_follows_storage_swaps_and_in_place_layout_changes() -> None:
     cache.digest("t", t)
     t.t_()
     assert cache.digest("t", t) == commit.tensor_digest("t", t) != commit.tensor_digest("t", t.t())
+
+
+def test_an_optimizer_state_that_is_not_tensors_and_numbers_is_refused_in_one_line(tmp_path) -> None:
+    """L-BFGS keeps lists (its curvature history): ``Session.track`` refuses it, and a state value of any
+    other type is named when a commitment meets it (it crashed in ``float()``)."""
+
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+    from detrl.formats.commit import optimizer_tensors
+
+    session = Session(tmp_path / "run", mode="record", sources=Sources(), planned_steps=1, checkpoint_every=0)
+    with session:
+        model = session.init(lambda: torch.nn.Linear(2, 1))
+        with pytest.raises(ValueError, match=r"^LBFGS keeps its curvature history as lists"):
+            session.track(torch.optim.LBFGS(model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight]["history"] = [torch.zeros(1)]
+    with pytest.raises(ValueError, match=r"SGD: state 'history' of weight is a list"):
+        optimizer_tensors(opt, {id(model.weight): "weight"})

@@ -1,6 +1,8 @@
 """Layer norm and softmax decompositions (detrl/core/decompose.py): torch's kernels mathematically, and in
 verifiable precision only their sums and exponentials reach the log."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,3 +257,35 @@ def test_layer_norm_mean_of_exact_rows_is_not_logged():
     # the exact sum, the mean of it rounded once as an output (as torch's mean output is)
     assert torch.equal(mean.reshape(-1), (x.sum(-1) / 32).float().double())
     assert torch.equal(out, out.float().double())
+
+
+@pytest.mark.parametrize(
+    "n, c, spatial, groups", [(4, 8, (5, 5), 4), (2, 6, (7,), 3), (3, 4, (3, 3), 4), (2, 4, (2, 2, 2), 1)]
+)
+def test_group_norm_is_written_out_as_torch_computes_it(n: int, c: int, spatial: tuple, groups: int) -> None:
+    """Group norm and its backward, written out as row statistics over each sample's groups and channel
+    sums (the rounding mode's decomposition): torch's values to FP64 rounding, at ranks 3 to 5, one group or
+    a channel a group; a size that does not match, or a missing weight asked for its gradient, is torch's."""
+    g = torch.Generator().manual_seed(n * c)
+    x = torch.randn(n, c, *spatial, generator=g, dtype=torch.float64) * 3 + 1
+    weight, bias = (torch.randn(c, generator=g, dtype=torch.float64) for _ in range(2))
+    hxw = math.prod(spatial)
+    args = (x, weight, bias, n, c, hxw, groups, 1e-5)
+    plain = decompose.Steps(lambda t, dims: t.sum(dims))
+    assert decompose.applies(aten.native_group_norm.default, args)
+    want = aten.native_group_norm.default(*args)
+    for got, ref in zip(decompose.group_norm(plain, *args), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    back = (grad, x, want[1], want[2], weight, n, c, hxw, groups, [True, True, True])
+    assert decompose.applies(aten.native_group_norm_backward.default, back)
+    for got, ref in zip(
+        decompose.group_norm_backward(plain, *back),
+        aten.native_group_norm_backward.default(*back),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    assert not decompose.applies(
+        aten.native_group_norm.default, (x, weight, bias, n, c + 1, hxw, groups, 1e-5)
+    )
+    assert not decompose.applies(aten.native_group_norm_backward.default, (*back[:4], None, *back[5:]))

@@ -660,3 +660,61 @@ def test_a_sum_whose_terms_cancel_is_measured_in_its_terms_units(tmp_path) -> No
     assert unit is not None and unit.row is not None
     assert torch.equal(unit.dense().reshape(-1), torch.tensor([2.0, 0.5], dtype=torch.float64) * 2.0**-23)
     assert reduction_scale(torch.ops.aten.sum.dim_IntList, (x, [1]), x.sum(1), rules_revision=4) is None
+
+
+@pytest.mark.parametrize("route", [True, False])
+@pytest.mark.parametrize("case", ["fft", "view_as_complex", "sparse_gradient"])
+def test_sparse_and_complex_results_are_refused_in_one_line(tmp_path, route: bool, case: str) -> None:
+    """No rule rounds a sparse or a complex result, and left unrounded one would replicate on the emulated
+    profiles and differ on another machine (an FFT reorders its sums everywhere): refused, on the native
+    route and in the mode, naming the op. (Before, an FFT passed unrounded, a complex view's ``abs`` leaked
+    FP64 values, and a sparse embedding gradient crashed in ``contiguous``.)"""
+    from detrl.core import native
+    from detrl.core.engine import Session
+    from detrl.core.islands import UnroundableResult
+    from detrl.core.sources import Sources
+
+    models = {
+        "fft": (lambda: torch.nn.Linear(8, 3), lambda m, x: m(torch.fft.fft(x).real), "_fft_r2c"),
+        "view_as_complex": (
+            lambda: torch.nn.Linear(4, 3),
+            lambda m, x: m(torch.view_as_complex(x.view(-1, 4, 2)).abs()),
+            "view_as_complex",
+        ),
+        "sparse_gradient": (
+            lambda: torch.nn.Embedding(10, 8, sparse=True),
+            lambda m, x: m((x.abs() * 3).long().clamp(max=9)),
+            "_sparse_coo_tensor_with_dims_and_tensors",
+        ),
+    }
+    build, forward, op = models[case]
+    session = Session(tmp_path / "run", mode="record", sources=Sources(), planned_steps=1, checkpoint_every=0)
+    with native.switched(route), pytest.raises(UnroundableResult) as raised, session:
+        model = session.init(build)
+        opt = session.track(torch.optim.SGD(model.parameters(), lr=0.1))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        with session.step(batch=(x,)):
+            forward(model, x).sum().backward()
+            opt.step()
+    message = str(raised.value)
+    assert (
+        f"cannot round a {'sparse_coo' if case == 'sparse_gradient' else 'complex128'} result of aten.{op}"
+        in (message)
+    )
+    assert "\n" not in message
+
+
+def test_a_complex_parameter_is_refused_at_init_not_silently_made_real(tmp_path) -> None:
+    """``Session.init`` casts the model to float32 (the FP32 grid), which drops a complex parameter's
+    imaginary part with only torch's generic warning: refused, naming the parameter."""
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+
+    class Spectral(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    session = Session(tmp_path / "run", mode="record", sources=Sources(), planned_steps=1, checkpoint_every=0)
+    with pytest.raises(ValueError, match=r"Session.init: w is a complex tensor"), session:
+        session.init(Spectral)

@@ -621,6 +621,13 @@ class Session:
         """Build the model with the ``init`` stream, apply the bitflip switch, cast, commit step 0."""
         with self.sources.global_torch_rng("init"):
             model = build()
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_complex() or t.layout != torch.strided:  # .to(float32) would drop the imaginary part
+                kind = "complex" if t.is_complex() else str(t.layout).removeprefix("torch.")
+                raise ValueError(
+                    f"Session.init: {name} is a {kind} tensor; a run commits and rounds dense real float "
+                    "tensors: hold it as two real ones (torch.view_as_real) or densify it"
+                )
         model = model.to(torch.float32)  # weights start on the FP32 grid whatever the precision
         self.sources.apply_bitflip(model)
         model = model.to(device=self.device, dtype=self.precision.dtype)
@@ -637,8 +644,14 @@ class Session:
         default) is pinned to the per-tensor loop: torch picks the ``_foreach`` ops on a GPU and the loop on
         a CPU, two op sequences, and a replay must dispatch the recorder's ops in the recorder's order (an
         explicit ``foreach=True`` is the same on every device, and stays). A fused optimizer (one kernel for
-        the whole update, nothing to round op by op) is refused with a ValueError.
+        the whole update, nothing to round op by op) is refused with a ValueError, and so is L-BFGS in any
+        precision: its state holds lists (the curvature history), which a run cannot commit or resume.
         """
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "LBFGS keeps its curvature history as lists of tensors, which a run cannot commit or resume: "
+                "use an optimizer whose state is tensors and numbers (SGD, Adam, ...)"
+            )
         if self.precision.is_verifiable:
             for group in optimizer.param_groups:
                 if group.get("fused"):

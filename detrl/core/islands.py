@@ -46,6 +46,39 @@ class UnroundableOp(ValueError):
         self.op, self.dtype, self.module = func, dtype, module
 
 
+class UnroundableResult(ValueError):
+    """A result of an op in a verifiable step that verifiable precision has no rule to round: a sparse
+    tensor, or a complex one (its real and imaginary parts would need rounding and logging as two, and
+    FFTs reorder their sums on every machine). Left unrounded, it would replicate on the emulated profiles
+    and differ on another machine: refused instead, before anything is committed."""
+
+    def __init__(self, func: Any, t: torch.Tensor, module: str) -> None:
+        where = f" in {module}" if module else ""
+        name = f"aten.{func.overloadpacket.__name__}"
+        if t.layout != torch.strided:
+            what, fix = (
+                f"a {str(t.layout).removeprefix('torch.')} result",
+                "use dense tensors (nn.Embedding(sparse=False))",
+            )
+        else:
+            what, fix = f"a {str(t.dtype).removeprefix('torch.')} result", "compute with real tensors"
+        super().__init__(
+            f"verifiable precision cannot round {what} of {name}{where}: it rounds dense real float tensors; "
+            f"{fix}"
+        )
+        self.op, self.module = func, module
+
+
+def unroundable(t: Any) -> bool:
+    """Whether ``t`` is a tensor :class:`UnroundableResult` refuses: sparse, or complex."""
+    return isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_complex())
+
+
+def refuse_result(func: Any, t: torch.Tensor, module: str = "") -> None:
+    """Raise :class:`UnroundableResult` (the native route calls it for a result it cannot round)."""
+    raise UnroundableResult(func, t, module)
+
+
 def narrow_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     """The float dtype narrower than FP64 that op arguments ``args``/``kwargs`` compute in: a half type if
     any tensor (or ``dtype=``) is one, else float32 if any is, else None. Called for every op: plain loops."""

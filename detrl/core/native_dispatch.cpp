@@ -321,6 +321,16 @@ void collect(const c10::IValue& v, std::vector<at::Tensor>& out) {
 
 bool plain_cpu(const at::Tensor& t) { return t.is_cpu() && !t.is_conj() && !t.is_neg(); }
 
+// A result no rule rounds (islands.unroundable): sparse, or complex (a view of one included).
+bool unroundable(const at::Tensor& t) { return t.defined() && (t.layout() != c10::kStrided || t.is_complex()); }
+
+// Raises the mode's error for such a result (islands.UnroundableResult), as the mode would.
+[[noreturn]] void refuse(const Entry& e, const at::Tensor& t) {
+  py::gil_scoped_acquire gil;
+  py::module_::import("detrl.core.islands").attr("refuse_result")(e.func, t);
+  throw std::logic_error("detrl.core.islands.refuse_result returned");
+}
+
 // A defined, strided FP64 CPU tensor that is no lazy conjugate or negation.
 bool plain_double(const at::Tensor& t) {
   return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.layout() == c10::kStrided && plain_cpu(t);
@@ -1621,6 +1631,10 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   {
     c10::impl::ExcludeDispatchKeyGuard inside(kOurs);
     op.redispatchBoxed(keys & kBelowOurs, stack);
+  }
+  for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i) {
+    const c10::IValue& v = (*stack)[i];
+    if (v.isTensor() && unroundable(v.toTensor())) refuse(e, v.toTensor());
   }
   if (!rounds) return;
   if (!writes) {

@@ -496,6 +496,9 @@ class RoundingMode(EagerDispatchMode):
             out = run_split(func, args, kwargs)
         else:
             out = self.profile(func, args, kwargs)
+        for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
+            if islands.unroundable(t):  # sparse or complex, a view of one included: no rule rounds it
+                raise islands.UnroundableResult(func, t, self.module_path() if self.module_path else "")
         if plan.keep or kind is OpKind.KEEP or (plan.widening and _widens_floats(args)):
             return out
         targets = written_tensors(func, args, kwargs, out)

@@ -254,6 +254,11 @@ def optimizer_tensors(opt: torch.optim.Optimizer, param_names: Mapping[int, str]
     for p, state in opt.state.items():
         pname = param_names.get(id(p), "?")
         for key, value in state.items():
+            if not isinstance(value, (torch.Tensor, int, float)):  # a bool is an int
+                raise ValueError(
+                    f"{type(opt).__name__}: state {key!r} of {pname} is a {type(value).__name__}; a run commits "
+                    "an optimizer's state as tensors and numbers"
+                )
             out[f"opt.{pname}.{key}"] = (
                 value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             )

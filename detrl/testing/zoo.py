@@ -197,20 +197,25 @@ class BatchNormCNN(nn.Module):
 
 
 class NormsThenMeans(nn.Module):
-    """Normalisations followed at once by a mean over what they normalised: instance norm then global
-    average pooling, layer norm (no bias) then a mean over its features. Their backward sums
-    ``grad_out * xhat`` cancel to rounding noise (the pooled gradient is constant where the normalised
-    values sum to zero)."""
+    """Normalisations followed at once by a mean over what they normalised: instance norm and group norm
+    (a channel a group) then global average pooling, layer norm (no bias) then a mean over its features.
+    Their backward sums ``grad_out * xhat`` cancel to rounding noise (the pooled gradient is constant where
+    the normalised values sum to zero)."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
         c = max(1, width // 4)
-        self.conv, self.inorm = nn.Conv2d(3, c, 3), nn.InstanceNorm2d(c, affine=True)
+        self.conv, self.inorm, self.gnorm = (
+            nn.Conv2d(3, c, 3),
+            nn.InstanceNorm2d(c, affine=True),
+            nn.GroupNorm(c, c),
+        )
         self.fc, self.lnorm = nn.Linear(c, width), nn.LayerNorm(width, bias=False)
         self.head = nn.Linear(c + 1, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 3)
-        pooled = self.inorm(self.conv(x)).mean((2, 3))  # (B, c)
+        h = self.conv(x)  # (B, c, H - 2, W - 2)
+        pooled = self.inorm(h).mean((2, 3)) + self.gnorm(h).mean((2, 3))  # (B, c)
         feature = self.lnorm(self.fc(pooled)).mean(-1, keepdim=True)  # (B, 1)
         return self.head(torch.cat([pooled, feature], 1))
 

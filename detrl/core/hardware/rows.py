@@ -36,39 +36,19 @@ def _reduce(p: EmulatedProfile, t: Tensor, dims: list[int], keepdim: bool = True
     return t.sum(dims, keepdim=keepdim) if out is None else out
 
 
-def _normalize(p: EmulatedProfile, rows: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Two-pass statistics of ``rows: (M, n)``: ``(xhat: (M, n), mean: (M, 1), rstd: (M, 1))``.
-
-    Native kernels (CPU and CUDA) use Welford's update; the two-pass formula is the same mathematics in
-    another order, as another kernel is. (On FP32-grid rows the two-pass mean is often exact where
-    Welford's is an ulp off: exact FP32 ties that the recorder and the replayer round apart.)
-    """
-    n = rows.shape[1]
-    mean = _reduce(p, rows, [1]) / n
-    centred = rows - mean
-    var = _reduce(p, centred * centred, [1]) / n
-    rstd = _rsqrt(p, var + eps)
-    return centred * rstd, mean, rstd
-
-
-def _normalize_backward(p: EmulatedProfile, g: Tensor, xhat: Tensor, rstd: Tensor) -> Tensor:
-    """Input gradient of ``xhat = (x - mean) * rstd`` over rows ``(M, n)``, given ``g = dL/dxhat``:
-    ``rstd * (g - mean(g) - xhat * mean(g * xhat))``."""
-    n = g.shape[1]
-    return (g - _reduce(p, g, [1]) / n - xhat * (_reduce(p, g * xhat, [1]) / n)) * rstd
-
-
 @_register(
     aten.native_layer_norm.default,
     aten.native_layer_norm_backward.default,
+    aten.native_group_norm.default,
+    aten.native_group_norm_backward.default,
     aten._softmax.default,
     aten._softmax_backward_data.default,
 )
 def _row_decomposed(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Layer norm and softmax, forward and backward, from their formulas in :mod:`detrl.core.decompose` (two-pass
-    layer norm statistics where native kernels use Welford's update, which leaves an ulp of error in the
-    mean that a two-pass sum of FP32-grid values does not), with every row sum in the profile's row order,
-    ``exp`` and layer norm's ``rsqrt`` from its libm. Where the formula does not apply, and for half types,
+    """Layer norm, group norm and softmax, forward and backward, from their formulas in
+    :mod:`detrl.core.decompose` (two-pass statistics where native kernels use Welford's update, which
+    leaves an ulp of error in the mean that a two-pass sum of FP32-grid values does not), with every sum in
+    the profile's row order, ``exp`` and the norms' ``rsqrt`` from its libm. Where the formula does not apply, and for half types,
     the native kernel runs. (In verifiable precision the rounding mode decomposes all but softmax forward
     before a profile sees them; their row sums reach :func:`_sum_op`, which orders them the same way.)"""
     bound = tuple(bound_arguments(func, args, kwargs))
@@ -78,47 +58,6 @@ def _row_decomposed(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: d
         lambda t, dims: _reduce(p, t, dims, keepdim=False), lambda t: _exp(p, t), lambda t: _rsqrt(p, t)
     )
     return decompose.FORMULAS[func](steps, *bound)
-
-
-@_register(aten.native_group_norm.default)
-def _group_norm(
-    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Group norm of ``x: (N, C, *S)`` with ``HxW = prod(S)``: ``(out, mean: (N, G), rstd: (N, G))``;
-    weight and bias are ``(C,)``."""
-    x, weight, bias, n_, c, hxw, groups, eps = bound_arguments(func, args, kwargs)
-    if not _rows(x, weight, bias) or x.numel() == 0:
-        return func(*args, **kwargs)
-    xhat, mean, rstd = _normalize(p, x.reshape(n_ * groups, -1), eps)
-    out = xhat.reshape(n_, c, hxw)
-    if weight is not None:
-        out = out * weight.reshape(1, c, 1)
-    if bias is not None:
-        out = out + bias.reshape(1, c, 1)
-    return out.reshape(x.shape), mean.reshape(n_, groups), rstd.reshape(n_, groups)
-
-
-@_register(aten.native_group_norm_backward.default)
-def _group_norm_backward(
-    p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients of :func:`_group_norm`: ``(grad_x: (N, C, *S), grad_weight: (C,), grad_bias: (C,))``; the
-    parameter gradients sum over the batch and space."""
-    go, x, mean, rstd, weight, n_, c, hxw, groups, mask = bound_arguments(func, args, kwargs)
-    if not _rows(go, x, mean, rstd, weight) or x.numel() == 0 or (mask[1] and weight is None):
-        return func(*args, **kwargs)
-    g = go.reshape(n_, c, hxw)
-    xhat = ((x.reshape(n_ * groups, -1) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)).reshape(n_, c, hxw)
-    grad_x = grad_w = grad_b = None
-    if mask[0]:
-        gw = g if weight is None else g * weight.reshape(1, c, 1)
-        rows = (gw.reshape(n_ * groups, -1), xhat.reshape(n_ * groups, -1), rstd.reshape(-1, 1))
-        grad_x = _normalize_backward(p, *rows).reshape(x.shape)
-    if mask[1]:
-        grad_w = _reduce(p, g * xhat, [0, 2], keepdim=False)
-    if mask[2]:
-        grad_b = _reduce(p, g, [0, 2], keepdim=False)
-    return grad_x, grad_w, grad_b
 
 
 @_register(aten._log_softmax.default)
