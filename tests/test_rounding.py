@@ -718,3 +718,33 @@ def test_a_complex_parameter_is_refused_at_init_not_silently_made_real(tmp_path)
     session = Session(tmp_path / "run", mode="record", sources=Sources(), planned_steps=1, checkpoint_every=0)
     with pytest.raises(ValueError, match=r"Session.init: w is a complex tensor"), session:
         session.init(Spectral)
+
+
+def test_ctc_loss_unwritten_alphas_are_set_before_they_are_rounded(tmp_path) -> None:
+    """``_ctc_loss``'s CPU kernel leaves a sample's ``log_alpha`` past its input and target lengths as the
+    allocator gave it (other values at every call): they were rounded and logged as data, and even a replay
+    on the recorder's own profile refused or corrected entries. They are ``-inf`` (log 0) now, which its
+    backward never reads: a CTC model replays with nothing refused, unlogged or corrected."""
+    import functools
+
+    from detrl.core.oprules import UNWRITTEN
+    from detrl.testing import zoo
+
+    def ctc(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        log_probs = model(batch[0]).view(8, 2, 5).log_softmax(-1)  # (T, N, C)
+        targets = torch.tensor([[1, 2, 3], [4, 4, 2]])
+        return torch.nn.functional.ctc_loss(log_probs, targets, [8, 7], [3, 2], zero_infinity=True)
+
+    specimen = zoo.Specimen(
+        "ctc", lambda: torch.nn.Linear(16, 10), functools.partial(zoo.features, zoo.Size(batch=2)), ctc
+    )
+    zoo.record(specimen, tmp_path / "run", steps=2)
+    for hardware in ("native", "emulated:pairwise"):
+        rep = zoo.replay(specimen, tmp_path / "run", hardware, steps=2)
+        assert (rep.totals.refused, rep.totals.unlogged_near, rep.totals.corrected) == (0, 0, 0), hardware
+    lp = torch.randn(8, 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    args = (lp, torch.tensor([[1, 2, 3], [4, 4, 2]]), [8, 7], [3, 2], 0, True)
+    out = torch.ops.aten._ctc_loss.default(*args)
+    UNWRITTEN[torch.ops.aten._ctc_loss.default](args, out)
+    assert torch.isneginf(out[1][1, 7:]).all() and torch.isneginf(out[1][1, :, 5:]).all()
+    assert torch.isfinite(out[1][0, :, :2]).all()  # written entries stay

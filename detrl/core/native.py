@@ -40,6 +40,7 @@ from detrl.core.oprules import (
     HIDDEN_WRITES,
     RULES_REVISION,
     SQUARES,
+    UNWRITTEN,
     OpKind,
 )
 from detrl.core.scale import SCALED_BY_INPUTS, TERMS_SCALED
@@ -120,7 +121,7 @@ def route(
     if plan.decomposes and func in _DECOMPOSED and not plan.random:
         decomposed, steps = _DECOMPOSED[func]
         return Route.PYTHON if reorders(func) or any(reorders(f) for f in steps) else decomposed
-    if plan.random or plan.decomposes or reorders(func):
+    if plan.random or plan.decomposes or reorders(func) or func in UNWRITTEN:
         return Route.PYTHON
     if plan.keep:
         return Route.KEEP

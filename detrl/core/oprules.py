@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,6 +112,31 @@ _ALPHA_FUSED = _packets(
 HIDDEN_WRITES: dict[Any, tuple[int, ...]] = {
     aten.native_batch_norm.default: (3, 4),
     aten._native_batch_norm_legit.default: (3, 4),
+}
+
+
+def _ctc_unwritten(args: Sequence[Any], out: Any) -> None:
+    """``_ctc_loss(log_probs: (T, N, C), targets, input_lengths, target_lengths, ...)`` returns
+    ``(loss: (N,), log_alpha: (N, T, 2 * max target length + 1))``; the CPU kernel writes a sample's
+    ``log_alpha`` only up to its input length and ``2 * target length + 1`` states, and leaves the rest as
+    the allocator gave it (other values at every call). Its backward reads only the written ones: the rest
+    is set to ``-inf`` (log 0), the same on every machine."""
+    log_alpha = out[1]
+    lengths = [args[2], args[3]]
+    inputs, targets = (
+        [int(v) for v in x.tolist()] if isinstance(x, torch.Tensor) else list(x) for x in lengths
+    )
+    for n, (t, s) in enumerate(zip(inputs, targets, strict=True)):
+        log_alpha[n, t:].fill_(-math.inf)
+        log_alpha[n, :, 2 * s + 1 :].fill_(-math.inf)
+
+
+#: Ops whose outputs hold elements their kernel leaves unwritten (uninitialised memory, other values at
+#: every call): ``(args, out) -> None`` sets them to a value every machine agrees on, before they are
+#: rounded or logged (the native route leaves these ops to the mode).
+UNWRITTEN: dict[Any, Callable[[Sequence[Any], Any], None]] = {
+    aten._ctc_loss.default: _ctc_unwritten,
+    aten._ctc_loss.Tensor: _ctc_unwritten,
 }
 
 

@@ -31,6 +31,7 @@ from detrl.core.oprules import (
     HIDDEN_WRITES,
     RULES_REVISION,
     SQUARES,
+    UNWRITTEN,
     OpKind,
     call_class,
     classify,
@@ -496,6 +497,8 @@ class RoundingMode(EagerDispatchMode):
             out = run_split(func, args, kwargs)
         else:
             out = self.profile(func, args, kwargs)
+        if (fill := UNWRITTEN.get(func)) is not None:
+            fill(args, out)
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
             if islands.unroundable(t):  # sparse or complex, a view of one included: no rule rounds it
                 raise islands.UnroundableResult(func, t, self.module_path() if self.module_path else "")
