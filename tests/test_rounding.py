@@ -748,3 +748,33 @@ def test_ctc_loss_unwritten_alphas_are_set_before_they_are_rounded(tmp_path) -> 
     UNWRITTEN[torch.ops.aten._ctc_loss.default](args, out)
     assert torch.isneginf(out[1][1, 7:]).all() and torch.isneginf(out[1][1, :, 5:]).all()
     assert torch.isfinite(out[1][0, :, :2]).all()  # written entries stay
+
+
+def test_a_grad_scaler_runs_its_float32_bookkeeping_as_given_and_replays(tmp_path) -> None:
+    """torch.amp's GradScaler unscales FP64 gradients by a float32 inverse scale and keeps float32 flags, and
+    its CPU kernels refuse float64 ones: the FP64 island had widened them, and the step crashed with
+    torch's "inv_scale must be a float tensor". Its ops run as given (EXACT) and the run replays."""
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+
+    def run(session: Session) -> Session:
+        with session:
+            model = session.init(lambda: torch.nn.Linear(4, 3))
+            opt = session.track(torch.optim.SGD(model.parameters(), lr=0.1))
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            g = torch.Generator().manual_seed(0)
+            x, y = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.arange(8) % 3
+            for _ in range(2):
+                with session.step(batch=(x, y)):
+                    opt.zero_grad()
+                    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+                    scaler.step(opt)
+                    scaler.update()
+        return session
+
+    run(Session(tmp_path / "run", mode="record", sources=Sources(), planned_steps=2, checkpoint_every=0))
+    for hardware in ("native", "emulated:pairwise"):
+        replayed = run(
+            Session(tmp_path / "run", mode="replay", hardware=hardware)
+        )  # Divergence if it differs
+        assert replayed.step_index == 2 and replayed.totals.refused == 0, hardware

@@ -62,7 +62,7 @@ _KEEP = _packets(
 # round, and a float32 one needs no FP64 twin. Torch's optimizers read their float32 step counters so.)
 
 _EXACT = _packets(
-    "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "sqrt", "sqrt_", "reciprocal",
+    "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_", "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "sqrt", "sqrt_", "reciprocal",
     "reciprocal_", "_to_copy", "to", "fill", "fill_", "full", "full_like", "scalar_tensor", "masked_fill",
     "masked_fill_", "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "hardtanh",
     "hardtanh_", "constant_pad_nd", "where", "native_dropout", "native_dropout_backward", "arange",
@@ -88,6 +88,11 @@ FLOAT32_EXACT = _packets(
     "_foreach_add_", "_foreach_sub", "_foreach_sub_", "_foreach_mul", "_foreach_mul_", "_foreach_div",
     "_foreach_div_", "_foreach_maximum_", "_foreach_clamp_min_", "_foreach_clamp_max_",
 )  # fmt: skip
+
+#: torch.amp's GradScaler bookkeeping, which takes its scale and flags in float32 by design (its CPU kernels
+#: refuse them in float64): run as given, not as an FP64 island. EXACT: the gradients' product by the
+#: float32 inverse scale is exact in FP64 (24 by 24 significant bits), the rest is flags and powers of two.
+AS_GIVEN = _packets("_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_")
 
 _ELEMENTWISE = _packets(
     "exp", "exp_", "log", "log_", "log1p", "expm1", "tanh", "tanh_", "sigmoid", "sigmoid_", "gelu",

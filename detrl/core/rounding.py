@@ -28,6 +28,7 @@ from detrl.core import decompose, islands, kernel, native, randomness
 from detrl.core.dispatch import EagerDispatchMode
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import (
+    AS_GIVEN,
     HIDDEN_WRITES,
     RULES_REVISION,
     SQUARES,
@@ -466,7 +467,9 @@ class RoundingMode(EagerDispatchMode):
         kwargs = kwargs or {}
         self._last.learned = None
         plan = _PLANS.get(id(func)) or _plan(func)
-        if not (plan.keep or plan.widening) and (narrow := islands.narrow_dtype(args, kwargs)) is not None:
+        if not (plan.keep or plan.widening or plan.as_given) and (
+            narrow := islands.narrow_dtype(args, kwargs)
+        ):
             return self._island(func, types, args, kwargs, plan, narrow)
         if plan.decomposes and decompose.applies(func, args):
             # Only the sums (and log-softmax backward's exp) are machine dependent: they run as ops of the step
@@ -801,6 +804,7 @@ class _Plan:
     keep: bool  # a view, or a KEEP op: its outputs are its inputs' values
     widening: bool  # a cast: to FP64 from a narrower float type, its output is on the FP32 grid already
     square: bool  # pow by a number: its kind depends on the exponent (oprules.squares decides per call)
+    as_given: bool  # takes float32 arguments by design (oprules.AS_GIVEN): no island
 
 
 _PLANS: dict[int, _Plan] = {}  # by id(): an OpOverload's __hash__ is Python code, called at every op
@@ -825,6 +829,7 @@ def _plan(func: Any) -> _Plan:
         keep=bool(func.is_view) or kind is OpKind.KEEP,
         widening=func in CASTS,
         square=func in SQUARES,
+        as_given=func.overloadpacket in AS_GIVEN,
     )
     _PLANS[id(func)] = plan
     return plan
