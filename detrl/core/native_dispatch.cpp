@@ -785,10 +785,26 @@ bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args,
     if (reduced[static_cast<size_t>(d)]) order.push_back(d), terms *= x.size(d);
   }
   if (terms == 0 || out_elements * terms != x.numel()) return false;
-  at::Tensor rows = x.permute(order).resolve_neg().contiguous();  // the terms of each sum in a row
   unit.rows.resize(static_cast<size_t>(out_elements));
-  if (api->unit_factors(rows.data_ptr<double>(), out_elements, terms, terms, 1, 1.0, unit.rows.data()) != 0)
-    throw std::bad_alloc();
+  // The largest |term| of each sum from two reductions, without a copy of the terms: max(amax, -amin), as
+  // scale.finite_amax takes it where every term is finite in FP32 (its common case).
+  std::vector<int64_t> summed;
+  for (int64_t d = 0; d < rank; ++d) {
+    if (reduced[static_cast<size_t>(d)]) summed.push_back(d);
+  }
+  const at::Tensor largest = at::maximum(at::amax(x, summed), at::neg(at::amin(x, summed))).contiguous();
+  const double* m = largest.const_data_ptr<double>();
+  bool finite = true;
+  for (int64_t i = 0; i < out_elements && finite; ++i) {
+    finite = m[i] < 0x1.ffffffp+127;  // rounds to a finite FP32 value (NaN fails too)
+    const double power = power_of_two(m[i]);
+    unit.rows[static_cast<size_t>(i)] = power < 0x1p-149 ? 0x1p-149 : power;
+  }
+  if (!finite) {  // an infinity or a NaN among the terms: the kernel's pass, which leaves them out
+    at::Tensor rows = x.permute(order).resolve_neg().contiguous();  // the terms of each sum in a row
+    if (api->unit_factors(rows.data_ptr<double>(), out_elements, terms, terms, 1, 1.0, unit.rows.data()) != 0)
+      throw std::bad_alloc();
+  }
   const int log2_terms = 63 - __builtin_clzll(static_cast<unsigned long long>(terms));
   unit.cols.assign(1, std::ldexp(0x1p-23 * terms_factor(terms), mean ? -log2_terms : 0));
   return true;
