@@ -778,3 +778,31 @@ def test_a_grad_scaler_runs_its_float32_bookkeeping_as_given_and_replays(tmp_pat
             Session(tmp_path / "run", mode="replay", hardware=hardware)
         )  # Divergence if it differs
         assert replayed.step_index == 2 and replayed.totals.refused == 0, hardware
+
+
+def test_random_ops_of_tensor_arguments_draw_from_the_stream_and_replay(tmp_path) -> None:
+    """``torch.normal(mean, std)`` with tensor arguments, ``multinomial``, ``poisson`` and gamma draws take the
+    step's stream (they had no handler: a verifiable step refused them): a run replays bit for bit."""
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+
+    def run(session: Session) -> Session:
+        with session:
+            model = session.init(lambda: torch.nn.Linear(4, 3))
+            opt = session.track(torch.optim.SGD(model.parameters(), lr=0.1))
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+            for _ in range(2):
+                with session.step(batch=(x,)):
+                    h = model(x)
+                    noisy = torch.normal(h, 0.1) + torch.normal(0.0, h.abs() + 0.1) + torch.poisson(h.abs())
+                    pick = torch.multinomial(h.softmax(-1), 2, replacement=True)
+                    loss = noisy.gather(1, pick).sum() + torch._standard_gamma(h.abs() + 1).sum()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+        return session
+
+    want = run(Session(tmp_path / "run", mode="record", sources=Sources(), planned_steps=2)).model.weight
+    for hardware in ("native", "emulated:pairwise"):
+        replayed = run(Session(tmp_path / "run", mode="replay", hardware=hardware))
+        assert torch.equal(replayed.model.weight, want) and replayed.totals.refused == 0, hardware

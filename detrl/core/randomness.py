@@ -73,6 +73,17 @@ def _like(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     return base(x.shape, dtype=dtype, generator=g).to(device)
 
 
+@_handles(aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor)
+@_handles(aten.multinomial.default, aten.poisson.default, aten._standard_gamma.default, aten.binomial.default)
+def _of_tensors(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    """A random op of tensor arguments (``torch.normal(mean, std)``, ``multinomial``, ``poisson``, gamma and
+    binomial draws): computed on CPU copies of its tensors with the stream's generator, the result moved to
+    their device."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    cpu = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+    return func(*cpu, **{**kwargs, "generator": g}).to(device)
+
+
 Handler = Callable[[torch.Generator, Any, tuple, dict], Any]
 
 
