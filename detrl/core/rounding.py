@@ -500,8 +500,8 @@ class RoundingMode(EagerDispatchMode):
             out = run_split(func, args, kwargs)
         else:
             out = self.profile(func, args, kwargs)
-        if (fill := UNWRITTEN.get(func)) is not None:
-            fill(args, out)
+        if plan.unwritten is not None:
+            plan.unwritten(args, out)
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
             if islands.unroundable(t):  # sparse or complex, a view of one included: no rule rounds it
                 raise islands.UnroundableResult(func, t, self.module_path() if self.module_path else "")
@@ -805,6 +805,7 @@ class _Plan:
     widening: bool  # a cast: to FP64 from a narrower float type, its output is on the FP32 grid already
     square: bool  # pow by a number: its kind depends on the exponent (oprules.squares decides per call)
     as_given: bool  # takes float32 arguments by design (oprules.AS_GIVEN): no island
+    unwritten: Callable[[Any, Any], None] | None  # sets what its kernel leaves unwritten (oprules.UNWRITTEN)
 
 
 _PLANS: dict[int, _Plan] = {}  # by id(): an OpOverload's __hash__ is Python code, called at every op
@@ -830,6 +831,7 @@ def _plan(func: Any) -> _Plan:
         widening=func in CASTS,
         square=func in SQUARES,
         as_given=func.overloadpacket in AS_GIVEN,
+        unwritten=UNWRITTEN.get(func),
     )
     _PLANS[id(func)] = plan
     return plan
