@@ -786,8 +786,42 @@ bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args,
   }
   if (terms == 0 || out_elements * terms != x.numel()) return false;
   unit.rows.resize(static_cast<size_t>(out_elements));
-  // The largest |term| of each sum from two reductions, without a copy of the terms: max(amax, -amin), as
-  // scale.finite_amax takes it where every term is finite in FP32 (its common case).
+  const bool dense = x.is_contiguous() && !x.is_neg();
+  // the summed dims are the last ones (false, ..., true, ...): each sum's terms are a row of the buffer
+  const bool trailing = dense && std::is_sorted(reduced.begin(), reduced.end());
+  bool channels = dense && rank >= 2 && !reduced[1];  // a batch norm's channel sums: every dim but 1
+  for (int64_t d = 0; d < rank; ++d) channels = channels && (d == 1 || reduced[static_cast<size_t>(d)]);
+  if (trailing) {  // the kernel's pass over the rows in place
+    if (api->unit_factors(x.const_data_ptr<double>(), out_elements, terms, terms, 1, 1.0, unit.rows.data()) != 0)
+      throw std::bad_alloc();
+  } else if (channels) {  // (outer, channels, inner) in place: each channel's largest term finite in FP32
+    const int64_t outer = x.size(0), count = x.size(1), inner = x.numel() / (outer * count);
+    const double* p = x.const_data_ptr<double>();
+    std::vector<double> largest(static_cast<size_t>(count), 0.0);
+    for (int64_t o = 0; o < outer; ++o) {
+      for (int64_t c = 0; c < count; ++c) {
+        const double* row = p + (o * count + c) * inner;
+        double m = largest[static_cast<size_t>(c)];
+        for (int64_t i = 0; i < inner; ++i) {
+          double r = std::fabs(row[i]);
+          r = r < 0x1.ffffffp+127 ? r : 0.0;  // an infinity or a NaN sets no unit (scale.finite_amax)
+          m = r > m ? r : m;
+        }
+        largest[static_cast<size_t>(c)] = m;
+      }
+    }
+    for (int64_t c = 0; c < count; ++c) {
+      const double power = power_of_two(largest[static_cast<size_t>(c)]);
+      unit.rows[static_cast<size_t>(c)] = power < 0x1p-149 ? 0x1p-149 : power;
+    }
+  }
+  if (trailing || channels) {
+    const int log2_terms = 63 - __builtin_clzll(static_cast<unsigned long long>(terms));
+    unit.cols.assign(1, std::ldexp(0x1p-23 * terms_factor(terms), mean ? -log2_terms : 0));
+    return true;
+  }
+  // Elsewhere the largest |term| of each sum from two reductions, without a copy of the terms: max(amax,
+  // -amin), as scale.finite_amax takes it where every term is finite in FP32 (its common case).
   std::vector<int64_t> summed;
   for (int64_t d = 0; d < rank; ++d) {
     if (reduced[static_cast<size_t>(d)]) summed.push_back(d);
