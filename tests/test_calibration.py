@@ -359,3 +359,36 @@ def test_a_sums_keepdim_passed_by_keyword_cuts_the_results_own_dim():
     assert sample is not None and sample.dims == (2,) and sample.args[0].shape == (3, 40, len(sample.rows))
     cut = prof(aten.sum.dim_IntList, sample.args, kwargs)
     assert torch.allclose(whole.index_select(2, sample.rows), cut, rtol=1e-12, atol=1e-12)
+
+
+def test_a_disagreement_past_what_the_cap_covers_is_named_not_silently_capped() -> None:
+    """A call class whose measured disagreement times the margin exceeds TAU_CAP gets the capped threshold,
+    which cannot cover it: calibration warns once per op, naming the op, the disagreement and the class
+    (group norm before its decomposition reached 27 times the cap without a word, and its replay diverged)."""
+    import warnings
+
+    from detrl.core.calibrate import TAU_CAP, CalibrationCapWarning
+    from detrl.core.hardware import Profile
+    from detrl.core.oprules import OpKind
+
+    class Sloppy(Profile):  # a machine whose tanh is off by a part in a thousand
+        def __call__(self, func, args, kwargs):  # noqa: ANN001, ANN204
+            return func(*args, **kwargs) * (1 + 1e-3)
+
+        def reorders(self, func, args=None, kwargs=None) -> bool:  # noqa: ANN001
+            return True
+
+    cal = Calibrator(Thresholds(), [Sloppy("sloppy", "off by 1e-3")])
+    x = torch.linspace(0.1, 2.0, 64, dtype=torch.float64)
+    func = torch.ops.aten.tanh.default
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            cal(func, (x,), {}, [func(x)], OpKind.ELEMENTWISE)
+    capped = [w for w in caught if issubclass(w.category, CalibrationCapWarning)]
+    assert len(capped) == 1 and "aten.tanh's results disagree" in str(capped[0].message)
+    assert cal.thresholds.per_op["tanh"] == TAU_CAP
+    honest = Calibrator(Thresholds(), [Profile("native", "")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationCapWarning)
+        honest(func, (x,), {}, [func(x)], OpKind.ELEMENTWISE)

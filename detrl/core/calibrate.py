@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,13 @@ DEFAULT_SAMPLE_ELEMENTS = 1 << 14
 MIN_SAMPLED_ROWS = 8
 
 
+class CalibrationCapWarning(RuntimeWarning):
+    """A call class's measured disagreement times the margin is above :data:`TAU_CAP`: its threshold is
+    capped there, so its log cannot cover what another machine may compute (the class's results cancel at
+    their own unit's scale). Every op detrl knows to cancel so is written out (batch, layer and group norm,
+    the softmax backwards) or measured in its terms' units (sums, rules revision 5); this names any other."""
+
+
 class Calibrator:
     """Measures per-op-kind disagreement between profiles and updates ``thresholds`` in place.
 
@@ -131,6 +139,8 @@ class Calibrator:
         self.calls = 0
         self.calibrated_calls = 0
         self.declined = 0
+        #: the ops warned about: a call class measured past what TAU_CAP covers (CalibrationCapWarning)
+        self.capped: set[str] = set()
 
     def begin_step(self, step: int) -> None:
         """Reseed the random-order profiles for ``step``: a resumed recording calibrates as an uninterrupted
@@ -239,6 +249,16 @@ class Calibrator:
                         self.class_worst[output_key(sized, k)] = outputs[i]
                         self.thresholds.per_class[output_key(sized, k)] = self._tau(kind, outputs[i])
         worst = self.worst[name] = max(self.worst.get(name, 0.0), class_worst)
+        if self.margin * class_worst > TAU_CAP and name not in self.capped:
+            self.capped.add(name)
+            warnings.warn(
+                f"calibration: aten.{name}'s results disagree between the emulated profiles by "
+                f"{class_worst:.3g} units, beyond what its log threshold can cover ({TAU_CAP:g} with margin "
+                f"{self.margin:g}): a replay on another machine may diverge at it (its call class: "
+                f"{sized[:200]})",
+                CalibrationCapWarning,
+                stacklevel=2,
+            )
         self.thresholds.per_op[name] = self._tau(kind, worst)
         self.class_worst[sized] = class_worst
         if class_worst > 0:
