@@ -727,6 +727,20 @@ void to_python(Step* step, const c10::OperatorHandle& op, c10::DispatchKeySet ke
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Python) | (keys & kBelowOurs), stack);
 }
 
+// A sum of x over the dims reduced[d] marks: x's dims kept, then those summed, into order (a permutation
+// that lays the terms of each sum out in a row); returns the terms each sum adds.
+int64_t sum_order(const at::Tensor& x, const std::vector<bool>& reduced, std::vector<int64_t>& order) {
+  int64_t terms = 1;
+  order.clear();
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (!reduced[static_cast<size_t>(d)]) order.push_back(d);
+  }
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    if (reduced[static_cast<size_t>(d)]) order.push_back(d), terms *= x.size(d);
+  }
+  return terms;
+}
+
 // scale.exact_sum_elements of an aten.sum.dim_IntList call (args: its positional arguments) whose output has
 // out_elements, with the kernel's pass (exact_sums): 1 where the mask is written (1: an element every order
 // computes exactly), 0 where the rule claims no element (no dims, terms off the FP32 grid), -1 where the
@@ -743,13 +757,7 @@ int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& ar
   std::vector<bool> reduced(static_cast<size_t>(rank), false);
   for (int64_t d : args[1].toIntList()) reduced[static_cast<size_t>(((d % rank) + rank) % rank)] = true;
   std::vector<int64_t> order;
-  int64_t terms = 1;
-  for (int64_t d = 0; d < rank; ++d) {
-    if (!reduced[static_cast<size_t>(d)]) order.push_back(d);
-  }
-  for (int64_t d = 0; d < rank; ++d) {
-    if (reduced[static_cast<size_t>(d)]) order.push_back(d), terms *= x.size(d);
-  }
+  const int64_t terms = sum_order(x, reduced, order);
   if (x.numel() == 0 || out_elements * terms != x.numel()) return 0;
   at::Tensor rows = x.permute(order).resolve_neg().contiguous();  // the terms of each sum in a row
   mask.resize(static_cast<size_t>(out_elements));
@@ -777,55 +785,38 @@ bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args,
     return false;
   }
   std::vector<int64_t> order;
-  int64_t terms = 1;
-  for (int64_t d = 0; d < rank; ++d) {
-    if (!reduced[static_cast<size_t>(d)]) order.push_back(d);
-  }
-  for (int64_t d = 0; d < rank; ++d) {
-    if (reduced[static_cast<size_t>(d)]) order.push_back(d), terms *= x.size(d);
-  }
+  const int64_t terms = sum_order(x, reduced, order);
   if (terms == 0 || out_elements * terms != x.numel()) return false;
-  unit.rows.resize(static_cast<size_t>(out_elements));
+  const int log2_terms = 63 - __builtin_clzll(static_cast<unsigned long long>(terms));
+  unit.cols.assign(1, std::ldexp(0x1p-23 * terms_factor(terms), mean ? -log2_terms : 0));
+  unit.rows.assign(static_cast<size_t>(out_elements), 0.0);
   const bool dense = x.is_contiguous() && !x.is_neg();
   // the summed dims are the last ones (false, ..., true, ...): each sum's terms are a row of the buffer
   const bool trailing = dense && std::is_sorted(reduced.begin(), reduced.end());
   bool channels = dense && rank >= 2 && !reduced[1];  // a batch norm's channel sums: every dim but 1
   for (int64_t d = 0; d < rank; ++d) channels = channels && (d == 1 || reduced[static_cast<size_t>(d)]);
+  const double* p = x.const_data_ptr<double>();
   if (trailing) {  // the kernel's pass over the rows in place
-    if (api->unit_factors(x.const_data_ptr<double>(), out_elements, terms, terms, 1, 1.0, unit.rows.data()) != 0)
-      throw std::bad_alloc();
-  } else if (channels) {  // (outer, channels, inner) in place: each channel's largest term finite in FP32
+    if (api->unit_factors(p, out_elements, terms, terms, 1, 1.0, unit.rows.data()) != 0) throw std::bad_alloc();
+    return true;
+  }
+  if (channels) {  // (outer, channels, inner) in place: the kernel's pass over each sample's channel rows
     const int64_t outer = x.size(0), count = x.size(1), inner = x.numel() / (outer * count);
-    const double* p = x.const_data_ptr<double>();
-    std::vector<double> largest(static_cast<size_t>(count), 0.0);
+    std::vector<double> sample(static_cast<size_t>(count));
     for (int64_t o = 0; o < outer; ++o) {
+      if (api->unit_factors(p + o * count * inner, count, inner, inner, 1, 1.0, sample.data()) != 0)
+        throw std::bad_alloc();
+      // a power of two (clamped) is monotone in its argument: the largest over samples is the whole sum's
       for (int64_t c = 0; c < count; ++c) {
-        const double* row = p + (o * count + c) * inner;
-        double m = largest[static_cast<size_t>(c)];
-        for (int64_t i = 0; i < inner; ++i) {
-          double r = std::fabs(row[i]);
-          r = r < 0x1.ffffffp+127 ? r : 0.0;  // an infinity or a NaN sets no unit (scale.finite_amax)
-          m = r > m ? r : m;
-        }
-        largest[static_cast<size_t>(c)] = m;
+        double& r = unit.rows[static_cast<size_t>(c)];
+        r = std::max(r, sample[static_cast<size_t>(c)]);
       }
     }
-    for (int64_t c = 0; c < count; ++c) {
-      const double power = power_of_two(largest[static_cast<size_t>(c)]);
-      unit.rows[static_cast<size_t>(c)] = power < 0x1p-149 ? 0x1p-149 : power;
-    }
-  }
-  if (trailing || channels) {
-    const int log2_terms = 63 - __builtin_clzll(static_cast<unsigned long long>(terms));
-    unit.cols.assign(1, std::ldexp(0x1p-23 * terms_factor(terms), mean ? -log2_terms : 0));
     return true;
   }
   // Elsewhere the largest |term| of each sum from two reductions, without a copy of the terms: max(amax,
   // -amin), as scale.finite_amax takes it where every term is finite in FP32 (its common case).
-  std::vector<int64_t> summed;
-  for (int64_t d = 0; d < rank; ++d) {
-    if (reduced[static_cast<size_t>(d)]) summed.push_back(d);
-  }
+  std::vector<int64_t> summed(order.end() - std::count(reduced.begin(), reduced.end(), true), order.end());
   const at::Tensor largest = at::maximum(at::amax(x, summed), at::neg(at::amin(x, summed))).contiguous();
   const double* m = largest.const_data_ptr<double>();
   bool finite = true;
@@ -839,8 +830,6 @@ bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args,
     if (api->unit_factors(rows.data_ptr<double>(), out_elements, terms, terms, 1, 1.0, unit.rows.data()) != 0)
       throw std::bad_alloc();
   }
-  const int log2_terms = 63 - __builtin_clzll(static_cast<unsigned long long>(terms));
-  unit.cols.assign(1, std::ldexp(0x1p-23 * terms_factor(terms), mean ? -log2_terms : 0));
   return true;
 }
 

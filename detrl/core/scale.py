@@ -198,7 +198,7 @@ def _terms_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
     n = math.prod(x.shape[d] for d in dims) if x.dim() else 1
     if n == 0 or x.numel() // n != out.numel():
         return None
-    largest = finite_amax(x, dims) if dims else x.abs().masked_fill(~(x.abs() < FP32_OVERFLOW), 0)
+    largest = finite_amax(x, dims)  # a 0-dim x: dims is [], which reduces nothing and keeps x
     row = _power_of_two(largest.reshape(-1)).clamp_(min=2.0**-149)
     factor = 2.0**-23 * terms_factor(n)
     if func in (_MEAN, _MEAN_DIMS):

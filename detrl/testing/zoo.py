@@ -131,17 +131,10 @@ class Encoder(nn.Module):
         return self.head(self.body(self.emb(tokens)))
 
 
-class MaskedEncoder(nn.Module):
-    """``nn.TransformerEncoder`` with the masks plain torch code writes: a causal mask of ``-inf`` above
-    the diagonal (``nn.Transformer.generate_square_subsequent_mask``) and a key padding mask (ids below 8 pad,
-    past the first position): attention scores infinite by design, in a matrix product's output."""
-
-    def __init__(self, width: int = 32, vocab: int = 64) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, width)
-        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
-        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(width, vocab)
+class MaskedEncoder(Encoder):
+    """:class:`Encoder` with the masks plain torch code writes: a causal mask of ``-inf`` above the diagonal
+    (``nn.Transformer.generate_square_subsequent_mask``) and a key padding mask (ids below 8 pad, past the
+    first position): attention scores infinite by design, in a matrix product's output."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
         x = self.emb(tokens)  # (B, T, width)
