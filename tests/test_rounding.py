@@ -806,3 +806,39 @@ def test_random_ops_of_tensor_arguments_draw_from_the_stream_and_replay(tmp_path
     for hardware in ("native", "emulated:pairwise"):
         replayed = run(Session(tmp_path / "run", mode="replay", hardware=hardware))
         assert torch.equal(replayed.model.weight, want) and replayed.totals.refused == 0, hardware
+
+
+def test_rrelu_and_the_other_seeded_fills_draw_from_the_stream_and_replay(tmp_path) -> None:
+    """``nn.RReLU`` in training (its noise written in place, read again by its backward), ``randint_like``,
+    ``torch.normal(mean, std, size)`` and the in-place ``cauchy_``, ``geometric_`` and ``log_normal_`` take
+    the step's stream (a verifiable step refused them): a run replays bit for bit, and another seed draws
+    other values."""
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+
+    def run(session: Session) -> Session:
+        with session:
+            model = session.init(lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.RReLU()))
+            opt = session.track(torch.optim.SGD(model.parameters(), lr=0.1))
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+            for _ in range(2):
+                with session.step(batch=(x,)):
+                    h = model(x)
+                    cols = torch.randint_like(h[:, 0], 8).long()
+                    noise = torch.normal(0.0, 0.1, h.shape, dtype=h.dtype)
+                    fills = torch.empty_like(h).cauchy_().clamp(-1, 1) + torch.empty_like(h).geometric_(0.5)
+                    fills = fills + torch.empty_like(h).log_normal_()
+                    loss = (h + noise).gather(1, cols[:, None]).sum() + (h * fills).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+        return session
+
+    want = run(Session(tmp_path / "run", mode="record", sources=Sources(), planned_steps=2)).model[0].weight
+    for hardware in ("native", "emulated:pairwise"):
+        replayed = run(Session(tmp_path / "run", mode="replay", hardware=hardware))
+        assert torch.equal(replayed.model[0].weight, want) and replayed.totals.refused == 0, hardware
+    # the same initial model, another dropout stream (the one a step's random ops draw from)
+    other_draws = Sources(streams={"dropout": {"seed": 12345}})
+    other = run(Session(tmp_path / "other", mode="record", sources=other_draws, planned_steps=2))
+    assert not torch.equal(other.model[0].weight, want)

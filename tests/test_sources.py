@@ -74,7 +74,8 @@ def test_random_ops_in_a_step_draw_from_the_stream_not_the_global_rng():
         g = torch.Generator().manual_seed(stream_seed)
         with StreamRandomMode(g):
             x = torch.nn.functional.dropout(torch.ones(64, dtype=torch.float64), 0.5)
-            return x, torch.rand(5), torch.randperm(7), torch.empty(4).bernoulli_(0.5), torch.randn(3)
+            rrelu = torch.nn.functional.rrelu(torch.linspace(-1, 1, 8, dtype=torch.float64), training=True)
+            return x, torch.rand(5), torch.randperm(7), torch.empty(4).bernoulli_(0.5), torch.randn(3), rrelu
 
     a, b, c = draw(1, 0), draw(1, 99), draw(2, 0)
     assert all(torch.equal(u, v) for u, v in zip(a, b))  # the global seed does not matter
@@ -83,4 +84,4 @@ def test_random_ops_in_a_step_draw_from_the_stream_not_the_global_rng():
 
 def test_random_op_without_a_handler_is_refused():
     with StreamRandomMode(torch.Generator()), pytest.raises(RuntimeError, match="no switchboard stream"):
-        torch.nn.functional.rrelu(torch.ones(3), training=True)  # rrelu_with_noise: no handler
+        torch.rand(3, out=torch.empty(3))  # aten.rand.out: no handler

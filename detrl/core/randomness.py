@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from detrl.core.dispatch import EagerDispatchMode, registrar
 
@@ -36,6 +37,7 @@ def _native_dropout(g: torch.Generator, func: Any, args: tuple, kwargs: dict) ->
 
 @_handles(aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.uniform_.default, aten.normal_.default)
 @_handles(aten.exponential_.default, aten.random_.default, getattr(aten.random_, "from"), aten.random_.to)
+@_handles(aten.cauchy_.default, aten.geometric_.default, aten.log_normal_.default)
 def _inplace(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     # Fill a CPU twin from the stream, then copy into the (possibly device) tensor.
     target = args[0]
@@ -64,6 +66,24 @@ def _factory(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     return out.to(kwargs.get("device") or "cpu")
 
 
+@_handles(aten.normal.float_float)
+def _normal_of_floats(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.normal(mean, std, size)``: drawn on the CPU, then moved to the requested device."""
+    dtype = kwargs.get("dtype")
+    out = torch.normal(*args, generator=g, **({"dtype": dtype} if dtype is not None else {}))
+    return out.to(kwargs.get("device") or "cpu")
+
+
+@_handles(aten.randint_like.default, aten.randint_like.low_dtype, aten.randint_like.Tensor)
+def _randint_like(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.randint_like(x, [low,] high)``: integers drawn on the CPU in ``x``'s shape (``high`` may be
+    a 0-d tensor), in ``x``'s dtype and device unless the call names others."""
+    x, bounds = args[0], [int(b) for b in args[1:]]
+    low, high = (0, bounds[0]) if len(bounds) == 1 else bounds
+    dtype = kwargs.get("dtype") or x.dtype
+    return torch.randint(low, high, x.shape, generator=g, dtype=dtype).to(kwargs.get("device") or x.device)
+
+
 @_handles(aten.rand_like.default, aten.randn_like.default)
 def _like(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     x = args[0]
@@ -82,6 +102,26 @@ def _of_tensors(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     cpu = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
     return func(*cpu, **{**kwargs, "generator": g}).to(device)
+
+
+@_handles(aten.uniform.default, aten.exponential.default, aten.cauchy.default)
+@_handles(aten.geometric.default, aten.log_normal.default)
+@_handles(
+    aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default, aten.rrelu_with_noise_functional.default
+)
+def _on_cpu(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Any random op with a ``generator`` argument: run on CPU copies of its tensor arguments with the
+    stream's generator. The arguments it writes (``rrelu_with_noise``'s noise, an in-place op's self) get
+    the CPU results back, and its new results move to its tensors' device."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    cpu = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+    out = func(*cpu, **{**kwargs, "generator": g})
+    for arg, twin, spec in zip(args, cpu, func._schema.arguments):
+        if twin is not arg and spec.alias_info is not None and spec.alias_info.is_write:
+            arg.copy_(twin)
+    if func._schema.returns and func._schema.returns[0].alias_info is not None:
+        return args[0]  # an in-place op returns its (written) self
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
 
 
 Handler = Callable[[torch.Generator, Any, tuple, dict], Any]
