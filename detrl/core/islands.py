@@ -9,12 +9,13 @@ Every float32 value is exact in FP64, so an op on float32 tensors is computed on
 the hardware profile, rounded with the log like any FP64 op, and its result cast back to float32: exact,
 since the rounded result lies on the FP32 grid. An in-place op writes its twin, which is then copied back.
 
-float16 and bfloat16 values are exact in FP64 as well, but the log rounds to the FP32 grid, not theirs. So
-only the ops whose FP64 result is the same on every machine (EXACT: add, mul, div, casts, fills; and KEEP
-ops, which only move values) are taken; their FP32-rounded result cast to the half type is an IEEE
-conversion, the same everywhere. Any other op on a half type is refused in one line naming the op, its
-dtype and the module (:class:`UnroundableOp`), before it computes anything. (``torch.autocast`` casts only
-float32 tensors, so in verifiable precision, where every tensor is FP64, it changes nothing.)
+float16 and bfloat16 values are exact in FP64 as well, and take the same road: the op is computed on FP64
+twins and rounded to the FP32 grid with the log, so every machine holds the same FP32 value; its cast to
+the half type is then a correctly rounded IEEE conversion of that agreed value, the same everywhere. (Two
+roundings, FP64 to FP32 to half, can differ from one rounding FP64 to half where the FP32 value lands on a
+half-type midpoint: a rule of verifiable precision, the same on every machine, not a machine difference.)
+``torch.autocast`` casts only float32 tensors, so in verifiable precision, where every tensor is FP64, it
+changes nothing.
 
 Casts need no island and no log entry: FP32 -> FP64 is exact, FP64 -> FP32 and FP64 -> half are correctly
 rounded IEEE conversions of values already on the FP32 grid (the first exact), the same on every machine.
@@ -27,23 +28,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-HALVES = (torch.float16, torch.bfloat16)
 #: The float types narrower than FP64 whose ops an island computes on FP64 twins.
 NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
-
-
-class UnroundableOp(ValueError):
-    """A float op in a verifiable step whose result cannot be rounded to bits every machine agrees on."""
-
-    def __init__(self, func: Any, dtype: torch.dtype, module: str) -> None:
-        where = f" in {module}" if module else ""
-        name = str(dtype).removeprefix("torch.")
-        super().__init__(
-            f"verifiable precision cannot round aten.{func.overloadpacket.__name__}{where} in {name}: its "
-            f"result would differ between machines; compute it in float32 or float64 (drop the "
-            f".to(torch.{name}) or .half() that makes this tensor)"
-        )
-        self.op, self.dtype, self.module = func, dtype, module
 
 
 class UnroundableResult(ValueError):

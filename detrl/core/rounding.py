@@ -533,15 +533,10 @@ class RoundingMode(EagerDispatchMode):
             self.trace.add(op_name(func), module, outputs)
 
     def _island(self, func, types, args, kwargs, plan, narrow):  # noqa: ANN001, ANN202
-        """An op on float32 (or half) tensors: computed in FP64 under the profile and rounded, with the log,
-        exactly as its FP64 twin would be, then cast back to the op's own output dtype (exact: the result is
-        on the FP32 grid). Half types take only ops whose FP64 result is the same on every machine (EXACT:
-        add, mul, fills, ...) and refuse the rest (see :class:`islands.UnroundableOp`)."""
-        if narrow in islands.HALVES:
-            kind = classify(func, kwargs)
-            if kind not in (OpKind.KEEP, OpKind.EXACT) and not (plan.splits and split_needed(func, kwargs)):
-                module = self.module_path() if self.module_path is not None else ""
-                raise islands.UnroundableOp(func, narrow, module)
+        """An op on float32 or half tensors: computed in FP64 under the profile and rounded, with the log,
+        exactly as its FP64 twin would be, then cast back to the op's own output dtype: exact for float32
+        (the result is on the FP32 grid), a correctly rounded IEEE conversion of that agreed FP32 value for
+        a half type (the same on every machine; see detrl/core/islands.py)."""
         wide_args, wide_kwargs, twins = islands.widen(args, kwargs)
         out = self.__torch_dispatch__(func, types, wide_args, wide_kwargs)
         written = written_tensors(func, args, kwargs, None)  # in-place and out= arguments, hidden writes
