@@ -226,3 +226,28 @@ def test_reading_a_narrow_scalar_needs_no_island(dtype: torch.dtype, monkeypatch
     with mode.step_scope(StepRounding()):
         values = t[1].item(), float(t[0])
     assert values == (3.0, 1.5) and islands_entered == []
+
+
+class InPlaceViews(nn.Module):
+    """Reshapes a float32 (or half) mask in place, as Hugging Face's BigBird does with ``unsqueeze_``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fc, self.dtype = nn.Linear(16, 5), dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (torch.arange(16, dtype=self.dtype) % 3 != 0).to(self.dtype).expand(x.shape[0], 16).clone()
+        mask.unsqueeze_(1).transpose_(0, 1).squeeze_(0).t_()  # (N, 16) -> (N, 1, 16) -> (1, N, 16) -> (16, N)
+        mask.t_().as_strided_((x.shape[0], 16), (16, 1))  # (N, 16) again
+        return self.fc(x * mask).log_softmax(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_view_ops_on_narrow_tensors_keep_their_new_shape(tmp_path, dtype):
+    """``unsqueeze_``, ``transpose_``, ``t_``, ``squeeze_`` and ``as_strided_`` change only a tensor's shape and
+    strides: no island (an FP64 twin would take the new shape and leave the original's as it was, and the
+    next op failed on the shapes)."""
+    s = zoo.Specimen("in_place_views", lambda: InPlaceViews(dtype), zoo.features, zoo.nll)
+    want = weights(zoo.record(s, tmp_path / "run", steps=2))
+    rep = zoo.replay(s, tmp_path / "run", "emulated:pairwise", steps=2)
+    assert all(torch.equal(v, want[k]) for k, v in weights(rep).items())

@@ -467,7 +467,7 @@ class RoundingMode(EagerDispatchMode):
         kwargs = kwargs or {}
         self._last.learned = None
         plan = _PLANS.get(id(func)) or _plan(func)
-        if not (plan.keep or plan.widening or plan.as_given) and (
+        if not (plan.keep or plan.widening or plan.as_given or plan.in_place_view) and (
             narrow := islands.narrow_dtype(args, kwargs)
         ):
             return self._island(func, types, args, kwargs, plan, narrow)
@@ -800,6 +800,9 @@ class _Plan:
     widening: bool  # a cast: to FP64 from a narrower float type, its output is on the FP32 grid already
     square: bool  # pow by a number: its kind depends on the exponent (oprules.squares decides per call)
     as_given: bool  # takes float32 arguments by design (oprules.AS_GIVEN): no island
+    #: changes only its argument's shape or strides (``unsqueeze_``, ``t_``: torch's ``inplace_view`` tag), so
+    #: no island: a twin would take the new shape and leave the original's as it was
+    in_place_view: bool
     unwritten: Callable[[Any, Any], None] | None  # sets what its kernel leaves unwritten (oprules.UNWRITTEN)
 
 
@@ -826,6 +829,7 @@ def _plan(func: Any) -> _Plan:
         widening=func in CASTS,
         square=func in SQUARES,
         as_given=func.overloadpacket in AS_GIVEN,
+        in_place_view=torch.Tag.inplace_view in func.tags,
         unwritten=UNWRITTEN.get(func),
     )
     _PLANS[id(func)] = plan
