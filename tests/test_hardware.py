@@ -405,7 +405,7 @@ def test_row_ops_are_reordered_but_equal_native(name: str, case: str):
         out = _outputs(profile(func, args, kwargs))
         assert len(out) == len(ref)
         for o, r in zip(out, ref, strict=True):
-            assert o.shape == r.shape and o.dtype == r.dtype, case
+            assert o.shape == r.shape and o.dtype == r.dtype and o.stride() == r.stride(), case
             scale = r.abs().max().item()
             assert (o - r).abs().max().item() <= 16 * EPS64 * scale, case
         differs |= any(not torch.equal(o, r) for o, r in zip(out, ref, strict=True))
@@ -413,6 +413,31 @@ def test_row_ops_are_reordered_but_equal_native(name: str, case: str):
             again = _outputs(get_profile(name)(func, args, kwargs))
             assert all(torch.equal(a, o) for a, o in zip(again, out, strict=True)), case
     assert differs, f"{case}: native bits on {name}"
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_results_keep_the_native_layout_of_a_channels_last_input(name: str):
+    """A softmax over a channels-last tensor's channels is emulated through ``movedim``; its results take
+    the strides the native kernel gives, so a later kernel that needs a contiguous argument (cross-entropy's
+    ``nll_loss2d_backward``, as a segmentation head's loss calls it) runs under every profile."""
+
+    def run(mode: HardwareMode | None) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 3, 8, 8, dtype=torch.float64, generator=g).contiguous(
+            memory_format=torch.channels_last
+        )
+        x.requires_grad_()
+        target = torch.randint(0, 3, (4, 8, 8), generator=g)
+        with mode if mode is not None else torch.enable_grad():
+            soft, log_soft = torch.softmax(x, 1), torch.log_softmax(x, 1)
+            loss = F.cross_entropy(x, target)
+            loss.backward()
+        return [soft, log_soft, loss, x.grad]
+
+    ref, out = run(None), run(HardwareMode(get_profile(name, seed=0)))
+    for o, r in zip(out, ref, strict=True):
+        assert o.stride() == r.stride()
+        assert torch.allclose(o, r, rtol=1e-12, atol=1e-14)
 
 
 def test_atomic_row_ops_are_fresh_every_call():

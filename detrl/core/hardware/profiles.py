@@ -28,6 +28,91 @@ elements of a row reduced inside a normalisation, softmax, loss or norm kernel (
 a few elements of the row and combine the threads' partials by warp shuffles: short chunks)."""
 
 
+#: (op, its arguments' shapes, strides and dtypes, its other arguments) -> the strides of its fresh results
+#: as the native kernel lays them out (from its meta kernel), or None where that cannot be told.
+_LAYOUTS: dict[tuple, tuple[tuple[int, ...] | None, ...] | None] = {}
+_MAX_LAYOUTS = 4096
+
+
+def _signature(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        return (tuple(a.shape), a.stride(), a.dtype, a.device.type)
+    if isinstance(a, (list, tuple)):
+        return tuple(_signature(x) for x in a)
+    return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else type(a).__name__
+
+
+def _meta(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_meta(x) for x in a)
+    return a
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether ``stride`` lays ``shape`` out with no gap and no overlap (a permutation of contiguous)."""
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _native_strides(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple[int, ...] | None, ...] | None:
+    """The strides the native kernel gives each of ``func``'s results on these arguments (None: a result
+    that aliases an argument, or is not a tensor), from its meta kernel; None where it has none."""
+    try:
+        out = func(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+    except Exception:  # noqa: BLE001 - no meta kernel (or one that refuses these arguments): leave results as given
+        return None
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    returns = func._schema.returns
+    return tuple(
+        t.stride()
+        if isinstance(t, Tensor)
+        and (i >= len(returns) or returns[i].alias_info is None)
+        and _dense(tuple(t.shape), t.stride())
+        else None
+        for i, t in enumerate(outs)
+    )
+
+
+def native_layout(func: OpOverload, args: tuple, kwargs: dict, out: Any) -> Any:
+    """``out`` (an emulation's results of ``func(*args, **kwargs)``) with each fresh result laid out as the
+    native kernel lays it out: the same values, the same strides. An emulation that builds its result by
+    ``movedim`` (a softmax over a channels-last tensor's channels) gives other strides than the native
+    kernel, and a later kernel that needs a contiguous argument (``nll_loss2d_backward``) failed on them
+    under the profile alone."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if all(t.is_contiguous() for t in outs if isinstance(t, Tensor)) and all(
+        a.is_contiguous() for a in args if isinstance(a, Tensor)
+    ):
+        return out  # contiguous in, contiguous out: what the native kernels give (no meta call to ask)
+    key = (id(func), _signature(args), _signature(tuple(sorted(kwargs.items()))) if kwargs else ())
+    try:
+        strides = _LAYOUTS[key]
+    except KeyError:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:  # shapes that keep changing: bound the cache
+            _LAYOUTS.clear()
+        strides = _LAYOUTS[key] = _native_strides(func, args, kwargs)
+    except TypeError:  # an unhashable argument
+        return out
+    if strides is None:
+        return out
+    single = not isinstance(out, (tuple, list))
+    outs = [out] if single else list(out)
+    changed = False
+    for i, (t, want) in enumerate(zip(outs, strides)):
+        if want is not None and isinstance(t, Tensor) and t.dim() == len(want) and t.stride() != want:
+            outs[i] = torch.empty_strided(t.shape, want, dtype=t.dtype, device=t.device).copy_(t)
+            changed = True
+    if not changed:
+        return out
+    return outs[0] if single else type(out)(outs)
+
+
 class Profile:
     """A hardware profile; the base class is the native one (every op runs unchanged)."""
 
@@ -108,7 +193,7 @@ class EmulatedProfile(Profile):
         handler = _HANDLERS.get(func)
         if handler is None:
             return func(*args, **kwargs)
-        return handler(self, func, args, kwargs)
+        return native_layout(func, args, kwargs, handler(self, func, args, kwargs))
 
     def reorders(self, func: OpOverload, args: tuple | None = None, kwargs: dict | None = None) -> bool:
         """Whether ``func`` has an emulation here: every emulated profile shares the registry (an op without
