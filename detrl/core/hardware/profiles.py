@@ -81,10 +81,9 @@ def _native_strides(func: OpOverload, args: tuple, kwargs: dict) -> tuple[tuple[
 
 def native_layout(func: OpOverload, args: tuple, kwargs: dict, out: Any) -> Any:
     """``out`` (an emulation's results of ``func(*args, **kwargs)``) with each fresh result laid out as the
-    native kernel lays it out: the same values, the same strides. An emulation that builds its result by
-    ``movedim`` (a softmax over a channels-last tensor's channels) gives other strides than the native
-    kernel, and a later kernel that needs a contiguous argument (``nll_loss2d_backward``) failed on them
-    under the profile alone."""
+    native kernel lays it out, as its meta kernel tells: the same values, the same strides. For the ops
+    whose meta kernels lay results out as their CPU kernels do (:func:`laid_out_natively`), not for all: a
+    depthwise convolution's FP64 CPU kernel keeps a channels-last input's layout, its meta kernel does not."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
     if all(t.is_contiguous() for t in outs if isinstance(t, Tensor)) and all(
         a.is_contiguous() for a in args if isinstance(a, Tensor)
@@ -111,6 +110,19 @@ def native_layout(func: OpOverload, args: tuple, kwargs: dict, out: Any) -> Any:
     if not changed:
         return out
     return outs[0] if single else type(out)(outs)
+
+
+def laid_out_natively(handler: Handler) -> Handler:
+    """An emulation whose results take the native kernel's strides (:func:`native_layout`). A softmax over
+    a channels-last tensor's channels, written as elementwise ops on it, keeps its channels-last strides
+    where the native kernel returns a contiguous result, and a later kernel that needs a contiguous
+    argument (cross-entropy's ``nll_loss2d_backward``, as a segmentation head's loss calls it) failed under
+    the profile alone."""
+
+    def laid_out(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+        return native_layout(func, args, kwargs, handler(p, func, args, kwargs))
+
+    return laid_out
 
 
 class Profile:
@@ -193,7 +205,7 @@ class EmulatedProfile(Profile):
         handler = _HANDLERS.get(func)
         if handler is None:
             return func(*args, **kwargs)
-        return native_layout(func, args, kwargs, handler(self, func, args, kwargs))
+        return handler(self, func, args, kwargs)
 
     def reorders(self, func: OpOverload, args: tuple | None = None, kwargs: dict | None = None) -> bool:
         """Whether ``func`` has an emulation here: every emulated profile shares the registry (an op without

@@ -14,7 +14,7 @@ from torch._ops import OpOverload
 from detrl.core import decompose
 from detrl.core.dispatch import bound_arguments
 from detrl.core.hardware.machinery import _combine, _exp, _log, _pow, _rsqrt, _sum
-from detrl.core.hardware.profiles import EmulatedProfile, Plan, _register, aten
+from detrl.core.hardware.profiles import EmulatedProfile, Plan, _register, aten, laid_out_natively
 
 # Each is recomputed from its textbook formula, with every reduction in the profile's "row" order and its
 # transcendental functions from the profile's libm: mathematically the native kernel, other last bits.
@@ -44,6 +44,7 @@ def _reduce(p: EmulatedProfile, t: Tensor, dims: list[int], keepdim: bool = True
     aten._softmax.default,
     aten._softmax_backward_data.default,
 )
+@laid_out_natively
 def _row_decomposed(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Any:
     """Layer norm, group norm and softmax, forward and backward, from their formulas in
     :mod:`detrl.core.decompose` (two-pass statistics where native kernels use Welford's update, which
@@ -61,6 +62,7 @@ def _row_decomposed(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: d
 
 
 @_register(aten._log_softmax.default)
+@laid_out_natively
 def _log_softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``(x - max) - log(sum(exp(x - max)))`` along ``dim``."""
     x, dim, half_to_float = bound_arguments(func, args, kwargs)
@@ -71,6 +73,7 @@ def _log_softmax(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict
 
 
 @_register(aten._log_softmax_backward_data.default)
+@laid_out_natively
 def _log_softmax_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
     """``g - exp(y) * sum(g)`` along ``dim``, for ``y = log_softmax(x)``."""
     g, y, dim, input_dtype = bound_arguments(func, args, kwargs)
