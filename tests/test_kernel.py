@@ -232,7 +232,7 @@ def test_matrix_scale_row_maxima_match_torch_on_strided_and_special_inputs() -> 
 def test_convolution_input_gradient_scale_per_sample_and_channel() -> None:
     """A convolution's input gradient is measured per (sample, channel): a quiet sample's elements get its
     own small unit (the channel scale would give them the loud sample's), kernel and reference agree; its
-    weight gradient keeps the channel scale."""
+    weight gradient keeps the channel scale (rules revision 5: from 6, :func:`test_convolution_gradients_in_their_terms_units`)."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 4, 6, 6, dtype=torch.float64, generator=g).float().double()
     w = torch.randn(5, 4, 3, 3, dtype=torch.float64, generator=g).float().double()
@@ -241,13 +241,49 @@ def test_convolution_input_gradient_scale_per_sample_and_channel() -> None:
     conv_backward = torch.ops.aten.convolution_backward.default
     args = (grad_out, x, w, [5], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True])
     grad_in, grad_w, _ = conv_backward(*args)
-    scale = reduction_scale(conv_backward, args, grad_in)
+    scale = reduction_scale(conv_backward, args, grad_in, 5)
     assert scale is not None and scale.row is not None and (scale.outer, scale.inner) == (12, 36)
-    assert reduction_scale(conv_backward, args, grad_w) is None
+    assert reduction_scale(conv_backward, args, grad_w, 5) is None
     quiet = near_midpoint(grad_in, 2.0**-20, scale)[1]
     assert near_midpoint(grad_in, 2.0**-20, True)[1].all() and not quiet.any()
     for tau in (2.0**-20, 2.0**-8):
         _assert_same(grad_in, tau, scale)
+
+
+@pytest.mark.parametrize("groups, transposed", [(1, False), (2, False), (1, True), (2, True)])
+def test_convolution_gradients_in_their_terms_units(groups: int, transposed: bool) -> None:
+    """Rules revision 6: each gradient of a convolution is measured at the larger of its own scale
+    (revision 5's unit) and its terms' unit (the largest magnitudes of the two factors of its terms, times
+    terms_factor of their count). A weight gradient that cancels (an input channel the same in every sample
+    and a gradient that sums to zero over the batch, as a batch norm's backward leaves it) gets its terms'
+    unit, far above its own scale. Kernel and reference round and log alike in these units."""
+    g = torch.Generator().manual_seed(7)
+    c_in, c_out, size = 4, 6, (7 if transposed else 3)
+    x = torch.randn(8, c_in, 5, 5, dtype=torch.float64, generator=g).float().double()
+    x[:, 0] = 0.75  # the same in every sample
+    w_shape = (c_in, c_out // groups, 3, 3) if transposed else (c_out, c_in // groups, 3, 3)
+    w = torch.randn(*w_shape, dtype=torch.float64, generator=g).float().double()
+    grad_out = torch.randn(8, c_out, size, size, dtype=torch.float64, generator=g)
+    grad_out = (grad_out - grad_out.mean(0, keepdim=True)).float().double()  # sums to ~0 over the batch
+    conv_backward = torch.ops.aten.convolution_backward.default
+    args = (grad_out, x, w, [c_out], [1, 1], [0, 0], [1, 1], transposed, [0, 0], groups, [True, True, True])
+    grad_in, grad_w, grad_b = conv_backward(*args)
+    old_in = reduction_scale(conv_backward, args, grad_in, 5)
+    assert old_in is not None
+    owns = [old_in.dense().expand(old_in.outer, 1, old_in.inner), scale_module.scale_spacing(grad_w)]
+    owns.append(scale_module.scale_spacing(grad_b))
+    for out, own in zip((grad_in, grad_w, grad_b), owns, strict=True):
+        scale = reduction_scale(conv_backward, args, out, 6)
+        assert scale is not None and scale.outer * scale.channels * scale.inner == out.numel()
+        unit = scale.dense().expand(scale.outer, scale.channels, scale.inner).reshape(out.shape)
+        assert (unit >= own.reshape(out.shape) if own.numel() == out.numel() else unit >= own).all()
+        for tau in (2.0**-20, 2.0**-8):
+            _assert_same(out, tau, scale)
+    if not transposed:  # input channel 0 (the first group's weight[:, 0]) sums grad_out * 0.75: it cancels
+        scale_w = reduction_scale(conv_backward, args, grad_w, 6)
+        unit_w = scale_w.dense().expand(scale_w.outer, 1, scale_w.inner).reshape(grad_w.shape)
+        first_group = unit_w[: c_out // groups, 0]
+        assert (first_group > 16 * scale_module.scale_spacing(grad_w[: c_out // groups])[:, 0]).all()
 
 
 @needs_kernel

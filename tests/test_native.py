@@ -84,7 +84,9 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.sum.dim_IntList, splitk) is Route.PYTHON
     # a unit from the inputs, a hidden write, random, decomposed
     assert route(aten.mm.default) is Route.LOGGED_MM  # its unit from its inputs
-    assert route(aten.convolution_backward.default) is Route.LOGGED_CONV  # its input gradient's from itself
+    # from rules revision 6, each gradient at the larger of its own scale and its terms' unit
+    assert route(aten.convolution_backward.default) is Route.LOGGED_CONV_TERMS
+    assert route(aten.convolution_backward.default, rules_revision=5) is Route.LOGGED_CONV  # its own scale
     assert route(aten.convolution_backward.default, pairwise) is Route.PYTHON
     for func in (
         aten._native_batch_norm_legit.default,
@@ -473,19 +475,20 @@ def test_pow_is_exact_for_exponent_two_alone_on_the_route(exponent: object) -> N
 
 @pytest.mark.parametrize("on", [True, False])
 def test_a_call_is_logged_at_its_class_threshold(on: bool) -> None:
-    """Two classes of ``mm`` (``a @ b`` and ``a @ c.T``, the product and its transposed operand): where the
-    thresholds give the second class its own, smaller threshold, its calls log as under an op threshold
-    that small, and the first class's as under the op's; the native route, which learns a call's threshold
-    from the mode once per call key, logs the same entries as the mode (``on``: the route, else the mode)."""
+    """Two classes of ``mm`` (``a @ b`` and ``a @ c``, of other sizes): where the thresholds give the second
+    class its own, smaller threshold, its calls log as under an op threshold that small, and the first
+    class's as under the op's; the native route, which learns a call's threshold from the mode once per
+    call key, logs the same entries as the mode (``on``: the route, else the mode). The class names no
+    layout (rules revision 6): ``c`` read through a transpose is the same class."""
     from detrl.core.oprules import call_class
     from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
 
     torch.manual_seed(0)
     a = torch.randn(64, 96, dtype=torch.float64).float().double()
     b = torch.randn(96, 80, dtype=torch.float64).float().double()
-    c = b.t().contiguous()
-    transposed = call_class("mm", (a, c.t()), {})
-    assert transposed != call_class("mm", (a, b), {})
+    c = torch.randn(40, 96, dtype=torch.float64).float().double().t()  # (96, 40), column-major
+    narrow = call_class("mm", (a, c), {})
+    assert narrow != call_class("mm", (a, b), {}) and narrow == call_class("mm", (a, c.contiguous()), {})
     big, small = 2.0**-6, 2.0**-12
 
     def logged(thresholds: Thresholds) -> list[int]:
@@ -494,14 +497,14 @@ def test_a_call_is_logged_at_its_class_threshold(on: bool) -> None:
         with native.switched(on), mode.step_scope(step):
             for _ in range(2):  # the second call of each key: learned, where the route is on
                 torch.mm(a, b)
-                torch.mm(a, c.t())
+                torch.mm(a, c)
         assert len(step.op_names) == 4
         per_op = [0] * 4
         for e in step.recorded:
             per_op[e.op] += len(e.indices) + len(e.pinned_indices) + len(e.short_indices)
         return per_op
 
-    classed = logged(Thresholds(per_op={"mm": big}, per_class={transposed: small}))
+    classed = logged(Thresholds(per_op={"mm": big}, per_class={narrow: small}))
     all_big = logged(Thresholds(per_op={"mm": big}))
     all_small = logged(Thresholds(per_op={"mm": small}))
     assert all_big[1] > 4 * all_small[1] > 0  # the thresholds matter here

@@ -332,7 +332,8 @@ def test_verifiable_sessions_pin_optimizers_to_one_op_sequence_on_every_device(t
 
 def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
     """Rules revision 2 takes ``pow(x, 2)`` as exact (``x * x``): a GPT-2 (tanh GELU: squares in its
-    backward) records the same weights under revisions 1, 4 and the latest (5: sums in their terms' units),
+    backward) records the same weights under revisions 1, 4 and the latest (6: convolution gradients in
+    their terms' units, call classes without layouts),
     a smaller log under 4 than under 1 (its squares' ties are not logged), and each bundle replays on its
     own rules on two profiles with nothing unlogged or refused. A bundle of a revision this detrl does not
     know is bad input, in one line."""
@@ -354,22 +355,48 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 5]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 6]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
         for hardware in ("native", get_profile("emulated:splitk", seed=0)):
             replayed = zoo.replay(specimen, bundle, hardware, steps=3)  # raises Divergence if it differs
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
-    manifests[2]["rules_revision"] = 6
+    manifests[2]["rules_revision"] = 7
     (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[2]))
     with pytest.raises(engine.BundleError) as raised:
         zoo.replay(specimen, new, "native", steps=3)
     message = str(raised.value)
     assert (
-        "recorded by a newer detrl (rounding-rule revision 6; this one applies revisions 1 to 5)" in message
+        "recorded by a newer detrl (rounding-rule revision 7; this one applies revisions 1 to 6)" in message
     )
     assert "\n" not in message
+
+
+def test_a_convolution_gradient_that_cancels_is_covered_from_rules_revision_6(tmp_path, monkeypatch):
+    """The zoo's conditioned projection (a 1x1 convolution over features and a learned constant map, into a
+    training-mode batch norm): the projection's weight gradient on the constant channels cancels to
+    rounding noise. Under revision 5 it was measured at its own scale: calibration capped its threshold
+    (a warning), the log held over a hundred times the entries, and a replay still met elements near a
+    midpoint that no entry covered. Under 6 (its terms' units) the log is small, it matters (the replay
+    corrects elements), and nothing is left uncovered."""
+    from detrl.core import engine
+    from detrl.core.calibrate import CalibrationCapWarning
+    from detrl.testing import zoo
+
+    specimen = zoo.SPECIMENS["conditioned_projection"]
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 5)
+        with pytest.warns(CalibrationCapWarning, match="convolution_backward"):
+            old = zoo.record(specimen, tmp_path / "rules5", steps=2)
+    new = zoo.record(specimen, tmp_path / "rules6", steps=2)
+    assert 0 < 100 * new.totals.logged < old.totals.logged
+    hardware = get_profile("emulated:reversed")
+    replayed_old = zoo.replay(specimen, tmp_path / "rules5", hardware, steps=2)
+    assert replayed_old.totals.unlogged_near > 0
+    replayed = zoo.replay(specimen, tmp_path / "rules6", hardware, steps=2)
+    assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
+    assert replayed.totals.corrected > 0
 
 
 def test_sums_exact_in_every_order_are_found():

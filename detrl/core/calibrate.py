@@ -195,7 +195,7 @@ class Calibrator:
             return
         name = op_name(func)
         self.calls += 1
-        sized = call_class(name, before, kwargs)
+        sized = call_class(name, before, kwargs, self.rules_revision)
         if self.max_per_class is not None:
             key = shape_class(name, before, kwargs)
             seen = self.classes.get(key, 0)

@@ -85,6 +85,9 @@ class Route(enum.IntEnum):
     # a sum or a mean from rules revision 5 (scale.TERMS_SCALED): its unit from its terms
     # (scale.reduction_scale), ``sum.dim_IntList`` as LOGGED_SUM besides; with the C kernel (else the mode)
     LOGGED_TERMS = 22
+    # ``convolution_backward`` from rules revision 6: each gradient at the larger of its own scale and its
+    # terms' unit (scale.reduction_scale); with the C kernel (else the mode)
+    LOGGED_CONV_TERMS = 23
 
 
 _SPLITS = {"add": Route.SPLIT_ADD, "sub": Route.SPLIT_SUB, "addcmul": Route.SPLIT_ADDCMUL}
@@ -137,7 +140,7 @@ def route(
         if func is MM:
             return Route.LOGGED_MM
         if func is CONV_BACKWARD and func not in HIDDEN_WRITES:
-            return Route.LOGGED_CONV
+            return Route.LOGGED_CONV if rules_revision < 6 else Route.LOGGED_CONV_TERMS
         if rules_revision >= 5 and func in TERMS_SCALED:  # in its terms' units
             return Route.LOGGED_TERMS
         if func in SCALED_BY_INPUTS or func in HIDDEN_WRITES:

@@ -75,6 +75,9 @@ enum Route : int {
   // (scale._terms_scale) as an (elements, 1) product's, a row factor per element and one column factor;
   // aten.sum.dim_IntList as LOGGED_SUM besides; with the kernel only
   LOGGED_TERMS = 22,
+  // convolution_backward from rules revision 6: each gradient at the larger of its own scale and its terms'
+  // unit (scale._conv_terms_scale), as row factors over (outer, 1, inner); with the kernel only
+  LOGGED_CONV_TERMS = 23,
   // (internal) a unit of row factors over (outer, 1, inner) with column factor 1: an input gradient's
   LOGGED_ROWS = 100,
 };
@@ -858,6 +861,111 @@ void input_gradient_rows(const DetrlKernelApi* api, const at::Tensor& dense, std
   for (double& r : rows) r = r >= 0x1p-126 ? r * 0x1p-23 : 0x1p-149;
 }
 
+// scale._channel_spacing: each channel's (dim 1) FP32 spacing at its largest finite magnitude, the kernel's
+// channel thresholds at tau 1 (a contiguous FP64 CPU tensor of rank >= 2).
+std::vector<double> channel_spacing(const DetrlKernelApi* api, const at::Tensor& t) {
+  const int64_t outer = t.size(0), channels = t.size(1);
+  std::vector<double> out(static_cast<size_t>(channels), 0x1p-149);
+  if (t.numel() != 0 &&
+      api->channel_thresholds(t.const_data_ptr<double>(), outer, channels, t.numel() / (outer * channels), 1.0,
+                              out.data()) != 0)
+    throw std::bad_alloc();
+  return out;
+}
+
+// unit_factors of each row of a contiguous FP64 CPU tensor viewed as (rows, the rest), times `times`.
+std::vector<double> row_factors(const DetrlKernelApi* api, const at::Tensor& t, int64_t rows, double times) {
+  std::vector<double> out(static_cast<size_t>(rows));
+  const int64_t cols = t.numel() / rows;
+  if (api->unit_factors(t.const_data_ptr<double>(), rows, cols, cols, 1, times, out.data()) != 0)
+    throw std::bad_alloc();
+  return out;
+}
+
+// scale._conv_terms_scale's row factors of one gradient `out` (dense) of a convolution_backward call (args:
+// its positional arguments), with the kernel: false where the mode computes them (arguments that are not
+// contiguous FP64 CPU tensors, shapes that do not tell the gradients apart). The same products of powers of
+// two in the same order, so the same bits.
+bool conv_terms_rows(const DetrlKernelApi* api, const std::vector<c10::IValue>& args, const at::Tensor& out,
+                     std::vector<double>& rows) {
+  if (args.size() < 10 || !args[7].isBool() || !args[9].isInt()) return false;
+  for (size_t i = 0; i < 3; ++i) {
+    if (!args[i].isTensor()) return false;
+    const at::Tensor& t = args[i].toTensor();
+    if (!t.defined() || t.scalar_type() != c10::ScalarType::Double || !plain_cpu(t) || !t.is_contiguous())
+      return false;
+  }
+  const at::Tensor& grad = args[0].toTensor();
+  const at::Tensor& x = args[1].toTensor();
+  const at::Tensor& w = args[2].toTensor();
+  const bool transposed = args[7].toBool();
+  const int64_t groups = args[9].toInt();
+  const int64_t rank = grad.dim();
+  if (rank < 3 || x.dim() != rank || w.dim() != rank || out.numel() == 0 || groups < 1) return false;
+  int64_t kernel = 1;
+  for (int64_t d = 2; d < rank; ++d) kernel *= w.size(d);
+  const int64_t c_out = transposed ? w.size(1) * groups : w.size(0);
+  if (grad.size(1) != c_out || x.size(1) != (transposed ? w.size(0) : w.size(1) * groups)) return false;
+  auto positions = [rank](const at::Tensor& t) {
+    int64_t n = 1;
+    for (int64_t d = 2; d < rank; ++d) n *= t.size(d);
+    return n;
+  };
+  if (out.sizes() == x.sizes() && out.sizes() != w.sizes()) {  // the input gradient
+    std::vector<double> own;
+    input_gradient_rows(api, out, own);
+    const int64_t n = x.size(0), c_in = x.size(1);
+    std::vector<double> per_channel;
+    if (transposed) {
+      per_channel = row_factors(api, w, w.size(0), 0x1p-23);
+    } else {
+      const std::vector<double> local = channel_spacing(api, w);
+      for (int64_t g = 0; g < groups; ++g) per_channel.insert(per_channel.end(), local.begin(), local.end());
+    }
+    const std::vector<double> per_sample =
+        row_factors(api, grad, n, terms_factor(std::max<int64_t>(c_out / groups * kernel, 1)));
+    rows.resize(static_cast<size_t>(n * c_in));
+    for (int64_t s = 0; s < n; ++s) {
+      for (int64_t i = 0; i < c_in; ++i) {
+        const size_t at = static_cast<size_t>(s * c_in + i);
+        rows[at] = std::max(per_sample[static_cast<size_t>(s)] * per_channel[static_cast<size_t>(i)], own[at]);
+      }
+    }
+  } else if (out.sizes() == w.sizes() && out.sizes() != x.sizes()) {  // the weight gradient
+    const at::Tensor& by_rows = transposed ? x : grad;
+    const at::Tensor& by_cols = transposed ? grad : x;
+    const int64_t terms = x.size(0) * positions(transposed ? x : grad);
+    const int64_t local = w.size(1);
+    const std::vector<double> all_cols = channel_spacing(api, by_cols);
+    std::vector<double> per_col(all_cols.begin(), all_cols.begin() + local);
+    for (int64_t g = 1; g < groups; ++g) {
+      for (int64_t j = 0; j < local; ++j)
+        per_col[static_cast<size_t>(j)] = std::max(per_col[static_cast<size_t>(j)], all_cols[static_cast<size_t>(g * local + j)]);
+    }
+    std::vector<double> per_row = channel_spacing(api, by_rows);
+    const double times = 0x1p23 * terms_factor(std::max<int64_t>(terms, 1));
+    for (double& r : per_row) r *= times;
+    const std::vector<double> own = channel_spacing(api, out);
+    rows.resize(static_cast<size_t>(w.size(0) * local));
+    for (int64_t o = 0; o < w.size(0); ++o) {
+      for (int64_t j = 0; j < local; ++j) {
+        rows[static_cast<size_t>(o * local + j)] =
+            std::max(per_row[static_cast<size_t>(o)] * per_col[static_cast<size_t>(j)], own[static_cast<size_t>(j)]);
+      }
+    }
+  } else if (out.dim() == 1 && out.size(0) == c_out) {  // the bias gradient: grad_output summed per channel
+    const int64_t terms = grad.size(0) * positions(grad);
+    rows = channel_spacing(api, grad);
+    const double times = terms_factor(std::max<int64_t>(terms, 1));
+    const std::vector<double> own = channel_spacing(api, out.view({1, 1, -1}));
+    for (double& r : rows) r = std::max(r * times, own[0]);
+  } else {
+    return false;
+  }
+  for (double& r : rows) r = std::max(r, 0x1p-149);
+  return true;
+}
+
 void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::vector<at::Tensor>& targets,
                   const Product* product, const std::vector<c10::IValue>* sum_inputs,
                   const std::vector<c10::IValue>* products = nullptr) {
@@ -867,7 +975,8 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
   Unit unit;
   int64_t total = 0;
   for (const auto& t : targets) total += t.defined() ? t.numel() : 0;
-  bool to_mode = step->kernel == nullptr && (total > kLargeOutput || route == LOGGED_CONV);
+  const bool conv = route == LOGGED_CONV || route == LOGGED_CONV_TERMS;
+  bool to_mode = step->kernel == nullptr && (total > kLargeOutput || conv);
   if (!to_mode) {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     for (const auto& t : targets) {
@@ -902,7 +1011,19 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
   };
   std::vector<uint8_t> exact;  // a sum's exact elements, where the kernel found them (exact_sum_mask)
   bool masked = false;
-  if (!to_mode && route != LOGGED_CONV && (step->kernel == nullptr || sum_inputs != nullptr)) {
+  // a convolution's gradients in their terms' units (rules revision 6): each output's row factors
+  std::vector<std::vector<double>> conv_rows;
+  if (!to_mode && route == LOGGED_CONV_TERMS) {
+    c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+    for (const auto& d : dense) {
+      conv_rows.emplace_back();
+      if (!conv_terms_rows(step->kernel, *sum_inputs, d, conv_rows.back())) {
+        to_mode = true;  // arguments the kernel cannot read in place: the mode computes the unit
+        break;
+      }
+    }
+  }
+  if (!to_mode && !conv && (step->kernel == nullptr || sum_inputs != nullptr)) {
     for (size_t k = 0; k < dense.size(); ++k) {
       if (output_near(route, as_measured(dense[k]), tau_of(k), unit)) {
         to_mode = true;
@@ -924,7 +1045,15 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
       if (!rounded_output(t)) continue;
       const double tau = tau_of(k);
       at::Tensor& d = dense[k++];
-      if (route == LOGGED_CONV) {  // with the kernel (to_mode without it)
+      if (route == LOGGED_CONV_TERMS) {  // row factors over (outer, 1, inner); a bias gradient as (C_out, 1)
+        const double col = 1.0;
+        at::Tensor rows_view = d;
+        if (d.dim() == 1) {
+          c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // a view of ours, not an op of the step
+          rows_view = d.view({-1, 1});
+        }
+        take_entries(step, e, LOGGED_ROWS, tau, rows_view, &col, conv_rows[k - 1].data());
+      } else if (route == LOGGED_CONV) {  // with the kernel (to_mode without it)
         if (input_gradient(*sum_inputs, t)) {
           input_gradient_rows(step->kernel, d, unit.rows);
           const double col = 1.0;
@@ -1573,7 +1702,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // add and sub with alpha 1 are the plain IEEE op, not split (fused.split_needed)
   if ((route == SPLIT_ADD || route == SPLIT_SUB) && alpha_is_one(schema, *stack, first)) route = EXACT;
   const bool logged = route == LOGGED || route == LOGGED_REDUCTION || route == LOGGED_MM || route == LOGGED_SUM ||
-                      route == LOGGED_CONV || route == LOGGED_TERMS;
+                      route == LOGGED_CONV || route == LOGGED_TERMS || route == LOGGED_CONV_TERMS;
   if (logged && !step->logs) route = PYTHON;
   Product product;
   if (route == LOGGED_MM) {  // plain FP64 CPU matrices, or the mode decides (scale.reduction_scale)
@@ -1664,7 +1793,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // A LOGGED_SUM's positional arguments (the mode's args; keyword-only ones are its kwargs, which
   // exact_sum_elements does not read): its terms, should an element be near.
   std::vector<c10::IValue> sum_inputs;
-  if (route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV || (logged && e.exact_products)) {
+  if (route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV || route == LOGGED_CONV_TERMS ||
+      (logged && e.exact_products)) {
     for (size_t i = 0; i < n_args && !schema.arguments()[i].kwarg_only(); ++i) sum_inputs.push_back((*stack)[first + i]);
   }
   {
@@ -1697,7 +1827,10 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       }
     }
     return round_logged(step, e, route, taus, written, route == LOGGED_MM ? &product : nullptr,
-                        route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV ? &sum_inputs : nullptr,
+                        route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV ||
+                                route == LOGGED_CONV_TERMS
+                            ? &sum_inputs
+                            : nullptr,
                         e.exact_products ? &sum_inputs : nullptr);
   }
   for (const auto& t : written) {

@@ -187,7 +187,13 @@ def _base_kind(func: Any) -> OpKind:
 #:    magnitude says nothing of how far two orders can be apart (a batch norm's backward before global
 #:    average pooling sums to rounding noise), and such a call, logged at the threshold of its class's
 #:    well-conditioned calls, diverged on replay with no anomaly.
-RULES_REVISION = 5
+#: 6. A convolution's weight and bias gradients are measured in their terms' units, as an ``mm`` is
+#:    (:func:`detrl.core.scale.reduction_scale`): followed by a training-mode batch norm, a layer's gradient
+#:    cancels over the batch (EfficientNet's last projection), and at its own channel scale an honest
+#:    replay diverged. And a call's class (:func:`call_class`, the key of its threshold) names no memory
+#:    layout and no device: those are the machine's choice, and a replay on another layout took another
+#:    threshold than the recorder's.
+RULES_REVISION = 6
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.
@@ -236,7 +242,9 @@ def shape_class(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> st
     return f"{name}({','.join(parts)})"
 
 
-def call_class(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+def call_class(
+    name: str, args: Sequence[Any], kwargs: Mapping[str, Any], rules_revision: int = RULES_REVISION
+) -> str:
     """The class of an op call that has its own threshold: its :func:`shape_class` with every tensor's
     sizes, ``"mm(float64[10]{768,512},float64[01]{512,3072})"``.
 
@@ -250,24 +258,38 @@ def call_class(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str
     A string (deterministic, JSON-safe): the same for the same call on every machine (no value and no
     stride enters it but the order of the strides), a key of a bundle's thresholds
     (:attr:`detrl.core.rounding.Thresholds.per_class`), so its format is part of the bundle format
-    (docs/verifiable.md)."""
-    parts = [_arg_class(a, sized=True) for a in args]
-    parts += [f"{k}={_arg_class(kwargs[k], sized=True)}" for k in sorted(kwargs)]
+    (docs/verifiable.md).
+
+    From rules revision 6 (``rules_revision``, the bundle's) no layout enters it at all, and no device: the
+    class is ``"mm(float64{768,512},float64{512,3072})"`` (a broadcast dim still marked, ``float64[.b]{4,8}``:
+    an ``expand`` the model wrote). Which memory layout a kernel gives its result is the machine's choice
+    (a depthwise convolution's FP64 CPU kernel keeps a channels-last input's layout, an emulation of it need
+    not, and a GPU library picks its own), so a key with the stride order named another class on another
+    machine: the replay took its op's threshold instead of the class's, 13x the recorder's (DPT's residual
+    convolutions), and reported elements near a midpoint the recorder had rightly not logged."""
+    portable = rules_revision >= 6
+    parts = [_arg_class(a, sized=True, portable=portable) for a in args]
+    parts += [f"{k}={_arg_class(kwargs[k], sized=True, portable=portable)}" for k in sorted(kwargs)]
     return f"{name}({','.join(parts)})"
 
 
-def _arg_class(a: Any, sized: bool = False) -> str:
+def _arg_class(a: Any, sized: bool = False, portable: bool = False) -> str:
     if isinstance(a, torch.Tensor):
         dtype = str(a.dtype).removeprefix("torch.")
         sizes = "{" + ",".join(str(n) for n in a.shape) + "}" if sized else ""
         if a.layout != torch.strided:
             return f"{dtype}<{a.layout}>{sizes}"
         strides = a.stride()
+        if portable:  # no layout: only the broadcast dims, which the model's own expand makes
+            marks = "".join("b" if s == 0 and n > 1 else "." for s, n in zip(strides, a.shape))
+            return f"{dtype}[{marks}]{sizes}" if "b" in marks else f"{dtype}{sizes}"
         # dims from the outermost in memory to the innermost; a broadcast (stride 0) dim is marked
         order = sorted(range(a.dim()), key=lambda i: (-strides[i], i))
         return f"{dtype}[{''.join('b' if strides[i] == 0 else str(i) for i in order)}]{sizes}"
     if isinstance(a, (list, tuple)):
-        return "[" + ",".join(_arg_class(x, sized) for x in a) + "]"
+        return "[" + ",".join(_arg_class(x, sized, portable) for x in a) + "]"
+    if portable and isinstance(a, torch.device):
+        return "device"  # the machine's, not the call's
     if isinstance(a, bool) or a is None or isinstance(a, (int, str, torch.dtype, torch.device)):
         return repr(a)
     return type(a).__name__  # float, complex, SymFloat, memory formats...: by type only

@@ -590,7 +590,11 @@ class RoundingMode(EagerDispatchMode):
         (``learned``)."""
         name = op_name(func)
         per_class = self.thresholds.per_class
-        cls = call_class(name, args, kwargs) if per_class and name in self._classed_ops() else None
+        cls = (
+            call_class(name, args, kwargs, self.rules_revision)
+            if per_class and name in self._classed_ops()
+            else None
+        )
         if outputs > 1 and cls is not None:
             taus = [self.thresholds.tau_of(name, cls, i) for i in range(outputs)]
         else:

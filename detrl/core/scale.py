@@ -126,7 +126,8 @@ def reduction_scale(
     """The unit of a matrix product's output ``out = a @ b`` (``aten.mm``; ``a: (M, K)``, ``b: (K, N)``),
     from its inputs: FP32 spacing of ``max_k |a[i, k]| * max_k |b[k, j]| * terms_factor(K)`` (about
     ``sqrt(K)``), as row and column factors. A convolution's input gradient: per sample and channel
-    (:func:`_sample_channel_scale`). From rules revision 5 (``rules_revision``, the bundle's), a sum or a
+    (:func:`_sample_channel_scale`); from rules revision 6, each of its gradients from its terms
+    (:func:`_conv_terms_scale`). From rules revision 5 (``rules_revision``, the bundle's), a sum or a
     mean from its terms (:func:`_terms_scale`). None for every other op: they are measured at their
     output's channel scale (:func:`scale_spacing`).
 
@@ -139,7 +140,7 @@ def reduction_scale(
     bits on every machine, so recorder and replayer compute the same unit.
     """
     if func is _CONV_BACKWARD:
-        return _sample_channel_scale(args, out)
+        return _conv_terms_scale(args, out) if rules_revision >= 6 else _sample_channel_scale(args, out)
     if func in TERMS_SCALED:
         return _terms_scale(func, args, out) if rules_revision >= 5 else None
     if func is not _MM or len(args) < 2:
@@ -229,6 +230,92 @@ def _sample_channel_scale(args: tuple, out: torch.Tensor) -> Scale | None:
     return Scale(
         outer=n * c, channels=1, inner=flat.shape[1], col=torch.ones(1, dtype=torch.float64), row=row
     )
+
+
+def _conv_terms_scale(args: tuple, out: torch.Tensor) -> Scale | None:
+    """The unit of a convolution's gradient ``out`` (rules revision 6): at each element, the larger of its
+    own scale (revision 5's: the input gradient's per sample and channel, the weight gradient's per input
+    channel, the bias gradient's per tensor) and its terms' unit, as an ``mm``'s is: the FP32 spacing of the
+    largest magnitudes of the two factors of its terms, times ``terms_factor`` of their count. As row
+    factors (powers of two) over ``(N * C_in, S)``, ``(C_out * C_in / groups, kernel)`` or ``(C_out, 1)``.
+
+    ``convolution_backward``'s arguments ``(grad_output, input, weight, ..., transposed, ..., groups)``; a
+    weight ``(C_out, C_in / groups, *kernel)``, or ``(C_in, C_out / groups, *kernel)`` when transposed. With
+    ``P`` a row's power of two (:func:`unit_factors`) and ``S`` a channel's FP32 spacing (:func:`scale_spacing`,
+    dim 1), the terms' units:
+
+    * input gradient ``(N, C_in, *S)``: ``P(grad_output[n]) * S(weight)[i] * terms_factor(C_out / groups *
+      kernel)``, the weight's channel of input channel ``i`` (transposed: ``P(weight[i]) * 2**-23``);
+    * weight gradient: ``S(grad_output)[o] * S(input)[i] * 2**23 * terms_factor(N * S')`` (``S'`` the
+      positions of the operand the kernel slides over; input channels the largest over the groups, the
+      wider unit; transposed, the roles swap);
+    * bias gradient ``(C_out,)``: ``S(grad_output)[o] * terms_factor(N * S')``.
+
+    Why both: two summation orders differ by the rounding errors of the partial sums. Where the terms
+    cancel, those scale with the terms and the result's own magnitude says nothing of them: a layer before a
+    training-mode batch norm has a weight gradient of rounding noise on an input channel that is the same in
+    every sample (batch norm's backward leaves ``grad_output`` summing to zero over a channel: EfficientNet's
+    last projection), and at its own scale an honest replay diverged. Where they add up, the partial sums
+    grow past the largest term and the result's own scale follows them (DPT's convolutions: in the terms'
+    units alone, a later step disagreed 20-50x more than the calibration step had measured).
+
+    None where ``out`` is none of the three (shapes that cannot tell them apart): its output's channel
+    scale."""
+    if len(args) < 3 or not all(isinstance(a, torch.Tensor) for a in args[:3]):
+        return None
+    grad, x, w = args[0], args[1], args[2]
+    transposed = bool(args[7]) if len(args) > 7 else False
+    groups = int(args[9]) if len(args) > 9 else 1
+    if grad.dim() < 3 or x.dim() != grad.dim() or w.dim() != grad.dim() or out.numel() == 0 or groups < 1:
+        return None
+    kernel = math.prod(w.shape[2:])
+    c_out = w.shape[1] * groups if transposed else w.shape[0]
+    if grad.shape[1] != c_out or x.shape[1] != (w.shape[0] if transposed else w.shape[1] * groups):
+        return None
+    if out.shape == x.shape and out.shape != w.shape:  # the input gradient
+        own = _sample_channel_scale(args, out)
+        assert own is not None and own.row is not None
+        if transposed:  # input channel i multiplies weight[i] alone
+            per_channel = unit_factors(w.reshape(w.shape[0], -1), 2.0**-23)
+        else:  # input channel i of a group multiplies weight[:, i mod C_in / groups], the wider over groups
+            per_channel = _channel_spacing(w).repeat(groups)
+        per_sample = unit_factors(
+            grad.reshape(grad.shape[0], -1), terms_factor(max(c_out // groups * kernel, 1))
+        )
+        terms = (per_sample[:, None] * per_channel[None, :]).reshape(-1)
+        rows, inner = torch.maximum(terms, own.row), math.prod(x.shape[2:])
+    elif out.shape == w.shape and out.shape != x.shape:  # the weight gradient
+        by_rows, by_cols = (x, grad) if transposed else (grad, x)
+        n = x.shape[0] * math.prod((x if transposed else grad).shape[2:])
+        per_col = _channel_spacing(by_cols).reshape(groups, w.shape[1]).amax(0)
+        per_row = _channel_spacing(by_rows).mul_(2.0**23 * terms_factor(max(n, 1)))
+        terms = per_row[:, None] * per_col[None, :]
+        rows, inner = torch.maximum(terms, _channel_spacing(out)[None, :]).reshape(-1), kernel
+    elif out.dim() == 1 and out.shape[0] == c_out:  # the bias gradient: grad_output summed per channel
+        n = grad.shape[0] * math.prod(grad.shape[2:])
+        terms = _channel_spacing(grad).mul_(terms_factor(max(n, 1)))
+        rows, inner = torch.maximum(terms, _channel_spacing(out.reshape(1, 1, -1))), 1
+    else:
+        return None
+    rows = rows.clamp_(min=2.0**-149)
+    return Scale(
+        outer=rows.numel(), channels=1, inner=inner, col=torch.ones(1, dtype=torch.float64), row=rows
+    )
+
+
+def _channel_spacing(x: torch.Tensor) -> torch.Tensor:
+    """:func:`scale_spacing` per channel (dim 1) of ``x``'s FP32 rounding (rank >= 2), FP64 ``(C,)``: the
+    native kernel's pass over a contiguous CPU FP64 tensor (its channel thresholds at tau 1, which read each
+    channel's largest magnitude as an FP32 value), torch's elsewhere. Of the FP32 rounding, so that both
+    give the same bits where an unrounded largest magnitude would round up into the next binade."""
+    if _native is None or x.dtype != torch.float64 or not x.is_cpu or not x.is_contiguous() or x.is_neg():
+        return scale_spacing(x.float() if x.dtype == torch.float64 else x).reshape(-1)
+    out = torch.empty(x.shape[1], dtype=torch.float64)
+    if x.numel():
+        _native.channel_thresholds(x.data_ptr(), x.shape[0], x.shape[1], x[0, 0].numel(), 1.0, out.data_ptr())
+    else:
+        out.fill_(2.0**-149)
+    return out
 
 
 def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:

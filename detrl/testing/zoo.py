@@ -213,6 +213,26 @@ class NormsThenMeans(nn.Module):
         return self.head(torch.cat([pooled, feature], 1))
 
 
+class ConditionedProjection(nn.Module):
+    """Features concatenated with a learned constant map (a conditioning input, as FiLM and CoordConv add),
+    then a 1x1 projection into a training-mode batch norm, as an EfficientNet block's project_conv and
+    project_bn. Batch norm's backward leaves the projection's output gradient summing to zero over each
+    channel, so the projection's weight gradient on the constant channels cancels to rounding noise."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        c = max(2, width // 4)
+        self.conv = nn.Conv2d(3, c, 3, padding=1)
+        self.condition = nn.Parameter(torch.randn(1, c, 1, 1))
+        self.project, self.bn = nn.Conv2d(2 * c, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.fc = nn.Linear(c, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 3)
+        h = F.relu(self.conv(x))  # (B, c, H, W)
+        h = torch.cat([h, self.condition.expand_as(h)], 1)  # (B, 2c, H, W)
+        return self.fc(F.relu(self.bn(self.project(h))).mean((2, 3)))
+
+
 def next_token(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Cross-entropy of ``model``'s ``(B, T-1, vocab)`` logits against the next tokens."""
     logits = model(batch[0][:, :-1])
@@ -278,6 +298,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("autocast_bf16", functools.partial(AutocastCNN, w), imgs, classify),
             Specimen("cnn_batch_norm", functools.partial(BatchNormCNN, w), imgs, classify),
             Specimen("norms_then_means", functools.partial(NormsThenMeans, w), imgs, classify),
+            Specimen("conditioned_projection", functools.partial(ConditionedProjection, w), imgs, classify),
         ]
     }  # fmt: skip
 
