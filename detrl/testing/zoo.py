@@ -303,8 +303,60 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
     }  # fmt: skip
 
 
+def _pixels_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A Hugging Face vision model through its own ``labels=`` loss (classification or segmentation)."""
+    return model(pixel_values=batch[0], labels=batch[1]).loss
+
+
+def _depth_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean squared error of a depth estimator's ``(B, H, W)`` prediction against 1."""
+    return ((model(pixel_values=batch[0]).predicted_depth - 1.0) ** 2).mean()
+
+
+def _segmentation_maps(size: Size = Size()) -> tuple[torch.Tensor, ...]:
+    """``(batch, 3, 2 * image, 2 * image)`` pixels and a class (of 3) per pixel."""
+    g = torch.Generator().manual_seed(5)
+    side = 2 * size.image
+    x = torch.rand(size.batch, 3, side, side, generator=g)
+    return x, torch.randint(0, 3, (size.batch, side, side), generator=g)
+
+
+def regressions(size: Size = Size()) -> dict[str, Specimen]:
+    """Hugging Face models that an earlier detrl failed on, kept as cases (a slow test replays them): BigBird's
+    block-sparse attention (an ``unsqueeze_`` on a float32 mask), SegFormer's segmentation loss over
+    channels-last logits, EfficientNet (a weight gradient that cancels before a batch norm) and DPT (its
+    residual convolutions' thresholds looked up under a layout)."""
+    w, v = size.width, size.vocab
+    toks = functools.partial(tokens, dataclasses.replace(size, seq=16))
+    wide = functools.partial(images, dataclasses.replace(size, image=2 * size.image))
+    imgs = functools.partial(images, size)
+    return {
+        s.name: s
+        for s in [
+            Specimen("hf_bigbird_block_sparse", _hf("BigBirdForSequenceClassification", "BigBirdConfig",
+                     attention_type="block_sparse", block_size=2, num_random_blocks=1, vocab_size=v, hidden_size=w,
+                     intermediate_size=2 * w, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                     num_labels=3), toks, _cls_loss, "BigBirdForSequenceClassification"),
+            Specimen("hf_segformer_segmentation", _hf("SegformerForSemanticSegmentation", "SegformerConfig",
+                     num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[7, 3],
+                     strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=16,
+                     num_labels=3), functools.partial(_segmentation_maps, size), _pixels_loss,
+                     "SegformerForSemanticSegmentation"),
+            Specimen("hf_efficientnet", _hf("EfficientNetForImageClassification", "EfficientNetConfig",
+                     image_size=2 * size.image, width_coefficient=0.1, depth_coefficient=0.1, hidden_dim=128,
+                     num_labels=3), wide, _pixels_loss, "EfficientNetForImageClassification"),
+            Specimen("hf_dpt", _hf("DPTForDepthEstimation", "DPTConfig", image_size=size.image, patch_size=4,
+                     hidden_size=w, num_hidden_layers=4, num_attention_heads=4, intermediate_size=2 * w,
+                     neck_hidden_sizes=[8, 8, 16, 16], fusion_hidden_size=16, backbone_out_indices=[0, 1, 2, 3],
+                     head_in_index=-1), imgs, _depth_loss, "DPTForDepthEstimation"),
+        ]
+    }  # fmt: skip
+
+
 #: The zoo at the tests' size (seconds a model).
 SPECIMENS: dict[str, Specimen] = specimens()
+#: ... and the regression cases (:func:`regressions`).
+REGRESSIONS: dict[str, Specimen] = regressions()
 
 
 def fp64_twins(size: Size = Size()) -> dict[str, tuple[Specimen, Specimen]]:
