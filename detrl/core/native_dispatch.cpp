@@ -862,13 +862,12 @@ void input_gradient_rows(const DetrlKernelApi* api, const at::Tensor& dense, std
 }
 
 // scale._channel_spacing: each channel's (dim 1) FP32 spacing at its largest finite magnitude, the kernel's
-// channel thresholds at tau 1 (a contiguous FP64 CPU tensor of rank >= 2).
+// channel thresholds at tau 1 (a contiguous FP64 CPU tensor; of rank 1, the whole tensor's, one value).
 std::vector<double> channel_spacing(const DetrlKernelApi* api, const at::Tensor& t) {
-  const int64_t outer = t.size(0), channels = t.size(1);
-  std::vector<double> out(static_cast<size_t>(channels), 0x1p-149);
-  if (t.numel() != 0 &&
-      api->channel_thresholds(t.const_data_ptr<double>(), outer, channels, t.numel() / (outer * channels), 1.0,
-                              out.data()) != 0)
+  if (t.numel() == 0) return std::vector<double>(static_cast<size_t>(t.dim() >= 2 ? t.size(1) : 1), 0x1p-149);
+  const Layout l = channel_layout(t);
+  std::vector<double> out(static_cast<size_t>(l.channels));
+  if (api->channel_thresholds(t.const_data_ptr<double>(), l.outer, l.channels, l.inner, 1.0, out.data()) != 0)
     throw std::bad_alloc();
   return out;
 }
@@ -957,7 +956,7 @@ bool conv_terms_rows(const DetrlKernelApi* api, const std::vector<c10::IValue>& 
     const int64_t terms = grad.size(0) * positions(grad);
     rows = channel_spacing(api, grad);
     const double times = terms_factor(std::max<int64_t>(terms, 1));
-    const std::vector<double> own = channel_spacing(api, out.view({1, 1, -1}));
+    const std::vector<double> own = channel_spacing(api, out);  // of rank 1: the whole tensor's
     for (double& r : rows) r = std::max(r * times, own[0]);
   } else {
     return false;
@@ -1793,8 +1792,9 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // A LOGGED_SUM's positional arguments (the mode's args; keyword-only ones are its kwargs, which
   // exact_sum_elements does not read): its terms, should an element be near.
   std::vector<c10::IValue> sum_inputs;
-  if (route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV || route == LOGGED_CONV_TERMS ||
-      (logged && e.exact_products)) {
+  const bool unit_from_inputs =
+      route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV || route == LOGGED_CONV_TERMS;
+  if (unit_from_inputs || (logged && e.exact_products)) {
     for (size_t i = 0; i < n_args && !schema.arguments()[i].kwarg_only(); ++i) sum_inputs.push_back((*stack)[first + i]);
   }
   {
@@ -1827,10 +1827,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       }
     }
     return round_logged(step, e, route, taus, written, route == LOGGED_MM ? &product : nullptr,
-                        route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV ||
-                                route == LOGGED_CONV_TERMS
-                            ? &sum_inputs
-                            : nullptr,
+                        unit_from_inputs ? &sum_inputs : nullptr,
                         e.exact_products ? &sum_inputs : nullptr);
   }
   for (const auto& t : written) {

@@ -47,30 +47,16 @@ def _inplace(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     return target.copy_(twin)
 
 
-@_handles(aten.bernoulli.default, aten.bernoulli.p)
-def _bernoulli(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
-    x = args[0]
-    out = func(x.cpu(), *args[1:], **{**kwargs, "generator": g})
-    return out.to(x.device)
-
-
 @_handles(
     aten.rand.default, aten.randn.default, aten.randperm.default, aten.randint.low, aten.randint.default
 )
-@_handles(aten.rand.generator, aten.randn.generator, aten.randperm.generator)
+@_handles(aten.rand.generator, aten.randn.generator, aten.randperm.generator, aten.normal.float_float)
 def _factory(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
-    # Call the public factory (torch.rand, torch.randint, ...) on the CPU with the stream's generator.
+    # Call the public factory (torch.rand, torch.randint, torch.normal(mean, std, size), ...) on the CPU with
+    # the stream's generator.
     public = getattr(torch, func.overloadpacket.__name__)
     dtype = kwargs.get("dtype")
     out = public(*args, generator=g, **({"dtype": dtype} if dtype is not None else {}))
-    return out.to(kwargs.get("device") or "cpu")
-
-
-@_handles(aten.normal.float_float)
-def _normal_of_floats(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
-    """``torch.normal(mean, std, size)``: drawn on the CPU, then moved to the requested device."""
-    dtype = kwargs.get("dtype")
-    out = torch.normal(*args, generator=g, **({"dtype": dtype} if dtype is not None else {}))
     return out.to(kwargs.get("device") or "cpu")
 
 
@@ -93,26 +79,19 @@ def _like(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
     return base(x.shape, dtype=dtype, generator=g).to(device)
 
 
+@_handles(aten.bernoulli.default, aten.bernoulli.p)
 @_handles(aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor)
 @_handles(aten.multinomial.default, aten.poisson.default, aten._standard_gamma.default, aten.binomial.default)
-def _of_tensors(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
-    """A random op of tensor arguments (``torch.normal(mean, std)``, ``multinomial``, ``poisson``, gamma and
-    binomial draws): computed on CPU copies of its tensors with the stream's generator, the result moved to
-    their device."""
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    cpu = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
-    return func(*cpu, **{**kwargs, "generator": g}).to(device)
-
-
 @_handles(aten.uniform.default, aten.exponential.default, aten.cauchy.default)
 @_handles(aten.geometric.default, aten.log_normal.default)
 @_handles(
     aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default, aten.rrelu_with_noise_functional.default
 )
 def _on_cpu(g: torch.Generator, func: Any, args: tuple, kwargs: dict) -> Any:
-    """Any random op with a ``generator`` argument: run on CPU copies of its tensor arguments with the
-    stream's generator. The arguments it writes (``rrelu_with_noise``'s noise, an in-place op's self) get
-    the CPU results back, and its new results move to its tensors' device."""
+    """Any random op with a ``generator`` argument (``bernoulli(p)``, ``torch.normal(mean, std)``,
+    ``multinomial``, ``poisson``, gamma and binomial draws, ``rrelu_with_noise``, ...): run on CPU copies of
+    its tensor arguments with the stream's generator. The arguments it writes (``rrelu_with_noise``'s noise,
+    an in-place op's self) get the CPU results back, and its new results move to its tensors' device."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     cpu = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
     out = func(*cpu, **{**kwargs, "generator": g})

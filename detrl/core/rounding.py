@@ -467,10 +467,8 @@ class RoundingMode(EagerDispatchMode):
         kwargs = kwargs or {}
         self._last.learned = None
         plan = _PLANS.get(id(func)) or _plan(func)
-        if not (plan.keep or plan.widening or plan.as_given or plan.in_place_view) and (
-            narrow := islands.narrow_dtype(args, kwargs)
-        ):
-            return self._island(func, types, args, kwargs, plan, narrow)
+        if plan.island and islands.narrow_dtype(args, kwargs):
+            return self._island(func, types, args, kwargs)
         if plan.decomposes and decompose.applies(func, args):
             # Only the sums (and log-softmax backward's exp) are machine dependent: they run as ops of the step
             # (rounded, logged, computed by the profile; by the native route where it takes them: see
@@ -532,7 +530,7 @@ class RoundingMode(EagerDispatchMode):
             module = self.module_path() if self.module_path is not None else ""
             self.trace.add(op_name(func), module, outputs)
 
-    def _island(self, func, types, args, kwargs, plan, narrow):  # noqa: ANN001, ANN202
+    def _island(self, func, types, args, kwargs):  # noqa: ANN001, ANN202
         """An op on float32 or half tensors: computed in FP64 under the profile and rounded, with the log,
         exactly as its FP64 twin would be, then cast back to the op's own output dtype: exact for float32
         (the result is on the FP32 grid), a correctly rounded IEEE conversion of that agreed FP32 value for
@@ -803,10 +801,11 @@ class _Plan:
     keep: bool  # a view, or a KEEP op: its outputs are its inputs' values
     widening: bool  # a cast: to FP64 from a narrower float type, its output is on the FP32 grid already
     square: bool  # pow by a number: its kind depends on the exponent (oprules.squares decides per call)
-    as_given: bool  # takes float32 arguments by design (oprules.AS_GIVEN): no island
-    #: changes only its argument's shape or strides (``unsqueeze_``, ``t_``: torch's ``inplace_view`` tag), so
-    #: no island: a twin would take the new shape and leave the original's as it was
-    in_place_view: bool
+    #: a float32 or half argument makes it an island (:meth:`RoundingMode._island`); not for a view or a KEEP
+    #: op (it moves values), a cast, an op that takes float32 arguments by design (oprules.AS_GIVEN), or one
+    #: that changes only its argument's shape or strides (``unsqueeze_``, ``t_``: torch's ``inplace_view``
+    #: tag; a twin would take the new shape and leave the original's as it was)
+    island: bool
     unwritten: Callable[[Any, Any], None] | None  # sets what its kernel leaves unwritten (oprules.UNWRITTEN)
 
 
@@ -822,6 +821,8 @@ def plan_of(func: Any) -> _Plan:
 
 def _plan(func: Any) -> _Plan:
     kind = classify(func, {})
+    keep, widening = bool(func.is_view) or kind is OpKind.KEEP, func in CASTS
+    in_place_view = torch.Tag.inplace_view in func.tags
     plan = _Plan(
         decomposes=func in decompose.DECOMPOSITIONS,
         splits=split_needed(func, {}) or split_needed(func, {"alpha": 2}),
@@ -829,11 +830,10 @@ def _plan(func: Any) -> _Plan:
         alpha=classify(func, {"alpha": 2}) is not kind,
         kind=kind,
         random=randomness.draws_randomness(func),
-        keep=bool(func.is_view) or kind is OpKind.KEEP,
-        widening=func in CASTS,
+        keep=keep,
+        widening=widening,
         square=func in SQUARES,
-        as_given=func.overloadpacket in AS_GIVEN,
-        in_place_view=torch.Tag.inplace_view in func.tags,
+        island=not (keep or widening or in_place_view or func.overloadpacket in AS_GIVEN),
         unwritten=UNWRITTEN.get(func),
     )
     _PLANS[id(func)] = plan

@@ -249,7 +249,8 @@ def nll(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return F.nll_loss(model(batch[0]), batch[1])
 
 
-def _vit_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _pixels_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A Hugging Face vision model through its own ``labels=`` loss (classification or segmentation)."""
     return model(pixel_values=batch[0], labels=batch[1]).loss
 
 
@@ -287,7 +288,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen(
                 "hf_vit", _hf("ViTForImageClassification", "ViTConfig", image_size=size.image, patch_size=4,
                               hidden_size=w, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * w,
-                              num_labels=3), imgs, _vit_loss, "ViTForImageClassification"),
+                              num_labels=3), imgs, _pixels_loss, "ViTForImageClassification"),
             Specimen(
                 "hf_t5", _hf("T5ForConditionalGeneration", "T5Config", vocab_size=v, d_model=w, d_kv=w // 4,
                              d_ff=2 * w, num_layers=2, num_heads=4, decoder_start_token_id=0, pad_token_id=0),
@@ -301,11 +302,6 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("conditioned_projection", functools.partial(ConditionedProjection, w), imgs, classify),
         ]
     }  # fmt: skip
-
-
-def _pixels_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """A Hugging Face vision model through its own ``labels=`` loss (classification or segmentation)."""
-    return model(pixel_values=batch[0], labels=batch[1]).loss
 
 
 def _depth_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
