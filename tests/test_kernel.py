@@ -33,10 +33,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int64) if t.dtype == torch.float64 else t.contiguous().view(torch.int32)
 
 
-def _reference(x: torch.Tensor, tau: float, scaled: bool | Scale):  # noqa: ANN202
+def _reference(x: torch.Tensor, tau: float, scaled: bool | Scale, negative_zeros: bool = False):  # noqa: ANN202
     x = x.clone()
     rounded = x.to(torch.float32)
-    idx = near_midpoint(x, tau, scaled, rounded=rounded).reshape(-1).nonzero().squeeze(1)
+    near = near_midpoint(
+        x, tau, scaled, rounded=rounded, negative_zeros=negative_zeros and scaled is not False
+    )
+    idx = near.reshape(-1).nonzero().squeeze(1)
     entries = None
     if idx.numel():
         entries = entries_for(7, idx, _take(x, idx), _uncertainty(x, rounded, idx, tau, scaled))
@@ -46,10 +49,14 @@ def _reference(x: torch.Tensor, tau: float, scaled: bool | Scale):  # noqa: ANN2
     return x, entries
 
 
-def _assert_same(x: torch.Tensor, tau: float, scaled: bool | Scale) -> OpEntries | None:
-    want_x, want = _reference(x, tau, scaled)
+def _assert_same(
+    x: torch.Tensor, tau: float, scaled: bool | Scale, negative_zeros: bool = False
+) -> OpEntries | None:
+    """The kernel's entries and rounding of ``x`` are the reference's (``negative_zeros``: rules revision 7's
+    test, which the kernel applies to reductions only, as the mode asks the reference for it)."""
+    want_x, want = _reference(x, tau, scaled, negative_zeros)
     got_x = x.clone()
-    got = kernel.take_entries_(got_x, tau, scaled, 7)
+    got = kernel.take_entries_(got_x, tau, scaled, 7, negative_zeros)
     assert torch.equal(_bits(got_x), _bits(want_x))
     assert (got is None) == (want is None)
     if got is not None:
@@ -98,13 +105,14 @@ def _adversarial() -> torch.Tensor:
 @pytest.mark.parametrize("tau", TAUS)
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("room", [kernel.FIRST_ROOM, 1])
+@pytest.mark.parametrize("negative_zeros", [False, True])
 def test_adversarial_values_flat(
-    tau: float, scaled: bool, room: int, monkeypatch: pytest.MonkeyPatch
+    tau: float, scaled: bool, room: int, negative_zeros: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(kernel, "FIRST_ROOM", room)
     x = _adversarial()
-    _assert_same(x, tau, scaled)
-    _assert_same(x[torch.isfinite(x)], tau, scaled)  # one channel without inf or NaN: a finite scale
+    _assert_same(x, tau, scaled, negative_zeros)
+    _assert_same(x[torch.isfinite(x)], tau, scaled, negative_zeros)  # one channel without inf or NaN
 
 
 @needs_kernel
@@ -377,9 +385,36 @@ def test_quiet_channels_at_the_floor_spacing(tau: float) -> None:
     ),
     st.sampled_from(TAUS),
     st.booleans(),
+    st.booleans(),
 )
-def test_property_kernel_equals_reference(values: np.ndarray, tau: float, scaled: bool) -> None:
-    _assert_same(torch.from_numpy(values.copy()), tau, scaled)
+def test_property_kernel_equals_reference(
+    values: np.ndarray, tau: float, scaled: bool, negative_zeros: bool
+) -> None:
+    _assert_same(torch.from_numpy(values.copy()), tau, scaled, negative_zeros)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tau", [2.0**-23, 2.0**-10])
+def test_a_reduction_logs_its_negative_zeros_from_rules_revision_7(tau: float) -> None:
+    """Rules revision 7: a reduction's element that rounds to -0 is pinned (an exact -0 and a negative value
+    below half the smallest subnormal alike); one that rounds to +0 is not, nor any zero of an elementwise
+    op, nor any zero under the earlier rules. The kernel's entries are the reference's, in a matrix
+    product's unit too."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(3, 4, 5, dtype=torch.float64, generator=g) + 1).float().double()  # one binade: none near
+    x *= torch.randint(0, 2, x.shape, generator=g) * 2 - 1
+    x[0, 1, 2], x[1, 2, 3], x[2, 0, 0], x[2, 3, 4] = -0.0, -(2.0**-160), 0.0, 2.0**-160
+    negative = [0 * 20 + 1 * 5 + 2, 1 * 20 + 2 * 5 + 3]
+    entries = _assert_same(x, tau, True, negative_zeros=True)
+    assert entries is not None and entries.pinned_indices.tolist() == negative
+    assert entries.pinned_values.view(np.int32).tolist() == [np.float32(-0.0).view(np.int32)] * 2
+    assert not len(entries.indices) and not len(entries.short_indices)  # the grid values: nothing else
+    for scaled, zeros in ((True, False), (False, True), (False, False)):
+        assert _assert_same(x, tau, scaled, negative_zeros=zeros) is None
+    product = x.reshape(12, 5)
+    unit = reduction_scale(torch.ops.aten.mm.default, (product, torch.eye(5, dtype=torch.float64)), product)
+    entries = _assert_same(product, tau, unit, negative_zeros=True)
+    assert entries is not None and entries.pinned_indices.tolist() == negative
 
 
 def test_non_contiguous_and_other_dtypes_take_the_reference() -> None:

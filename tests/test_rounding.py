@@ -265,6 +265,58 @@ def test_cancellation_results_are_pinned_and_replayed_by_value(tau: float, short
     assert rep3.stats.refused == 1
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["kernel", "reference"])
+def test_zeros_that_cancel_replay_as_the_recorders_from_rules_revision_7(native: bool) -> None:
+    """A sum that cancels to exactly zero on the recorder leaves rounding noise on another order. From rules
+    revision 7 the recorder pins a reduction's -0 (never its +0, the structural zeros), and the replayer takes
+    an unlogged element near a midpoint whose window reaches zero for +0: both zeros replay to their bits.
+    Under revision 6 neither is logged and the noise stays: elements near a midpoint, unlogged, another
+    value. Noise beyond the window stays a violation, and a log that leaves the -0 out replays a +0, which
+    the commitments then tell apart."""
+    if native and not kernel.available():
+        pytest.skip("native kernel not built")
+    a = torch.tensor([[1.0, -1.0], [2.0, 1.0]], dtype=torch.float64)
+    b = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)  # row 0: 1 - 1 in each column
+
+    def compute(step, revision, noise=(0.0, 0.0, 0.0)):
+        def profile(func, args, kwargs):
+            out = func(*args, **kwargs)
+            if func is aten.mm.default:
+                out[0, 1] *= -1.0  # -0: a cancelled sum times a negative factor
+                for j, e in enumerate(noise):  # another order: noise where it cancelled (-0 + 0 is +0)
+                    if e:
+                        out[0, j] += e
+            return out
+
+        mode = RoundingMode(profile, Thresholds(default=2.0**-20))  # T = 2**-20 2**-23 = 2**-43
+        mode.step, mode.rules_revision = step, revision
+        with mode, contextlib.nullcontext() if native else kernel.disabled():
+            return torch.mm(a, b)
+
+    bits = lambda t: t[0].float().view(torch.int32).tolist()  # noqa: E731
+    rec = StepRounding()
+    want = compute(rec, 7)
+    assert bits(want) == [0, -(2**31), 0]  # +0, -0, +0
+    (entry,) = rec.recorded
+    assert entry.pinned_indices.tolist() == [1] and not len(entry.indices) and not len(entry.short_indices)
+    noise = (1e-19, -3e-19, 2.0**-160)
+    rep = StepRounding(replay={entry.op: entry})
+    assert bits(compute(rep, 7, noise)) == bits(want)
+    assert not any(an.violation for an in rep.anomalies) and rep.stats.corrected == 2  # 2**-160 is +0 already
+
+    old = StepRounding()
+    assert bits(compute(old, 6)) == bits(want) and old.recorded == []
+    rep = StepRounding(replay={})
+    assert compute(rep, 6, noise)[0, 0].item() == np.float32(1e-19)  # diverged
+    assert rep.stats.unlogged_near == 2 and rep.anomalies[0].kind == "unlogged-near"
+
+    rep = StepRounding(replay={entry.op: entry})
+    far = compute(rep, 7, (2.0**-40, 0.0, 0.0))  # 8 T: not this op's arithmetic
+    assert far[0, 0].item() != 0.0 and rep.stats.unlogged_near == 1
+    rep = StepRounding(replay={})  # the -0 left out
+    assert bits(compute(rep, 7, noise)) == [0, 0, 0]
+
+
 def test_short_pinned_values_split_by_uncertainty():
     # split_short keeps a pinned value full where T exceeds 2**12 of its spacings, or it is not finite
     values = np.array([1.0, 1.0, np.inf, -3.0], np.float32)
@@ -332,8 +384,8 @@ def test_verifiable_sessions_pin_optimizers_to_one_op_sequence_on_every_device(t
 
 def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
     """Rules revision 2 takes ``pow(x, 2)`` as exact (``x * x``): a GPT-2 (tanh GELU: squares in its
-    backward) records the same weights under revisions 1, 4 and the latest (6: convolution gradients in
-    their terms' units, call classes without layouts),
+    backward) records the same weights under revisions 1, 4 and the latest (7: a reduction's -0 logged, an
+    unlogged replayed element within reach of zero taken for +0),
     a smaller log under 4 than under 1 (its squares' ties are not logged), and each bundle replays on its
     own rules on two profiles with nothing unlogged or refused. A bundle of a revision this detrl does not
     know is bad input, in one line."""
@@ -355,20 +407,20 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 6]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 7]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
         for hardware in ("native", get_profile("emulated:splitk", seed=0)):
             replayed = zoo.replay(specimen, bundle, hardware, steps=3)  # raises Divergence if it differs
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
-    manifests[2]["rules_revision"] = 7
+    manifests[2]["rules_revision"] = 8
     (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[2]))
     with pytest.raises(engine.BundleError) as raised:
         zoo.replay(specimen, new, "native", steps=3)
     message = str(raised.value)
     assert (
-        "recorded by a newer detrl (rounding-rule revision 7; this one applies revisions 1 to 6)" in message
+        "recorded by a newer detrl (rounding-rule revision 8; this one applies revisions 1 to 7)" in message
     )
     assert "\n" not in message
 
@@ -397,6 +449,26 @@ def test_a_convolution_gradient_that_cancels_is_covered_from_rules_revision_6(tm
     replayed = zoo.replay(specimen, tmp_path / "rules6", hardware, steps=2)
     assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
     assert replayed.totals.corrected > 0
+
+
+def test_a_layer_norm_sum_that_cancels_to_zero_is_covered_from_rules_revision_7(tmp_path, monkeypatch):
+    """The zoo's layer norm followed by a mean over its features: the norm's backward row sums cancel, to
+    exactly 0.0 in some rows on the recorder and to noise on other orders. Recorded under revision 6, every
+    emulated order diverges; under 7 each replicates with nothing unlogged, from a log no larger."""
+    from detrl.core import engine
+    from detrl.testing import zoo
+
+    specimen = zoo.SPECIMENS["layer_norm_then_mean"]
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 6)
+        old = zoo.record(specimen, tmp_path / "rules6", steps=2)
+    new = zoo.record(specimen, tmp_path / "rules7", steps=2)
+    assert new.totals.logged <= old.totals.logged
+    for name in ("emulated:pairwise", "emulated:atomic"):
+        with pytest.raises(engine.Divergence, match="unlogged-near"):
+            zoo.replay(specimen, tmp_path / "rules6", get_profile(name), steps=2)
+        replayed = zoo.replay(specimen, tmp_path / "rules7", get_profile(name), steps=2)
+        assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
 
 
 def test_sums_exact_in_every_order_are_found():

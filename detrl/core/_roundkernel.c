@@ -52,15 +52,22 @@ static inline double element_threshold(double x, double c1, double lo, double hi
     return t > hi ? hi : t;
 }
 
-static inline int near_midpoint(double x, double t) {
-    float rounded = (float)x;
-    return ((float)(x - t) != (float)(x + t)) && (rounded != 0.0f);
+/* The bits of x's FP32 rounding that decide whether it takes part: an element that rounds to zero is never
+ * near, except, from rules revision 7, a reduction's that rounds to -0 (rounding.near_midpoint's
+ * negative_zeros): ZERO_BITS_ANY tests every bit, ZERO_BITS_NONE all but the sign. */
+#define ZERO_BITS_NONE 0x7FFFFFFFu
+#define ZERO_BITS_ANY 0xFFFFFFFFu
+
+static inline uint32_t float_bits(float r) {
+    uint32_t bits;
+    memcpy(&bits, &r, sizeof bits);
+    return bits;
 }
 
-/* near_midpoint without the short circuit, so that a loop of it vectorises: the same value, since neither
- * side has an effect. */
-static inline int near_flag(double x, double t) {
-    return ((float)(x - t) != (float)(x + t)) & ((float)x != 0.0f);
+/* x - t and x + t round to different FP32 values, and x's rounding has a bit of zero_bits set. Without a
+ * branch, so that the loops that call it vectorise. */
+static inline int near_flag(double x, double t, uint32_t zero_bits) {
+    return ((float)(x - t) != (float)(x + t)) & ((float_bits((float)x) & zero_bits) != 0);
 }
 
 /* Vector builds of the hot loops. The elements are independent, so a vector unit computes each exactly as
@@ -77,11 +84,12 @@ static inline int near_flag(double x, double t) {
  * runs from j0 to the first block [j, j + BLOCK) holding a near element and returns j (n if none). */
 #define BLOCK 32
 
-VECTOR_CLONES static Py_ssize_t first_near_at(const double *x, Py_ssize_t j0, Py_ssize_t n, double t) {
+VECTOR_CLONES static Py_ssize_t first_near_at(const double *x, Py_ssize_t j0, Py_ssize_t n, double t,
+                                              uint32_t zero_bits) {
     for (Py_ssize_t j = j0; j < n; j += BLOCK) {
         Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
         int any = 0;
-        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], t);
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], t, zero_bits);
         if (any) return j;
     }
     return n;
@@ -92,7 +100,7 @@ VECTOR_CLONES static Py_ssize_t first_near_each(const double *x, Py_ssize_t j0, 
     for (Py_ssize_t j = j0; j < n; j += BLOCK) {
         Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
         int any = 0;
-        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], element_threshold(x[i], c1, lo, hi));
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], element_threshold(x[i], c1, lo, hi), ZERO_BITS_NONE);
         if (any) return j;
     }
     return n;
@@ -108,11 +116,11 @@ static inline double column_threshold(const double *cols, Py_ssize_t c, int has_
 }
 
 VECTOR_CLONES static Py_ssize_t first_near_columns(const double *x, Py_ssize_t j0, Py_ssize_t n, const double *cols,
-                                                   int has_row, double row, double tau) {
+                                                   int has_row, double row, double tau, uint32_t zero_bits) {
     for (Py_ssize_t j = j0; j < n; j += BLOCK) {
         Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
         int any = 0;
-        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], column_threshold(cols, i, has_row, row, tau));
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], column_threshold(cols, i, has_row, row, tau), zero_bits);
         if (any) return j;
     }
     return n;
@@ -253,12 +261,18 @@ static inline double spacing32(double r) {
 }
 
 /* One log entry's kind, as rounding.entries_for decides it: pinned (the value itself is logged) where the
- * uncertainty reaches a quarter of the element's own spacing, else the direction of its nearest rounding. */
-static inline int is_pinned(double x, double t) { return 4.0 * t >= spacing32((double)(float)x); }
+ * uncertainty reaches a quarter of the element's own spacing, or where it rounds to zero (rules revision 7's
+ * -0), else the direction of its nearest rounding. */
+static inline int is_pinned(double x, double t) {
+    float r = (float)x;
+    return 4.0 * t >= spacing32((double)r) || r == 0.0f;
+}
 
 /* rounding.split_short's test for a pinned FP32 value r whose uncertainty, computed from r as the replayer
- * would (t_r), is at most 2**12 of its spacings: it is stored as the low 16 bits of its key. */
-static inline int is_short(float r, double t_r) { return isfinite(r) && t_r <= 0x1p12 * spacing32((double)r); }
+ * would (t_r), is at most 2**12 of its spacings: it is stored as the low 16 bits of its key. Not a zero. */
+static inline int is_short(float r, double t_r) {
+    return isfinite(r) && r != 0.0f && t_r <= 0x1p12 * spacing32((double)r);
+}
 
 /* roundlog.key32(r) & 0xFFFF: order-preserving key of an FP32 value, its low 16 bits. */
 static inline uint16_t low16_key(float r) {
@@ -278,8 +292,10 @@ typedef DetrlEntries Entries; /* roundkernel.h */
  * caller can resume there with larger buffers. */
 static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
                             const double *thresholds, const double *rows, double tau, double c1, double lo,
-                            double hi, Py_ssize_t start, Entries *out, Entries *counts) {
+                            double hi, int negative_zeros, Py_ssize_t start, Entries *out, Entries *counts) {
     Entries *e = out ? out : counts;
+    /* a reduction's (thresholds given) element that rounds to -0 takes part from rules revision 7 */
+    const uint32_t zero_bits = thresholds && negative_zeros ? ZERO_BITS_ANY : ZERO_BITS_NONE;
     e->n_kept = e->n_pinned = e->n_short = 0;
     /* Blocks run along the innermost axis; with inner == 1 and thresholds per channel (a matrix product's
      * unit) they run along the channels of an outer row instead, with T per element. Rows shorter than a
@@ -300,8 +316,8 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
             /* the next block with a near element (rows shorter than a vector's few elements: this one) */
             Py_ssize_t hit = length < 8       ? j0
                              : along_channels ? first_near_columns(row, j0, length, thresholds, rows != NULL,
-                                                                   row_factor, tau)
-                             : thresholds     ? first_near_at(row, j0, length, tc)
+                                                                   row_factor, tau, zero_bits)
+                             : thresholds     ? first_near_at(row, j0, length, tc, zero_bits)
                                               : first_near_each(row, j0, length, c1, lo, hi);
             if (out) round_block(row + j0, hit - j0);
             if (hit == length) break;
@@ -312,7 +328,7 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
                 double t = along_channels ? column_threshold(thresholds, j, rows != NULL, row_factor, tau)
                            : thresholds   ? tc
                                           : element_threshold(v, c1, lo, hi);
-                if (!near_midpoint(v, t)) continue;
+                if (!near_flag(v, t, zero_bits)) continue;
                 float rv = (float)v;
                 if (!is_pinned(v, t)) {
                     if (out && e->n_kept == e->max_kept) goto full;
@@ -451,15 +467,16 @@ static PyObject *exact_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, start) ->
+/* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, negative_zeros, start) ->
  * (directions, pinned, short): how many near elements from flat index start get each kind of entry. With
  * rows, thresholds are column factors. */
 static PyObject *count_near(PyObject *self, PyObject *args) {
     unsigned long long address, thresholds, rows;
     Py_ssize_t outer, channels, inner, start;
     double tau, c1, lo, hi;
-    if (!PyArg_ParseTuple(args, "KnnnKKddddn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau, &c1,
-                          &lo, &hi, &start))
+    int negative_zeros;
+    if (!PyArg_ParseTuple(args, "KnnnKKddddpn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau, &c1,
+                          &lo, &hi, &negative_zeros, &start))
         return NULL;
     if (rows && !thresholds) {
         PyErr_SetString(PyExc_ValueError, "count_near: row factors need column factors");
@@ -468,12 +485,12 @@ static PyObject *count_near(PyObject *self, PyObject *args) {
     Entries counts;
     Py_BEGIN_ALLOW_THREADS
     near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
-              (const double *)(uintptr_t)rows, tau, c1, lo, hi, start, NULL, &counts);
+              (const double *)(uintptr_t)rows, tau, c1, lo, hi, negative_zeros, start, NULL, &counts);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("nnn", counts.n_kept, counts.n_pinned, counts.n_short);
 }
 
-/* take_entries(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, start, indices,
+/* take_entries(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, negative_zeros, start, indices,
  * up, n, pinned_indices, pinned_values, n_pinned, short_indices, short_bits, n_short) -> (directions,
  * pinned, short, stop): from flat index start, writes the entries into buffers with room for n directions
  * (row-major indices; up as 0/1 bytes), n_pinned pinned values (FP32) and n_short short ones (low 16 key
@@ -483,8 +500,9 @@ static PyObject *take_entries(PyObject *self, PyObject *args) {
     unsigned long long address, thresholds, rows, kept, up, pinned, pinned_values, short_indices, short_bits;
     Py_ssize_t outer, channels, inner, start, n_kept, n_pinned, n_short;
     double tau, c1, lo, hi;
-    if (!PyArg_ParseTuple(args, "KnnnKKddddnKKnKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows,
-                          &tau, &c1, &lo, &hi, &start, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned,
+    int negative_zeros;
+    if (!PyArg_ParseTuple(args, "KnnnKKddddpnKKnKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows,
+                          &tau, &c1, &lo, &hi, &negative_zeros, &start, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned,
                           &short_indices, &short_bits, &n_short))
         return NULL;
     if (rows && !thresholds) {
@@ -502,7 +520,7 @@ static PyObject *take_entries(PyObject *self, PyObject *args) {
     Py_ssize_t stop;
     Py_BEGIN_ALLOW_THREADS
     stop = near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
-                     (const double *)(uintptr_t)rows, tau, c1, lo, hi, start, &out, NULL);
+                     (const double *)(uintptr_t)rows, tau, c1, lo, hi, negative_zeros, start, &out, NULL);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("nnnn", out.n_kept, out.n_pinned, out.n_short, stop);
 }

@@ -90,11 +90,13 @@ def _layout(x: torch.Tensor, scaled: bool) -> tuple[int, int, int]:
     return 1, 1, x.numel()
 
 
-def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -> OpEntries | None:
+def take_entries_(
+    x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int, negative_zeros: bool = False
+) -> OpEntries | None:
     """Round ``x`` (see :func:`applies`) to FP32 in place and return op ``seq``'s log entries for its elements
     within T of an FP32 midpoint, or None where there are none: the same entries as
     :func:`detrl.core.rounding.entries_for` makes from :func:`detrl.core.rounding.near_midpoint` (``scaled``: False,
-    True, or a :class:`~detrl.core.rounding.Scale`, as there)."""
+    True, or a :class:`~detrl.core.rounding.Scale`, and ``negative_zeros``, as there)."""
     assert _native is not None
     n = x.numel()
     if n == 0:
@@ -132,6 +134,7 @@ def take_entries_(x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int) -
         tau * 2.0**-23,
         tau * 2.0**-149,
         tau * 2.0**104,
+        negative_zeros,
     )
     # One pass in the usual case: entries go to this thread's buffers while the output is rounded. A rare
     # output with more entries than they hold stops at the block that overflowed; the rest is counted, and

@@ -42,6 +42,7 @@ from detrl.core.oprules import (
     SQUARES,
     UNWRITTEN,
     OpKind,
+    negative_zeros,
 )
 from detrl.core.scale import SCALED_BY_INPUTS, TERMS_SCALED
 from detrl.formats.roundlog import OpEntries
@@ -271,7 +272,7 @@ class Routes:
                     rules_revision >= 3 and func in EXACT_PRODUCTS,  # scale.exact_product_elements
                 )
 
-            self._table, self._key = module.Table(resolve), key
+            self._table, self._key = module.Table(resolve, negative_zeros(rules_revision)), key
         return self._table
 
 

@@ -112,6 +112,7 @@ using Taus = std::vector<double>;
 
 struct Table {
   py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload, ...)
+  bool negative_zeros = false;  // a reduction's -0 takes part in the near test (oprules.negative_zeros)
   std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
   // The thresholds of classed ops' calls, by call key (call_key), as the mode gave them: one, or one per
   // rounded output (rules revision 4). The class is a function of the call's arguments, and the table's
@@ -374,10 +375,19 @@ void round_exact(Step* step, const at::Tensor& t) {
   count_rounded(step, t.numel());
 }
 
+// The bits of x's FP32 rounding that decide whether it takes part (the C kernel's zero_bits): an element
+// that rounds to zero never does, except, from rules revision 7, a reduction's that rounds to -0
+// (rounding.near_midpoint's negative_zeros): kZeroBitsAny tests every bit, kZeroBitsNone all but the sign.
+constexpr uint32_t kZeroBitsNone = 0x7FFFFFFFu, kZeroBitsAny = 0xFFFFFFFFu;
+
 // rounding.near_midpoint's test of one element x against its threshold t: x - t and x + t round to
-// different FP32 values, and x does not round to zero. Without a branch, so that the loops vectorise.
-inline int near_flag(double x, double t) {
-  return (static_cast<float>(x - t) != static_cast<float>(x + t)) & (static_cast<float>(x) != 0.0f);
+// different FP32 values, and x's rounding has a bit of zero_bits set. Without a branch, so that the loops
+// vectorise.
+inline int near_flag(double x, double t, uint32_t zero_bits) {
+  const float r = static_cast<float>(x);
+  uint32_t bits;
+  std::memcpy(&bits, &r, sizeof bits);
+  return (static_cast<float>(x - t) != static_cast<float>(x + t)) & ((bits & zero_bits) != 0);
 }
 
 // Whether any element of a dense FP64 buffer lies within T of an FP32 midpoint, T at the element as
@@ -390,7 +400,7 @@ VECTOR_CLONES bool any_near(const double* x, int64_t n, double tau) {
     double t = std::fabs(x[i]) * c1;
     t = t < lo ? lo : t;
     t = t > hi ? hi : t;
-    any |= near_flag(x[i], t);
+    any |= near_flag(x[i], t, kZeroBitsNone);
   }
   return any != 0;
 }
@@ -408,7 +418,8 @@ double power_of_two(double d) {
 // midpoint, T per channel at the output's scale as rounding.scale_spacing and the C kernel compute it:
 // max(2**floor(log2(float(max |x|))) 2**-23, 2**-149) tau. A channel holding a NaN or an infinity has no
 // finite T: reported as near, so the mode decides.
-bool any_near_channels(const double* x, int64_t outer, int64_t channels, int64_t inner, double tau) {
+bool any_near_channels(const double* x, int64_t outer, int64_t channels, int64_t inner, double tau,
+                       uint32_t zero_bits) {
   std::vector<double> amax(static_cast<size_t>(channels), 0.0);
   for (int64_t o = 0; o < outer; ++o) {
     for (int64_t c = 0; c < channels; ++c) {
@@ -434,7 +445,7 @@ bool any_near_channels(const double* x, int64_t outer, int64_t channels, int64_t
       const double* row = x + (o * channels + c) * inner;
       const double t = amax[c];
       for (int64_t i = 0; i < inner; ++i) {
-        any |= near_flag(row[i], t);
+        any |= near_flag(row[i], t, zero_bits);
       }
       if (any) return true;
     }
@@ -482,7 +493,7 @@ bool product_unit(const Product& p, std::vector<double>& rows, std::vector<doubl
 // Whether any element of the dense product out (M, N) lies within T = max(rows[i] cols[j], 2**-149) tau of
 // an FP32 midpoint.
 bool any_near_product(const at::Tensor& out, const std::vector<double>& rows, const std::vector<double>& cols,
-                      double tau) {
+                      double tau, uint32_t zero_bits) {
   const int64_t m = out.size(0), n = out.size(1);
   const double* x = out.data_ptr<double>();
   int any = 0;
@@ -492,7 +503,7 @@ bool any_near_product(const at::Tensor& out, const std::vector<double>& rows, co
     for (int64_t j = 0; j < n; ++j) {
       double t = r * cols[j];
       t = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
-      any |= near_flag(row[j], t);
+      any |= near_flag(row[j], t, zero_bits);
     }
     if (any) return true;
   }
@@ -518,13 +529,15 @@ struct Unit {
 };
 
 // rounding.near_midpoint's test for a logged op's dense output: at the element (ELEMENTWISE), at the
-// product's unit (LOGGED_MM), or at its channel's scale (channel_layout).
-bool output_near(int route, const at::Tensor& dense, double tau, const Unit& unit) {
+// product's unit (LOGGED_MM), or at its channel's scale (channel_layout); negative_zeros: a reduction's -0
+// takes part (rules revision 7).
+bool output_near(int route, const at::Tensor& dense, double tau, const Unit& unit, bool negative_zeros) {
   const double* x = dense.data_ptr<double>();
   if (route == LOGGED) return any_near(x, dense.numel(), tau);
-  if (route == LOGGED_MM) return any_near_product(dense, unit.rows, unit.cols, tau);
+  const uint32_t zero_bits = negative_zeros ? kZeroBitsAny : kZeroBitsNone;
+  if (route == LOGGED_MM) return any_near_product(dense, unit.rows, unit.cols, tau, zero_bits);
   const Layout l = channel_layout(dense);
-  return any_near_channels(x, l.outer, l.channels, l.inner, tau);
+  return any_near_channels(x, l.outer, l.channels, l.inner, tau, zero_bits);
 }
 
 // The kernel's entry buffers, kept per thread and reused: an op's pass starts with room for kFirstRoom
@@ -663,7 +676,8 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
   }
   const double c1 = tau * 0x1p-23, lo = tau * 0x1p-149, hi = tau * 0x1p104;
   auto pass = [&](Py_ssize_t start, DetrlEntries* out, DetrlEntries* counts) {
-    return api->near_pass(x, l.outer, l.channels, l.inner, thresholds, rows, tau, c1, lo, hi, start, out, counts);
+    return api->near_pass(x, l.outer, l.channels, l.inner, thresholds, rows, tau, c1, lo, hi,
+                          step->table->negative_zeros, start, out, counts);
   };
   const Py_ssize_t room = std::min(n, kFirstRoom);
   DetrlEntries out = found.after(0, 0, 0, room, room, room);
@@ -1024,7 +1038,7 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
   }
   if (!to_mode && !conv && (step->kernel == nullptr || sum_inputs != nullptr)) {
     for (size_t k = 0; k < dense.size(); ++k) {
-      if (output_near(route, as_measured(dense[k]), tau_of(k), unit)) {
+      if (output_near(route, as_measured(dense[k]), tau_of(k), unit, step->table->negative_zeros)) {
         to_mode = true;
         break;
       }
@@ -1937,9 +1951,10 @@ TORCH_LIBRARY_IMPL(_, Fake, m) { m.fallback(torch::CppFunction::makeFromBoxedFun
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("built_for_torch") = DETRL_BUILT_FOR_TORCH;
   py::class_<Table>(m, "Table", "the routes of the operators seen")
-      .def(py::init([](py::object resolve) {
+      .def(py::init([](py::object resolve, bool negative_zeros) {
              auto t = std::make_unique<Table>();
              t->resolve = std::move(resolve);
+             t->negative_zeros = negative_zeros;
              return t;
            }))
       .def("clear", [](Table& t) { t.entries.clear(); })

@@ -193,7 +193,13 @@ def _base_kind(func: Any) -> OpKind:
 #:    replay diverged. And a call's class (:func:`call_class`, the key of its threshold) names no memory
 #:    layout and no device: those are the machine's choice, and a replay on another layout took another
 #:    threshold than the recorder's.
-RULES_REVISION = 6
+#: 7. A reduction's element that rounds to -0 is logged like any other near a midpoint (pinned), and a
+#:    replayer takes an unlogged element of a reduction that it sees near a midpoint, within reach of zero,
+#:    for the recorder's +0 (:func:`negative_zeros`). Before, no element that rounds to zero was ever
+#:    logged: a layer norm's backward row sum that cancelled to exactly 0.0 on the recorder left rounding
+#:    noise (1e-19) on another order, which no entry pinned, and about half of the initialisations of a
+#:    layer norm followed by a mean over its features diverged.
+RULES_REVISION = 7
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.
@@ -206,6 +212,16 @@ def exact_rule(func: Any, rules_revision: int) -> bool:
     """Whether calls of ``func`` have elements every machine computes alike that need no log entry, under
     rules revision ``rules_revision`` (:func:`detrl.core.scale.exact_elements` finds them)."""
     return (rules_revision >= 2 and func in EXACT_SUMS) or (rules_revision >= 3 and func in EXACT_PRODUCTS)
+
+
+def negative_zeros(rules_revision: int) -> bool:
+    """Whether, under rules revision ``rules_revision``, a reduction's element that rounds to -0 takes part in
+    the near-midpoint test, and a replayer rounds an unlogged near element within reach of zero to +0
+    (revision 7: :func:`detrl.core.rounding.near_midpoint`, ``RoundingMode._replay``).
+
+    Structural zeros (untouched gradient slots, a one-hot loss gradient, masked scores) are +0 and stay
+    unlogged; what an honest recorder logs is the rare -0 (a cancelled sum times a negative factor)."""
+    return rules_revision >= 7
 
 
 def squares(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -37,6 +37,7 @@ from detrl.core.oprules import (
     call_class,
     classify,
     exact_rule,
+    negative_zeros,
     op_name,
     squares,
 )
@@ -161,6 +162,7 @@ def near_midpoint(
     scale_relative: bool | Scale,
     rounded: torch.Tensor | None = None,
     scratch: Scratch | None = None,
+    negative_zeros: bool = False,
 ) -> torch.Tensor:
     """Bool mask (logical shape of ``x``) of FP64 elements within ``tau`` FP32 spacings of an FP32 midpoint.
 
@@ -172,6 +174,9 @@ def near_midpoint(
     :class:`Scale` as ``scale_relative`` gives the unit itself (:func:`reduction_scale`).
     ``rounded`` (``x`` rounded to FP32) and ``scratch`` are reused when given. With ``scratch`` the mask
     lives in a scratch buffer: read it before the next call.
+
+    An element that rounds to zero is never near, except with ``negative_zeros`` (a reduction's, from rules
+    revision 7: :func:`detrl.core.oprules.negative_zeros`) one that rounds to -0.
     """
     scratch = scratch or Scratch()
     if rounded is None:
@@ -196,8 +201,13 @@ def near_midpoint(
     hi.copy_(torch.add(x, t, out=work))
     near = torch.ne(lo, hi, out=scratch.get("near", x, torch.bool))
     # Exact zeros are on the grid (often structurally: untouched gradient slots), never near. (A NaN
-    # compares unequal and is logged, harmlessly: its entry changes nothing on replay.)
-    near = near.logical_and_(torch.ne(rounded, 0, out=scratch.get("nonzero", x, torch.bool)))
+    # compares unequal and is logged, harmlessly: its entry changes nothing on replay.) From revision 7 a
+    # reduction's -0 is: the replayer takes an unlogged element within reach of zero for +0
+    # (RoundingMode._replay), so the recorder logs the zeros that are not +0, a rare few.
+    counted = torch.ne(
+        rounded.view(torch.int32) if negative_zeros else rounded, 0, out=scratch.get("nonzero", x, torch.bool)
+    )
+    near = near.logical_and_(counted)
     return near.view(shape) if isinstance(scale_relative, Scale) else near
 
 
@@ -205,9 +215,10 @@ def entries_for(seq: int, idx: torch.Tensor, xs: torch.Tensor, t: torch.Tensor) 
     """Log entries of op ``seq`` for its near-midpoint elements: their row-major indices ``idx``, FP64 values
     ``xs`` and uncertainties ``t`` (all ``(n,)``). Each records the neighbour its nearest rounding chose,
     or, where the uncertainty reaches a quarter of the element's own spacing (heavy cancellation), the
-    rounded value itself (pinned; :func:`split_short` then stores some of those as 16 key bits)."""
+    rounded value itself (pinned; :func:`split_short` then stores some of those as 16 key bits). A zero is
+    always pinned (rules revision 7's -0): the neighbour a direction names is never a zero's other sign."""
     rs = xs.to(torch.float32).to(torch.float64)
-    pinned = 4 * t >= spacing32(rs)
+    pinned = (4 * t >= spacing32(rs)) | (rs == 0)
     keep = ~pinned
     return OpEntries(
         op=seq,
@@ -254,7 +265,8 @@ def split_short(entries: OpEntries, x: torch.Tensor, tau: float, scaled: bool | 
         if isinstance(scaled, Scale) or scaled
         else _element_uncertainty(vs, tau)
     )
-    short = (torch.isfinite(vs) & (t <= SHORT_PINNED_SPACINGS * spacing32(vs))).cpu().numpy()
+    # not a zero: keys are dense about it (subnormals), and its spacing32 is no bound on the replay's keys
+    short = (torch.isfinite(vs) & (vs != 0) & (t <= SHORT_PINNED_SPACINGS * spacing32(vs))).cpu().numpy()
     if not short.any():
         return entries
     return OpEntries(
@@ -637,17 +649,20 @@ class RoundingMode(EagerDispatchMode):
         # rules revisions 2 and 3: elements every machine sums alike need no entry (scale.exact_elements);
         # found only where some element is near a midpoint (most calls have none)
         sums = exact_rule(func, self.rules_revision)
+        zeros = scaled is not False and negative_zeros(self.rules_revision)
         if step.replay is None:
             if kernel.applies(x, strided=True):  # native: test, compact and round, in one pass
                 # A strided view (split, in place on it) goes as a dense copy, whose flat order is the
                 # logical row-major order of the entries.
                 dense = x.contiguous()
-                entries = kernel.take_entries_(dense, tau, scaled, seq)
+                entries = kernel.take_entries_(dense, tau, scaled, seq, zeros)
                 if dense is not x:
                     x.copy_(dense)
             else:
                 rounded = x.to(torch.float32)
-                near = near_midpoint(x, tau, scaled, rounded=rounded, scratch=self._scratch)
+                near = near_midpoint(
+                    x, tau, scaled, rounded=rounded, scratch=self._scratch, negative_zeros=zeros
+                )
                 idx = near.reshape(-1).nonzero().squeeze(1)
                 entries = None
                 if idx.numel():
@@ -666,7 +681,7 @@ class RoundingMode(EagerDispatchMode):
             return
         rounded = x.to(torch.float32)
         exact = (lambda: exact_elements(func, args, x)) if sums else None
-        self._replay(step, seq, name, x, rounded, tau, scaled, exact)
+        self._replay(step, seq, name, x, rounded, tau, scaled, exact, zeros)
         x.copy_(rounded)
 
     def _replay(
@@ -679,10 +694,13 @@ class RoundingMode(EagerDispatchMode):
         tau: float,
         scaled: bool | Scale,
         exact: Callable[[], torch.Tensor | None] | None = None,
+        zeros: bool = False,
     ) -> None:
         """Apply the log to ``rounded`` and check it: an entry is honoured only where this machine also
         sees the element near a midpoint (within 2 tau) or, for a pinned value, within reach of it, and
-        never for an element every machine computes alike (``exact()``: a flat mask, rules revision 2)."""
+        never for an element every machine computes alike (``exact()``: a flat mask, rules revision 2).
+        With ``zeros`` (a reduction from rules revision 7) an unlogged element near a midpoint whose
+        check window reaches a value that rounds to zero is the recorder's +0 (:func:`_unlogged_zeros`)."""
         entries = step.entries(seq, x.numel())
         # The bundle's thresholds are the trainer's claim: its log is checked against at least the floor
         # an honest calibration cannot go below, so a bundle that lowers its own thresholds gains nothing.
@@ -691,7 +709,9 @@ class RoundingMode(EagerDispatchMode):
             self.check_thresholds.tau(name) if self.check_thresholds else claimed * REPLAY_CHECK_FRACTION
         )
         honour = max(tau, self.honour_floor)  # the largest threshold the recorder may have logged it with
-        flat_near = near_midpoint(x, check_tau, scaled, rounded=rounded, scratch=self._scratch).reshape(-1)
+        flat_near = near_midpoint(
+            x, check_tau, scaled, rounded=rounded, scratch=self._scratch, negative_zeros=zeros
+        ).reshape(-1)
         mask = None
         if exact is not None and (
             bool(flat_near.any()) or (entries is not None and entries.last_index() >= 0)
@@ -731,6 +751,8 @@ class RoundingMode(EagerDispatchMode):
                 )
                 self._apply_pinned(step, seq, name, x, rounded, as_pinned, honour, scaled)
                 flat_near[sidx] = False
+        if zeros and bool(flat_near.any()):
+            flat_near = _unlogged_zeros(step, x, rounded, flat_near, check_tau, scaled)
         n_unlogged = int(flat_near.sum())
         if n_unlogged:
             step.stats.unlogged_near += n_unlogged
@@ -772,7 +794,7 @@ class RoundingMode(EagerDispatchMode):
             self._anomaly(seq, name, int(idx[bad]), "pinned-value-far", far)
         step.stats.logged += idx.numel()
         rs = _take(rounded, idx)
-        changed = honoured & (rs != values)
+        changed = honoured & (rs.view(torch.int32) != values.view(torch.int32))  # bits: -0 is not +0
         if bool(changed.any()):
             step.stats.corrected += int(changed.sum())
             _put(rounded, idx, torch.where(honoured, values, rs))
@@ -887,6 +909,40 @@ def _uncertainty(
         return t.expand(idx.numel())
     inner = math.prod(x.shape[2:])  # channel of a row-major index in (N, C, *S)
     return t[(idx // inner) % x.shape[1]]
+
+
+def _unlogged_zeros(
+    step: StepRounding,
+    x: torch.Tensor,
+    rounded: torch.Tensor,
+    flat_near: torch.Tensor,
+    check_tau: float,
+    scaled: bool | Scale,
+) -> torch.Tensor:
+    """Rules revision 7, a reduction's replay: the unlogged near elements (``flat_near``, a flat mask) whose
+    check window ``[|x| - T, |x| + T]`` (T at ``check_tau``) reaches a value that rounds to zero are set to +0
+    in ``rounded``; returns the mask of the others, which stay unlogged-near.
+
+    Why +0: the recorder logs every element near a midpoint at its threshold tau but those that round to +0
+    (:func:`near_midpoint`). An honest replay is within tau/2 = T of the recorder's FP64 value; where this
+    machine sees the element near a midpoint within T and holds no entry for it, the recorder's value was
+    not near within tau, so it rounded to +0: otherwise its window of 2T around the replay's, which holds
+    the midpoint, would have made it near. (A sum whose terms cancel exactly gives +0 in round to nearest;
+    on another order the same sum leaves rounding noise, and the layer-norm-then-mean model diverged.) A
+    dishonest log gains nothing: a +0 where the recorder had another value differs from its commitments.
+    """
+    idx = flat_near.nonzero().squeeze(1)
+    xs = _take(x, idx)
+    t = _uncertainty(x, rounded, idx, check_tau, scaled)
+    to_zero = (xs.abs() - t).to(torch.float32) <= 0  # the window reaches a value that rounds to zero
+    if not bool(to_zero.any()):
+        return flat_near
+    zeroed = idx[to_zero]
+    step.stats.corrected += int((_take(rounded, zeroed).view(torch.int32) != 0).sum())
+    _put(rounded, zeroed, torch.zeros(zeroed.numel(), dtype=rounded.dtype, device=rounded.device))
+    flat_near = flat_near.clone()
+    flat_near[zeroed] = False
+    return flat_near
 
 
 def _element_uncertainty(values: torch.Tensor, tau: float) -> torch.Tensor:

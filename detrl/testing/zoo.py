@@ -258,6 +258,22 @@ def _t5_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return model(input_ids=batch[0], labels=batch[0].flip(1)).loss
 
 
+class LayerNormThenMean(nn.Module):
+    """Tokens through a linear layer into a layer norm (weight 1, bias 0 at init), whose mean over its features
+    is added back to every feature. That mean is zero up to rounding, so its backward row sums
+    (``grad_out * xhat`` summed over the features) cancel: to exactly 0.0 in some rows on one order of the
+    sum, and to noise like 1e-19 on another."""
+
+    def __init__(self, width: int = 32, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(vocab, width), nn.Linear(width, width)
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        h = self.emb(tokens)  # (B, T, width)
+        return self.head(h + self.norm(self.fc(h)).mean(-1, keepdim=True))
+
+
 def specimens(size: Size = Size()) -> dict[str, Specimen]:
     """Every zoo architecture at ``size``, by name."""
     w, v, pos = size.width, size.vocab, max(64, size.seq)
@@ -300,6 +316,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("cnn_batch_norm", functools.partial(BatchNormCNN, w), imgs, classify),
             Specimen("norms_then_means", functools.partial(NormsThenMeans, w), imgs, classify),
             Specimen("conditioned_projection", functools.partial(ConditionedProjection, w), imgs, classify),
+            Specimen("layer_norm_then_mean", functools.partial(LayerNormThenMean, max(8, w // 4), v), toks, next_token),
         ]
     }  # fmt: skip
 
