@@ -645,12 +645,20 @@ def test_the_kernel_path_of_exact_sums_finds_what_the_torch_path_finds(monkeypat
         assert scale.exact_sum_elements(aten.sum.dim_IntList, (empty, [0]), empty.sum(0)) is None
 
 
-def test_an_embeddings_exact_elements_are_found_over_the_rows_its_tokens_name() -> None:
+@pytest.mark.parametrize("on_kernel", [True, False], ids=["kernel", "torch"])
+def test_an_embeddings_exact_elements_are_found_over_the_rows_its_tokens_name(
+    on_kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The embedding gradient's exact elements are found from the rows some token names (a GPT-2 batch
     names at most 512 of 50,257); every other row sums no term and is exact. The mask is the one the rule
     gives over the whole table (the reference below), with padding tokens, repeated tokens, zeros and
-    infinities; tokens outside the table claim nothing."""
+    infinities, on the C kernel's pass and on torch's alike; tokens outside the table, or a term off the
+    FP32 grid, claim nothing."""
     from detrl.core import scale
+
+    if on_kernel and not hasattr(scale._native, "exact_embedding_sums"):
+        pytest.skip("native kernel not built")
+    monkeypatch.setattr(scale, "KERNEL_SUMS", on_kernel)
 
     backward = torch.ops.aten.embedding_dense_backward
 
@@ -676,15 +684,19 @@ def test_an_embeddings_exact_elements_are_found_over_the_rows_its_tokens_name() 
         grad[torch.rand(b, t, width, generator=g) < 0.2] = 0
         if trial % 9 == 0:
             grad[0, 0, 0] = math.inf
-        tokens = torch.randint(0, rows, (b, t), generator=g)
+        tokens = torch.randint(0, rows, (b, t), generator=g, dtype=torch.int32 if trial % 2 else torch.int64)
         args = (grad, tokens, rows, int(torch.randint(-1, rows, (1,), generator=g)), False)
         found = scale.exact_sum_elements(backward.default, args, backward(*args))
-        assert found is not None and torch.equal(found, whole_table(grad, tokens, rows)), trial
+        assert found is not None and torch.equal(found, whole_table(grad, tokens.long(), rows)), trial
         exact_seen, not_exact_seen = exact_seen + int(found.sum()), not_exact_seen + int((~found).sum())
     assert exact_seen > 100 and not_exact_seen > 100
     grad = torch.ones(1, 2, 3, dtype=torch.float64)
     outside = (grad, torch.tensor([[0, 7]]), 5, -1, False)
     assert scale.exact_sum_elements(backward.default, outside, torch.zeros(5, 3, dtype=torch.float64)) is None
+    off_grid = (grad + 2.0**-40, torch.tensor([[0, 1]]), 5, -1, False)
+    assert (
+        scale.exact_sum_elements(backward.default, off_grid, torch.zeros(5, 3, dtype=torch.float64)) is None
+    )
 
 
 @pytest.mark.parametrize("on", [True, False])

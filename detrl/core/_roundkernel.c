@@ -16,6 +16,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "roundkernel.h"
@@ -375,6 +376,17 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
  * 1. Returns 0, the mask unwritten, where some term is off the grid (a NaN is): then the rule claims no
  * element. The exponents, maxima, minima and the count are exact, so this is the torch reference's mask
  * (tests/test_rounding.py compares the two). */
+/* The rule for one sum of FP32-grid terms, from its largest and smallest nonzero term magnitudes (INFINITY:
+ * none) and ceil(log2(its number of terms)). */
+static int sum_is_exact(double largest, double smallest, int log2_terms) {
+    if (!isfinite(largest)) return 0;
+    if (isinf(smallest)) return 1; /* no nonzero term: the sum is zero */
+    int e_max, e_min;
+    frexp(largest, &e_max);
+    frexp(smallest < 1e308 ? smallest : 1e308, &e_min);
+    return e_max - e_min + log2_terms <= 29;
+}
+
 static int exact_sums_into(const double *x, Py_ssize_t outer, Py_ssize_t terms, uint8_t *mask) {
     int log2_terms = 0;
     while (log2_terms < 63 && ((int64_t)1 << log2_terms) < terms) log2_terms++;
@@ -388,20 +400,89 @@ static int exact_sums_into(const double *x, Py_ssize_t outer, Py_ssize_t terms, 
             largest = m > largest ? m : largest;
             smallest = m != 0.0 && m < smallest ? m : smallest;
         }
-        int exact;
-        if (!isfinite(largest)) {
-            exact = 0;
-        } else if (isinf(smallest)) {
-            exact = 1; /* no nonzero term: the sum is zero */
-        } else {
-            int e_max, e_min;
-            frexp(largest, &e_max);
-            frexp(smallest < 1e308 ? smallest : 1e308, &e_min);
-            exact = e_max - e_min + log2_terms <= 29;
-        }
-        mask[i] = (uint8_t)exact;
+        mask[i] = (uint8_t)sum_is_exact(largest, smallest, log2_terms);
     }
     return 1;
+}
+
+/* scale.exact_sum_elements' rule for an embedding's gradient (aten.embedding_dense_backward, unscaled): grad
+ * holds `tokens` rows of `width` FP64 terms (row-major), indices[i] the row of the (rows, width) table that
+ * token i adds to. Writes mask[r * width + j] = 1 where every order sums element (r, j) exactly (as
+ * exact_sums_into decides it; a row no token names sums no term: zero, exact), else 0; returns 1. Returns 0,
+ * the mask unwritten, where a term is off the FP32 grid or an index outside [0, rows) (then the rule claims
+ * no element), and -1 where it could not allocate. The extremes are kept for the rows seen only (a GPT-2
+ * batch names a few thousand of 50,257), each in the order of its first token. */
+static int exact_embedding_sums_into(const double *grad, Py_ssize_t tokens, Py_ssize_t width, const int64_t *indices,
+                                     Py_ssize_t rows, uint8_t *mask) {
+    Py_ssize_t *slot = malloc((size_t)(rows > 0 ? rows : 1) * sizeof *slot);
+    if (!slot) return -1;
+    for (Py_ssize_t r = 0; r < rows; r++) slot[r] = -1;
+    Py_ssize_t seen = 0;
+    for (Py_ssize_t i = 0; i < tokens; i++) {
+        int64_t r = indices[i];
+        if (r < 0 || r >= rows) {
+            free(slot);
+            return 0;
+        }
+        if (slot[r] < 0) slot[r] = seen++;
+    }
+    size_t cells = (size_t)(seen > 0 ? seen : 1) * (size_t)(width > 0 ? width : 1);
+    double *largest = calloc(cells, sizeof *largest), *smallest = malloc(cells * sizeof *smallest);
+    int64_t *count = calloc((size_t)(seen > 0 ? seen : 1), sizeof *count);
+    int status = largest && smallest && count ? 1 : -1;
+    for (size_t c = 0; status == 1 && c < cells; c++) smallest[c] = INFINITY;
+    for (Py_ssize_t i = 0; status == 1 && i < tokens; i++) {
+        Py_ssize_t s = slot[indices[i]];
+        const double *row = grad + i * width;
+        double *big = largest + s * width, *small = smallest + s * width;
+        count[s]++;
+        for (Py_ssize_t j = 0; j < width; j++) {
+            double v = row[j];
+            if ((double)(float)v != v) { /* off the grid: overflows to inf, or NaN */
+                status = 0;
+                break;
+            }
+            double m = fabs(v);
+            big[j] = m > big[j] ? m : big[j];
+            small[j] = m != 0.0 && m < small[j] ? m : small[j];
+        }
+    }
+    if (status == 1) {
+        memset(mask, 1, (size_t)rows * (size_t)width);
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            Py_ssize_t s = slot[r];
+            if (s < 0) continue;
+            int log2_terms = 0;
+            while (log2_terms < 63 && ((int64_t)1 << log2_terms) < count[s]) log2_terms++;
+            for (Py_ssize_t j = 0; j < width; j++)
+                mask[r * width + j] = (uint8_t)sum_is_exact(largest[s * width + j], smallest[s * width + j], log2_terms);
+        }
+    }
+    free(slot);
+    free(largest);
+    free(smallest);
+    free(count);
+    return status;
+}
+
+/* exact_embedding_sums(grad, tokens, width, indices, rows, mask) -> 1, 0 or -1: exact_embedding_sums_into on
+ * a contiguous FP64 buffer of tokens x width terms and one of tokens int64 indices, the mask into a buffer of
+ * rows x width bytes. */
+static PyObject *exact_embedding_sums(PyObject *self, PyObject *args) {
+    unsigned long long grad, indices, mask;
+    Py_ssize_t tokens, width, rows;
+    if (!PyArg_ParseTuple(args, "KnnKnK", &grad, &tokens, &width, &indices, &rows, &mask)) return NULL;
+    if (tokens < 0 || width < 1 || rows < 1 || (tokens && (!grad || !indices)) || !mask) {
+        PyErr_SetString(PyExc_ValueError, "exact_embedding_sums: needs a row of at least one term, and the buffers");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = exact_embedding_sums_into((const double *)(uintptr_t)grad, tokens, width,
+                                       (const int64_t *)(uintptr_t)indices, rows, (uint8_t *)(uintptr_t)mask);
+    Py_END_ALLOW_THREADS
+    if (status < 0) return PyErr_NoMemory();
+    return PyBool_FromLong(status);
 }
 
 /* exact_sums(address, outer, terms, mask) -> bool: exact_sums_into on a contiguous FP64 buffer of outer x
@@ -535,6 +616,8 @@ static PyMethodDef methods[] = {
     {"take_entries", take_entries, METH_VARARGS, "take_entries(...): write an op's entries while they fit, round in place"},
     {"exact_sums", exact_sums, METH_VARARGS, "exact_sums(address, outer, terms, mask): which sums every order computes exactly"},
     {"exact_rows", exact_rows, METH_VARARGS, "exact_rows(address, outer, n, mask): a layer norm's rows summed exactly"},
+    {"exact_embedding_sums", exact_embedding_sums, METH_VARARGS,
+     "exact_embedding_sums(grad, tokens, width, indices, rows, mask): an embedding gradient's exact elements"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -542,7 +625,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_roundkernel", NULL,
 
 /* The C API (roundkernel.h): the same passes, for native code that calls them without a Python frame. */
 static DetrlKernelApi api = {DETRL_KERNEL_API_VERSION, near_pass, channel_thresholds_into, unit_factors_into,
-                             exact_sums_into, exact_rows_into};
+                             exact_sums_into, exact_rows_into, exact_embedding_sums_into};
 
 PyMODINIT_FUNC PyInit__roundkernel(void) {
     PyObject *m = PyModule_Create(&module);

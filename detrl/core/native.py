@@ -119,7 +119,7 @@ def route(
     (batch norm), and fused ops no native split covers. Two routes need the C kernel and go to the mode
     without it: a convolution's gradients (``LOGGED_CONV``: the input gradient's unit per sample and
     channel) and a sum's entries at elements every order sums exactly (``LOGGED_SUM``, rules revision 2,
-    ``oprules.EXACT_SUMS``; an embedding gradient's always in the mode). Batch norm, layer norm, their
+    ``oprules.EXACT_SUMS``: a plain sum's and an embedding gradient's). Batch norm, layer norm, their
     backwards and the backwards of softmax and log-softmax are decomposed natively (``DECOMPOSED_*``) where
     the profile computes them and their steps as the native kernels do."""
     if plan.decomposes and func in _DECOMPOSED and not plan.random:

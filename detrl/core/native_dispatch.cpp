@@ -59,8 +59,8 @@ enum Route : int {
   LOGGED_MM = 7,         // aten.mm: the same, with its unit from its inputs (scale.reduction_scale)
   EXACT_IF_SQUARE = 8,   // pow(x, 2) (rules revision 2): EXACT; any other exponent: LOGGED
   // a sum whose elements exact in every order need no entry (rules revision 2): LOGGED_REDUCTION, except
-  // that an output with a near element leaves their entries out: a plain CPU sum here (the kernel's
-  // exact_sums), else in the mode, which gets the call's arguments
+  // that an output with a near element leaves their entries out: a plain CPU sum or embedding gradient here
+  // (the kernel's exact_sums, exact_embedding_sums), else in the mode, which gets the call's arguments
   LOGGED_SUM = 9,
   // fused ops computed as separate IEEE steps (detrl/core/fused.py), then rounded as EXACT
   SPLIT_ADD = 10, SPLIT_SUB = 11, SPLIT_ADDCMUL = 12, SPLIT_ADDCDIV = 13, SPLIT_LERP = 14,
@@ -101,6 +101,7 @@ struct Entry {
   bool float32_exact = false;  // EXACT: a float32 island of it may run natively (oprules.FLOAT32_EXACT)
   bool classed = false;        // LOGGED: its threshold depends on the call's class (Thresholds.per_class)
   bool sum_dims = false;       // LOGGED_SUM: aten.sum.dim_IntList, whose exact elements the kernel finds
+  bool embedding = false;      // LOGGED_SUM: aten.embedding_dense_backward, likewise (over the rows it names)
   bool exact_products = false; // a convolution whose calls exact in every order need no entry (rules revision 3)
   bool mean = false;           // LOGGED_TERMS: a mean, whose unit is its sum's over the terms' count
 };
@@ -188,6 +189,7 @@ const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
     e.float32_exact = r[5].cast<bool>();
     e.classed = r[6].cast<bool>();
     e.sum_dims = name.name == "aten::sum" && name.overload_name == "dim_IntList";
+    e.embedding = name.name == "aten::embedding_dense_backward";
     e.mean = name.name == "aten::mean";
     e.exact_products = r[7].cast<bool>();
   }
@@ -781,6 +783,31 @@ int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& ar
   return api->exact_sums(rows.data_ptr<double>(), out_elements, terms, mask.data());
 }
 
+// scale.exact_sum_elements of an embedding's gradient (args: aten.embedding_dense_backward's grad_output,
+// indices, num_weights, padding_idx, scale_grad_by_freq) with out_elements results, with the kernel: 1 with
+// the mask written, 0 where the rule claims no element (not a plain sum, a term off the FP32 grid, an index
+// outside the table), -1 where the mode decides (not a plain FP64 CPU tensor).
+int exact_embedding_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& args, int64_t out_elements,
+                         std::vector<uint8_t>& mask) {
+  if (args.size() < 5 || !args[0].isTensor() || !args[1].isTensor()) return -1;
+  const at::Tensor& grad = args[0].toTensor();
+  const at::Tensor& indices = args[1].toTensor();
+  if (!grad.defined() || grad.scalar_type() != c10::ScalarType::Double || grad.layout() != c10::kStrided ||
+      !grad.is_cpu() || grad.is_conj() || grad._is_zerotensor() || !indices.defined() || !indices.is_cpu() ||
+      indices.layout() != c10::kStrided)
+    return -1;
+  if (!args[4].isBool() || args[4].toBool() || !args[2].isInt() || grad.dim() == 0) return 0;  // scaled by frequency
+  const int64_t rows = args[2].toInt(), width = grad.size(-1);
+  if (rows <= 0 || width == 0 || indices.numel() * width != grad.numel() || rows * width != out_elements) return 0;
+  const at::Tensor dense = grad.resolve_neg().contiguous();
+  const at::Tensor flat = indices.reshape({-1}).to(c10::ScalarType::Long).contiguous();
+  mask.resize(static_cast<size_t>(out_elements));
+  const int found = api->exact_embedding_sums(dense.data_ptr<double>(), flat.numel(), width,
+                                              flat.data_ptr<int64_t>(), rows, mask.data());
+  if (found < 0) throw std::bad_alloc();
+  return found;
+}
+
 // scale._terms_scale of a sum's or a mean's call (args: its positional arguments: the terms, then the dims
 // where it has them) with out_elements results, with the kernel: per result, max(2**floor(log2(m)),
 // 2**-149) of the largest |term| m whose FP32 rounding is finite (the kernel's unit_factors over the terms
@@ -1043,11 +1070,12 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
         break;
       }
     }
-    // A near element of a plain sum: its exact elements found here, with the kernel, and their entries
-    // left out as the mode leaves them out; an embedding gradient's (rows its tokens name) in the mode.
-    if (to_mode && step->kernel != nullptr && e.sum_dims && dense.size() == 1) {
+    // A near element of a plain sum or an embedding's gradient: its exact elements found here, with the
+    // kernel, and their entries left out as the mode leaves them out.
+    if (to_mode && step->kernel != nullptr && (e.sum_dims || e.embedding) && dense.size() == 1) {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-      const int found_mask = exact_sum_mask(step->kernel, *sum_inputs, dense[0].numel(), exact);
+      const int found_mask = e.embedding ? exact_embedding_mask(step->kernel, *sum_inputs, dense[0].numel(), exact)
+                                         : exact_sum_mask(step->kernel, *sum_inputs, dense[0].numel(), exact);
       to_mode = found_mask < 0;
       masked = found_mask > 0;
     }

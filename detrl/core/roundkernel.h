@@ -46,6 +46,11 @@ typedef struct {
     /* exact_rows: decompose._exact_rows' rule for a layer norm's outer rows of n FP64 values (row-major):
      * 0/1 bytes, 1 where every order sums the row exactly (version 3). */
     void (*exact_rows)(const double *x, Py_ssize_t outer, Py_ssize_t n, uint8_t *mask);
+    /* exact_embedding_sums: exact_sums' rule for an embedding's gradient, tokens x width terms added to the
+     * rows indices name in a (rows, width) table: 1 (mask written), 0 (a term off the grid or an index out
+     * of range: no mask), -1 (out of memory) (version 4). */
+    int (*exact_embedding_sums)(const double *grad, Py_ssize_t tokens, Py_ssize_t width, const int64_t *indices,
+                                Py_ssize_t rows, uint8_t *mask);
 } DetrlKernelApi;
 
 #ifdef __cplusplus
