@@ -395,26 +395,26 @@ def test_property_kernel_equals_reference(
 
 @needs_kernel
 @pytest.mark.parametrize("tau", [2.0**-23, 2.0**-10])
-def test_a_reduction_logs_its_negative_zeros_from_rules_revision_7(tau: float) -> None:
-    """Rules revision 7: a reduction's element that rounds to -0 is pinned (an exact -0 and a negative value
-    below half the smallest subnormal alike); one that rounds to +0 is not, nor any zero of an elementwise
-    op, nor any zero under the earlier rules. The kernel's entries are the reference's, in a matrix
-    product's unit too."""
+def test_a_reduction_logs_its_negative_values_that_round_to_zero_from_rules_revision_7(tau: float) -> None:
+    """Rules revision 7: a reduction's negative value that rounds to -0 is pinned as -0; an exact zero of
+    either sign is not (the same on every machine), nor a positive value that rounds to +0 (the replay's
+    default), nor any zero of an elementwise op, nor any zero under the earlier rules. The kernel's entries
+    are the reference's, in a matrix product's unit too."""
     g = torch.Generator().manual_seed(0)
     x = (torch.rand(3, 4, 5, dtype=torch.float64, generator=g) + 1).float().double()  # one binade: none near
     x *= torch.randint(0, 2, x.shape, generator=g) * 2 - 1
     x[0, 1, 2], x[1, 2, 3], x[2, 0, 0], x[2, 3, 4] = -0.0, -(2.0**-160), 0.0, 2.0**-160
-    negative = [0 * 20 + 1 * 5 + 2, 1 * 20 + 2 * 5 + 3]
+    tiny_negative = [1 * 20 + 2 * 5 + 3]
     entries = _assert_same(x, tau, True, negative_zeros=True)
-    assert entries is not None and entries.pinned_indices.tolist() == negative
-    assert entries.pinned_values.view(np.int32).tolist() == [np.float32(-0.0).view(np.int32)] * 2
+    assert entries is not None and entries.pinned_indices.tolist() == tiny_negative
+    assert entries.pinned_values.view(np.int32).tolist() == [np.float32(-0.0).view(np.int32)]
     assert not len(entries.indices) and not len(entries.short_indices)  # the grid values: nothing else
     for scaled, zeros in ((True, False), (False, True), (False, False)):
         assert _assert_same(x, tau, scaled, negative_zeros=zeros) is None
     product = x.reshape(12, 5)
     unit = reduction_scale(torch.ops.aten.mm.default, (product, torch.eye(5, dtype=torch.float64)), product)
     entries = _assert_same(product, tau, unit, negative_zeros=True)
-    assert entries is not None and entries.pinned_indices.tolist() == negative
+    assert entries is not None and entries.pinned_indices.tolist() == tiny_negative
 
 
 def test_non_contiguous_and_other_dtypes_take_the_reference() -> None:

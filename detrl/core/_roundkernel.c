@@ -53,22 +53,12 @@ static inline double element_threshold(double x, double c1, double lo, double hi
     return t > hi ? hi : t;
 }
 
-/* The bits of x's FP32 rounding that decide whether it takes part: an element that rounds to zero is never
- * near, except, from rules revision 7, a reduction's that rounds to -0 (rounding.near_midpoint's
- * negative_zeros): ZERO_BITS_ANY tests every bit, ZERO_BITS_NONE all but the sign. */
-#define ZERO_BITS_NONE 0x7FFFFFFFu
-#define ZERO_BITS_ANY 0xFFFFFFFFu
-
-static inline uint32_t float_bits(float r) {
-    uint32_t bits;
-    memcpy(&bits, &r, sizeof bits);
-    return bits;
-}
-
-/* x - t and x + t round to different FP32 values, and x's rounding has a bit of zero_bits set. Without a
+/* x - t and x + t round to different FP32 values, and x takes part: its FP32 rounding is not zero or, with
+ * tiny (a reduction's from rules revision 7: rounding.near_midpoint's negative_zeros), x is a negative
+ * value that rounds to -0. An exact zero never takes part, nor a positive value that rounds to +0. Without a
  * branch, so that the loops that call it vectorise. */
-static inline int near_flag(double x, double t, uint32_t zero_bits) {
-    return ((float)(x - t) != (float)(x + t)) & ((float_bits((float)x) & zero_bits) != 0);
+static inline int near_flag(double x, double t, int tiny) {
+    return ((float)(x - t) != (float)(x + t)) & (((float)x != 0.0f) | (tiny & (x < 0.0)));
 }
 
 /* Vector builds of the hot loops. The elements are independent, so a vector unit computes each exactly as
@@ -86,11 +76,11 @@ static inline int near_flag(double x, double t, uint32_t zero_bits) {
 #define BLOCK 32
 
 VECTOR_CLONES static Py_ssize_t first_near_at(const double *x, Py_ssize_t j0, Py_ssize_t n, double t,
-                                              uint32_t zero_bits) {
+                                              int tiny) {
     for (Py_ssize_t j = j0; j < n; j += BLOCK) {
         Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
         int any = 0;
-        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], t, zero_bits);
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], t, tiny);
         if (any) return j;
     }
     return n;
@@ -101,7 +91,7 @@ VECTOR_CLONES static Py_ssize_t first_near_each(const double *x, Py_ssize_t j0, 
     for (Py_ssize_t j = j0; j < n; j += BLOCK) {
         Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
         int any = 0;
-        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], element_threshold(x[i], c1, lo, hi), ZERO_BITS_NONE);
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], element_threshold(x[i], c1, lo, hi), 0);
         if (any) return j;
     }
     return n;
@@ -117,11 +107,11 @@ static inline double column_threshold(const double *cols, Py_ssize_t c, int has_
 }
 
 VECTOR_CLONES static Py_ssize_t first_near_columns(const double *x, Py_ssize_t j0, Py_ssize_t n, const double *cols,
-                                                   int has_row, double row, double tau, uint32_t zero_bits) {
+                                                   int has_row, double row, double tau, int tiny) {
     for (Py_ssize_t j = j0; j < n; j += BLOCK) {
         Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
         int any = 0;
-        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], column_threshold(cols, i, has_row, row, tau), zero_bits);
+        for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], column_threshold(cols, i, has_row, row, tau), tiny);
         if (any) return j;
     }
     return n;
@@ -295,8 +285,8 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
                             const double *thresholds, const double *rows, double tau, double c1, double lo,
                             double hi, int negative_zeros, Py_ssize_t start, Entries *out, Entries *counts) {
     Entries *e = out ? out : counts;
-    /* a reduction's (thresholds given) element that rounds to -0 takes part from rules revision 7 */
-    const uint32_t zero_bits = thresholds && negative_zeros ? ZERO_BITS_ANY : ZERO_BITS_NONE;
+    /* a reduction's (thresholds given) negative value that rounds to -0 takes part from rules revision 7 */
+    const int tiny = thresholds && negative_zeros;
     e->n_kept = e->n_pinned = e->n_short = 0;
     /* Blocks run along the innermost axis; with inner == 1 and thresholds per channel (a matrix product's
      * unit) they run along the channels of an outer row instead, with T per element. Rows shorter than a
@@ -317,8 +307,8 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
             /* the next block with a near element (rows shorter than a vector's few elements: this one) */
             Py_ssize_t hit = length < 8       ? j0
                              : along_channels ? first_near_columns(row, j0, length, thresholds, rows != NULL,
-                                                                   row_factor, tau, zero_bits)
-                             : thresholds     ? first_near_at(row, j0, length, tc, zero_bits)
+                                                                   row_factor, tau, tiny)
+                             : thresholds     ? first_near_at(row, j0, length, tc, tiny)
                                               : first_near_each(row, j0, length, c1, lo, hi);
             if (out) round_block(row + j0, hit - j0);
             if (hit == length) break;
@@ -329,7 +319,7 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
                 double t = along_channels ? column_threshold(thresholds, j, rows != NULL, row_factor, tau)
                            : thresholds   ? tc
                                           : element_threshold(v, c1, lo, hi);
-                if (!near_flag(v, t, zero_bits)) continue;
+                if (!near_flag(v, t, tiny)) continue;
                 float rv = (float)v;
                 if (!is_pinned(v, t)) {
                     if (out && e->n_kept == e->max_kept) goto full;

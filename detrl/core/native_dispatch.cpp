@@ -113,7 +113,7 @@ using Taus = std::vector<double>;
 
 struct Table {
   py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload, ...)
-  bool negative_zeros = false;  // a reduction's -0 takes part in the near test (oprules.negative_zeros)
+  bool negative_zeros = false;  // a reduction's tiny negative values take part in the near test (oprules)
   std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
   // The thresholds of classed ops' calls, by call key (call_key), as the mode gave them: one, or one per
   // rounded output (rules revision 4). The class is a function of the call's arguments, and the table's
@@ -377,19 +377,12 @@ void round_exact(Step* step, const at::Tensor& t) {
   count_rounded(step, t.numel());
 }
 
-// The bits of x's FP32 rounding that decide whether it takes part (the C kernel's zero_bits): an element
-// that rounds to zero never does, except, from rules revision 7, a reduction's that rounds to -0
-// (rounding.near_midpoint's negative_zeros): kZeroBitsAny tests every bit, kZeroBitsNone all but the sign.
-constexpr uint32_t kZeroBitsNone = 0x7FFFFFFFu, kZeroBitsAny = 0xFFFFFFFFu;
-
 // rounding.near_midpoint's test of one element x against its threshold t: x - t and x + t round to
-// different FP32 values, and x's rounding has a bit of zero_bits set. Without a branch, so that the loops
-// vectorise.
-inline int near_flag(double x, double t, uint32_t zero_bits) {
-  const float r = static_cast<float>(x);
-  uint32_t bits;
-  std::memcpy(&bits, &r, sizeof bits);
-  return (static_cast<float>(x - t) != static_cast<float>(x + t)) & ((bits & zero_bits) != 0);
+// different FP32 values, and x takes part: its FP32 rounding is not zero or, with tiny (a reduction's from
+// rules revision 7), x is a negative value that rounds to -0 (the C kernel's near_flag). Without a branch,
+// so that the loops vectorise.
+inline int near_flag(double x, double t, int tiny) {
+  return (static_cast<float>(x - t) != static_cast<float>(x + t)) & ((static_cast<float>(x) != 0.0f) | (tiny & (x < 0.0)));
 }
 
 // Whether any element of a dense FP64 buffer lies within T of an FP32 midpoint, T at the element as
@@ -402,7 +395,7 @@ VECTOR_CLONES bool any_near(const double* x, int64_t n, double tau) {
     double t = std::fabs(x[i]) * c1;
     t = t < lo ? lo : t;
     t = t > hi ? hi : t;
-    any |= near_flag(x[i], t, kZeroBitsNone);
+    any |= near_flag(x[i], t, 0);
   }
   return any != 0;
 }
@@ -421,7 +414,7 @@ double power_of_two(double d) {
 // max(2**floor(log2(float(max |x|))) 2**-23, 2**-149) tau. A channel holding a NaN or an infinity has no
 // finite T: reported as near, so the mode decides.
 bool any_near_channels(const double* x, int64_t outer, int64_t channels, int64_t inner, double tau,
-                       uint32_t zero_bits) {
+                       int tiny) {
   std::vector<double> amax(static_cast<size_t>(channels), 0.0);
   for (int64_t o = 0; o < outer; ++o) {
     for (int64_t c = 0; c < channels; ++c) {
@@ -447,7 +440,7 @@ bool any_near_channels(const double* x, int64_t outer, int64_t channels, int64_t
       const double* row = x + (o * channels + c) * inner;
       const double t = amax[c];
       for (int64_t i = 0; i < inner; ++i) {
-        any |= near_flag(row[i], t, zero_bits);
+        any |= near_flag(row[i], t, tiny);
       }
       if (any) return true;
     }
@@ -495,7 +488,7 @@ bool product_unit(const Product& p, std::vector<double>& rows, std::vector<doubl
 // Whether any element of the dense product out (M, N) lies within T = max(rows[i] cols[j], 2**-149) tau of
 // an FP32 midpoint.
 bool any_near_product(const at::Tensor& out, const std::vector<double>& rows, const std::vector<double>& cols,
-                      double tau, uint32_t zero_bits) {
+                      double tau, int tiny) {
   const int64_t m = out.size(0), n = out.size(1);
   const double* x = out.data_ptr<double>();
   int any = 0;
@@ -505,7 +498,7 @@ bool any_near_product(const at::Tensor& out, const std::vector<double>& rows, co
     for (int64_t j = 0; j < n; ++j) {
       double t = r * cols[j];
       t = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
-      any |= near_flag(row[j], t, zero_bits);
+      any |= near_flag(row[j], t, tiny);
     }
     if (any) return true;
   }
@@ -531,15 +524,15 @@ struct Unit {
 };
 
 // rounding.near_midpoint's test for a logged op's dense output: at the element (ELEMENTWISE), at the
-// product's unit (LOGGED_MM), or at its channel's scale (channel_layout); negative_zeros: a reduction's -0
-// takes part (rules revision 7).
+// product's unit (LOGGED_MM), or at its channel's scale (channel_layout); negative_zeros: a reduction's
+// negative value that rounds to -0 takes part (rules revision 7).
 bool output_near(int route, const at::Tensor& dense, double tau, const Unit& unit, bool negative_zeros) {
   const double* x = dense.data_ptr<double>();
   if (route == LOGGED) return any_near(x, dense.numel(), tau);
-  const uint32_t zero_bits = negative_zeros ? kZeroBitsAny : kZeroBitsNone;
-  if (route == LOGGED_MM) return any_near_product(dense, unit.rows, unit.cols, tau, zero_bits);
+  const int tiny = negative_zeros ? 1 : 0;
+  if (route == LOGGED_MM) return any_near_product(dense, unit.rows, unit.cols, tau, tiny);
   const Layout l = channel_layout(dense);
-  return any_near_channels(x, l.outer, l.channels, l.inner, tau, zero_bits);
+  return any_near_channels(x, l.outer, l.channels, l.inner, tau, tiny);
 }
 
 // The kernel's entry buffers, kept per thread and reused: an op's pass starts with room for kFirstRoom

@@ -176,7 +176,8 @@ def near_midpoint(
     lives in a scratch buffer: read it before the next call.
 
     An element that rounds to zero is never near, except with ``negative_zeros`` (a reduction's, from rules
-    revision 7: :func:`detrl.core.oprules.negative_zeros`) one that rounds to -0.
+    revision 7: :func:`detrl.core.oprules.negative_zeros`) a negative value that rounds to -0. An exact zero
+    never is.
     """
     scratch = scratch or Scratch()
     if rounded is None:
@@ -202,11 +203,11 @@ def near_midpoint(
     near = torch.ne(lo, hi, out=scratch.get("near", x, torch.bool))
     # Exact zeros are on the grid (often structurally: untouched gradient slots), never near. (A NaN
     # compares unequal and is logged, harmlessly: its entry changes nothing on replay.) From revision 7 a
-    # reduction's -0 is: the replayer takes an unlogged element within reach of zero for +0
-    # (RoundingMode._replay), so the recorder logs the zeros that are not +0, a rare few.
-    counted = torch.ne(
-        rounded.view(torch.int32) if negative_zeros else rounded, 0, out=scratch.get("nonzero", x, torch.bool)
-    )
+    # reduction's negative value that rounds to -0 is: the replayer takes an unlogged element within reach
+    # of zero for +0 (RoundingMode._replay), so the recorder logs the other zeros a rounding makes.
+    counted = torch.ne(rounded, 0, out=scratch.get("nonzero", x, torch.bool))
+    if negative_zeros:
+        counted.logical_or_(torch.lt(x, 0))
     near = near.logical_and_(counted)
     return near.view(shape) if isinstance(scale_relative, Scale) else near
 
@@ -923,13 +924,17 @@ def _unlogged_zeros(
     check window ``[|x| - T, |x| + T]`` (T at ``check_tau``) reaches a value that rounds to zero are set to +0
     in ``rounded``; returns the mask of the others, which stay unlogged-near.
 
-    Why +0: the recorder logs every element near a midpoint at its threshold tau but those that round to +0
-    (:func:`near_midpoint`). An honest replay is within tau/2 = T of the recorder's FP64 value; where this
-    machine sees the element near a midpoint within T and holds no entry for it, the recorder's value was
-    not near within tau, so it rounded to +0: otherwise its window of 2T around the replay's, which holds
-    the midpoint, would have made it near. (A sum whose terms cancel exactly gives +0 in round to nearest;
-    on another order the same sum leaves rounding noise, and the layer-norm-then-mean model diverged.) A
-    dishonest log gains nothing: a +0 where the recorder had another value differs from its commitments.
+    Why +0: the recorder logs every element near a midpoint at its threshold tau but its exact zeros and
+    the positive values that round to +0 (:func:`near_midpoint`). An honest replay is within tau/2 = T of
+    the recorder's FP64 value; where this machine sees the element near a midpoint within T and holds no
+    entry for it, the recorder's value was not near within tau (its window of 2T around this one's holds
+    the midpoint), so it was one of those. A sum whose terms cancel exactly gives +0 in round to nearest,
+    and on another order leaves rounding noise: the layer-norm-then-mean model diverged there. An exact -0
+    (a copy of one, a ceiling, a sum of -0 terms) is the same -0 on every machine, and this one's exact
+    zero is never near, so it keeps its own. What this takes on trust: an op whose kernel multiplies a sum
+    that cancelled exactly by a negative factor (-0) while another order leaves noise; that replay
+    diverges at the step, it is not accepted. A dishonest log gains nothing: a +0 where the recorder had
+    another value differs from its commitments.
     """
     idx = flat_near.nonzero().squeeze(1)
     xs = _take(x, idx)

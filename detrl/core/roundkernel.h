@@ -28,7 +28,7 @@ typedef struct {
 typedef struct {
     int version; /* DETRL_KERNEL_API_VERSION */
     /* The near-midpoint pass of take_entries (see near_pass in _roundkernel.c); negative_zeros: a
-     * reduction's element that rounds to -0 takes part (rules revision 7; version 4). */
+     * reduction's negative value that rounds to -0 takes part (rules revision 7; version 4). */
     Py_ssize_t (*near_pass)(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
                             const double *thresholds, const double *rows, double tau, double c1, double lo,
                             double hi, int negative_zeros, Py_ssize_t start, DetrlEntries *out,
