@@ -313,6 +313,14 @@ def test_zeros_that_cancel_replay_as_the_recorders_from_rules_revision_7(native:
     assert far[0, 0].item() != 0.0 and rep.stats.unlogged_near == 1
     rep = StepRounding(replay={})  # the -0 left out
     assert bits(compute(rep, 7, noise)) == [0, -(2**31), 0]
+    # a forged pinned zero for a value no machine rounds to zero is refused (its reach is the threshold's
+    # and the smallest subnormal's, not the 2**-24 that spacing32 gives a zero)
+    forged = dataclasses.replace(
+        entry, pinned_indices=np.array([0, 2]), pinned_values=np.array([0.0, -0.0], np.float32)
+    )
+    rep = StepRounding(replay={entry.op: forged})
+    assert compute(rep, 7, (1e-9, -0.0, -3e-19))[0, 0].item() == np.float32(1e-9)
+    assert rep.stats.refused == 1 and rep.anomalies[0].kind == "pinned-value-far"
 
 
 def test_short_pinned_values_split_by_uncertainty():

@@ -786,7 +786,8 @@ class RoundingMode(EagerDispatchMode):
         xs, vs = _take(x, idx), values.double()
         # The recorder's value is within half a spacing of its FP32 rounding and within tau/margin of ours.
         t = _uncertainty(x, rounded, idx, tau, scaled)
-        reach = 2 * t + spacing32(vs)
+        # a zero's own spacing is the smallest subnormal's (spacing32 gives 2**-24 there, frexp's exponent 0)
+        reach = 2 * t + torch.where(vs == 0, 2.0**-149, spacing32(vs))
         honoured = (xs - vs).abs() <= reach
         if not bool(honoured.all()):  # a pinned value this machine cannot have computed: refuse it
             step.stats.refused += int((~honoured).sum())
