@@ -159,6 +159,48 @@ def _float32_ops(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     return (h.double() * batch[0][:, :1]).sum()
 
 
+class _DropoutNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 16) -> (B, 4)
+        h = torch.nn.functional.dropout(torch.relu(self.fc1(x)), 0.3, self.training)
+        return self.fc2(torch.nn.functional.dropout(h, 0.1, self.training) + torch.rand_like(h) * 1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize("precision", ["fp64", "fp32"])
+def test_a_plain_runs_random_ops_take_the_stream_and_the_rest_runs_natively(tmp_path, precision: str) -> None:  # noqa: ANN001
+    """A step that is not verifiable draws its dropout masks (and any random op) from the ``dropout`` stream
+    in a Python mode; with the route on, only those ops enter it and every other op runs as it is: the same
+    weights, bit for bit, as the mode alone, and a complex result is no reason to refuse anything."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+
+    def train(on: bool) -> tuple[list[torch.Tensor], collections.Counter]:
+        native.counts.clear()
+        with native.switched(on), Session(tmp_path / f"{precision}{on}", mode="off", precision=precision,
+                                          sources=Sources(seed=3)) as s:  # fmt: skip
+            model = s.init(_DropoutNet)
+            opt = s.track(torch.optim.AdamW(model.parameters(), lr=1e-2))
+            for _ in range(3):
+                with s.step():
+                    batch = x.to(s.precision.dtype)
+                    loss = model(batch).square().mean() + torch.fft.rfft(batch).abs().mean() * 0
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+        return [p.detach().clone() for p in model.parameters()], collections.Counter(native.counts)
+
+    routed, counts = train(True)
+    alone, _ = train(False)
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(routed, alone, strict=True)
+    )
+    assert counts["python"] == 3 * 3  # two dropouts and a rand_like a step
+    assert counts["native"] > 10 * counts["python"]
+
+
 @needs_native
 def test_float32_islands_of_exact_ops_run_natively_with_the_same_bits(tmp_path) -> None:  # noqa: ANN001
     """An exact op on float32 operands and numbers float32 holds gives its FP64 twin's rounded result in

@@ -793,6 +793,8 @@ class Session:
                 modes.enter_context(self.rounding.step_scope(rounding, calibrate, check, stream, honour))
             elif self.route_random_ops:
                 modes.enter_context(StreamRandomMode(self.sources.torch("dropout")))
+                if self.hardware == "native":  # the mode alone on the stack: its other ops run natively
+                    modes.enter_context(native.random_route(self.profile))
             try:
                 yield rounding
             except LogOutOfRange as e:

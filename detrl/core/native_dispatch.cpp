@@ -114,6 +114,9 @@ using Taus = std::vector<double>;
 struct Table {
   py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload, ...)
   bool negative_zeros = false;  // a reduction's tiny negative values take part in the near test (oprules)
+  // a verifiable step's table: results no rule rounds (complex, sparse) are refused; a plain step's
+  // (native.random_route: its random ops to the stream's mode, every other op run as it is) refuses nothing
+  bool refuses = true;
   std::unordered_map<const void*, Entry> entries;  // by the operator's schema (one per operator)
   // The thresholds of classed ops' calls, by call key (call_key), as the mode gave them: one, or one per
   // rounded output (rules revision 4). The class is a function of the call's arguments, and the table's
@@ -1842,7 +1845,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     c10::impl::ExcludeDispatchKeyGuard inside(kOurs);
     op.redispatchBoxed(keys & kBelowOurs, stack);
   }
-  for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i) {
+  for (size_t i = stack->size() - schema.returns().size(); i < stack->size() && step->table->refuses; ++i) {
     const c10::IValue& v = (*stack)[i];
     if (v.isTensor() && unroundable(v.toTensor())) refuse(e, v.toTensor());
   }
@@ -1978,10 +1981,11 @@ TORCH_LIBRARY_IMPL(_, Fake, m) { m.fallback(torch::CppFunction::makeFromBoxedFun
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("built_for_torch") = DETRL_BUILT_FOR_TORCH;
   py::class_<Table>(m, "Table", "the routes of the operators seen")
-      .def(py::init([](py::object resolve, bool negative_zeros) {
+      .def(py::init([](py::object resolve, bool negative_zeros, bool refuses) {
              auto t = std::make_unique<Table>();
              t->resolve = std::move(resolve);
              t->negative_zeros = negative_zeros;
+             t->refuses = refuses;
              return t;
            }))
       .def("clear", [](Table& t) { t.entries.clear(); })
