@@ -359,13 +359,13 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
     return total;
 }
 
-/* scale.exact_sum_elements' rule for sums of FP32-grid terms: x holds `outer` sums of `terms` FP64 terms
- * each, row-major (outer, terms). Where every term is on the FP32 grid, writes mask[i] = 1 for a sum every
- * order computes exactly (frexp exponents of its largest and smallest nonzero magnitudes e_max, e_min:
- * e_max - e_min + ceil(log2(terms)) <= 29, or no nonzero term), and a finite largest term, else 0; returns
- * 1. Returns 0, the mask unwritten, where some term is off the grid (a NaN is): then the rule claims no
- * element. The exponents, maxima, minima and the count are exact, so this is the torch reference's mask
- * (tests/test_rounding.py compares the two). */
+/* ceil(log2(terms)) of a sum of terms >= 1 terms (exactly: the least k with 2**k >= terms). */
+static int ceil_log2(int64_t terms) {
+    int k = 0;
+    while (k < 63 && ((int64_t)1 << k) < terms) k++;
+    return k;
+}
+
 /* The rule for one sum of FP32-grid terms, from its largest and smallest nonzero term magnitudes (INFINITY:
  * none) and ceil(log2(its number of terms)). */
 static int sum_is_exact(double largest, double smallest, int log2_terms) {
@@ -377,9 +377,15 @@ static int sum_is_exact(double largest, double smallest, int log2_terms) {
     return e_max - e_min + log2_terms <= 29;
 }
 
+/* scale.exact_sum_elements' rule for sums of FP32-grid terms: x holds `outer` sums of `terms` FP64 terms
+ * each, row-major (outer, terms). Where every term is on the FP32 grid, writes mask[i] = 1 for a sum every
+ * order computes exactly (frexp exponents of its largest and smallest nonzero magnitudes e_max, e_min:
+ * e_max - e_min + ceil(log2(terms)) <= 29, or no nonzero term), and a finite largest term, else 0; returns
+ * 1. Returns 0, the mask unwritten, where some term is off the grid (a NaN is): then the rule claims no
+ * element. The exponents, maxima, minima and the count are exact, so this is the torch reference's mask
+ * (tests/test_rounding.py compares the two). */
 static int exact_sums_into(const double *x, Py_ssize_t outer, Py_ssize_t terms, uint8_t *mask) {
-    int log2_terms = 0;
-    while (log2_terms < 63 && ((int64_t)1 << log2_terms) < terms) log2_terms++;
+    const int log2_terms = ceil_log2(terms);
     for (Py_ssize_t i = 0; i < outer; i++) {
         const double *row = x + i * terms;
         double largest = 0.0, smallest = INFINITY;
@@ -442,8 +448,7 @@ static int exact_embedding_sums_into(const double *grad, Py_ssize_t tokens, Py_s
         for (Py_ssize_t r = 0; r < rows; r++) {
             Py_ssize_t s = slot[r];
             if (s < 0) continue;
-            int log2_terms = 0;
-            while (log2_terms < 63 && ((int64_t)1 << log2_terms) < count[s]) log2_terms++;
+            const int log2_terms = ceil_log2(count[s]);
             for (Py_ssize_t j = 0; j < width; j++)
                 mask[r * width + j] = (uint8_t)sum_is_exact(largest[s * width + j], smallest[s * width + j], log2_terms);
         }

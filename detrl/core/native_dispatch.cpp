@@ -756,6 +756,13 @@ int64_t sum_order(const at::Tensor& x, const std::vector<bool>& reduced, std::ve
   return terms;
 }
 
+// A tensor the kernel's passes can read through resolve_neg().contiguous(): a defined, strided FP64 CPU
+// tensor that is no lazy conjugate and no zero tensor (which has no memory). A lazy negation may be.
+bool kernel_readable(const at::Tensor& x) {
+  return x.defined() && x.scalar_type() == c10::ScalarType::Double && x.layout() == c10::kStrided && x.is_cpu() &&
+         !x.is_conj() && !x._is_zerotensor();
+}
+
 // scale.exact_sum_elements of an aten.sum.dim_IntList call (args: its positional arguments) whose output has
 // out_elements, with the kernel's pass (exact_sums): 1 where the mask is written (1: an element every order
 // computes exactly), 0 where the rule claims no element (no dims, terms off the FP32 grid), -1 where the
@@ -764,9 +771,7 @@ int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& ar
                    std::vector<uint8_t>& mask) {
   if (args.empty() || !args[0].isTensor()) return -1;
   const at::Tensor& x = args[0].toTensor();
-  if (!x.defined() || x.scalar_type() != c10::ScalarType::Double || x.layout() != c10::kStrided || !x.is_cpu() ||
-      x.is_conj() || x._is_zerotensor())
-    return -1;
+  if (!kernel_readable(x)) return -1;
   if (x.dim() == 0 || args.size() < 2 || !args[1].isIntList() || args[1].toIntList().empty()) return 0;
   const int64_t rank = x.dim();
   std::vector<bool> reduced(static_cast<size_t>(rank), false);
@@ -788,9 +793,7 @@ int exact_embedding_mask(const DetrlKernelApi* api, const std::vector<c10::IValu
   if (args.size() < 5 || !args[0].isTensor() || !args[1].isTensor()) return -1;
   const at::Tensor& grad = args[0].toTensor();
   const at::Tensor& indices = args[1].toTensor();
-  if (!grad.defined() || grad.scalar_type() != c10::ScalarType::Double || grad.layout() != c10::kStrided ||
-      !grad.is_cpu() || grad.is_conj() || grad._is_zerotensor() || !indices.defined() || !indices.is_cpu() ||
-      indices.layout() != c10::kStrided)
+  if (!kernel_readable(grad) || !indices.defined() || !indices.is_cpu() || indices.layout() != c10::kStrided)
     return -1;
   if (!args[4].isBool() || args[4].toBool() || !args[2].isInt() || grad.dim() == 0) return 0;  // scaled by frequency
   const int64_t rows = args[2].toInt(), width = grad.size(-1);
@@ -813,9 +816,7 @@ bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args,
                 Unit& unit) {
   if (args.empty() || !args[0].isTensor()) return false;
   const at::Tensor& x = args[0].toTensor();
-  if (!x.defined() || x.scalar_type() != c10::ScalarType::Double || x.layout() != c10::kStrided || !x.is_cpu() ||
-      x.is_conj() || x._is_zerotensor() || x.dim() == 0 || x.numel() == 0)
-    return false;
+  if (!kernel_readable(x) || x.dim() == 0 || x.numel() == 0) return false;
   const int64_t rank = x.dim();
   std::vector<bool> reduced(static_cast<size_t>(rank), true);  // no dims (None or []): every dim
   if (args.size() >= 2 && args[1].isIntList() && !args[1].toIntList().empty()) {

@@ -270,16 +270,22 @@ def _fresh(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def _wait_for_record(run_dir: str | os.PathLike, start: int, stop: Callable[[], bool]) -> bool:
+    """Poll until ``run_dir`` holds more than ``start`` records (True), or ``stop()`` or 600 s came first."""
+    deadline = time.monotonic() + 600
+    while records_written(run_dir) <= start:
+        if stop() or time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _kill_later(
     pid: int, exited: Callable[[], bool], after_s: float, watch: str | os.PathLike | None
 ) -> None:
     """SIGKILL ``pid`` ``after_s`` seconds after ``watch`` gained its first new record (unless it exited)."""
-    start = records_written(watch) if watch is not None else 0
-    deadline = time.monotonic() + 600
-    while (
-        watch is not None and records_written(watch) <= start and not exited() and time.monotonic() < deadline
-    ):
-        time.sleep(0.005)
+    if watch is not None:
+        _wait_for_record(watch, records_written(watch), exited)
     end = time.monotonic() + after_s
     while not exited() and time.monotonic() < end:
         time.sleep(0.005)
@@ -531,11 +537,8 @@ def references(
         done = threading.Event()
 
         def watch() -> None:
-            while not done.is_set():
-                if records_written(ref) > 0:
-                    first_record.append(time.perf_counter())
-                    return
-                time.sleep(0.005)
+            if _wait_for_record(ref, 0, done.is_set):
+                first_record.append(time.perf_counter())
 
         watcher = threading.Thread(target=watch, daemon=True)
         t0 = time.perf_counter()
