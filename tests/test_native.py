@@ -51,7 +51,7 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     plain, pairwise = get_profile("native"), get_profile("emulated:pairwise", seed=0)
 
     def route(func, profile=plain, rules_revision=RULES_REVISION) -> Route:  # noqa: ANN001
-        return native.route(func, plan_of(func), profile.reorders, rules_revision)
+        return native.route(func, plan_of(func, rules_revision), profile.reorders, rules_revision)
 
     assert route(aten.view.default) is Route.KEEP
     assert route(aten.mul.Tensor) is Route.EXACT
@@ -282,6 +282,42 @@ def _recorded(
         body()
     entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
     return (step.stats, step.op_names, entries), native.counts.copy()
+
+
+@needs_native
+def test_ops_that_only_move_values_take_no_op_position_from_rules_revision_8() -> None:
+    """An LSTM's forward and backward (gate split: ``unsafe_split``) and a few other ops of
+    ``oprules.KEEP_FROM_8`` (the backward of a slice, a triangle, nearest upsampling, reflective padding), in
+    one recorded step: under revision 7 they take op positions, under 8 none; the same results and the same
+    gradients under both, and the route's step equals the mode's (op names, entries, stats) under each."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(8, 16, batch_first=True).double()
+    x0 = torch.randn(3, 5, 8, dtype=torch.float64).float().double()
+    moved = {"unsafe_split", "slice_backward", "tril", "upsample_nearest2d", "reflection_pad2d"}
+
+    def run(on: bool, revision: int) -> tuple:
+        results: list[torch.Tensor] = []
+
+        def body() -> None:
+            lstm.zero_grad()
+            x = x0.clone().requires_grad_()
+            out, _ = lstm(x)
+            image = torch.nn.functional.interpolate(out[:, 1:, None, :].tril(), scale_factor=2.0)
+            padded = torch.nn.functional.pad(image, (1, 1, 1, 1), mode="reflect")
+            padded.square().sum().backward()
+            results.extend([padded.detach(), x.grad, *(p.grad for p in lstm.parameters())])
+
+        recorded, _ = _recorded(on, 2.0**-30, body, rules_revision=revision)
+        return recorded, results
+
+    steps = {(on, revision): run(on, revision) for on in (True, False) for revision in (7, 8)}
+    for revision in (7, 8):
+        assert steps[(True, revision)][0] == steps[(False, revision)][0]
+    (before, old), (after, new) = steps[(True, 7)], steps[(True, 8)]
+    assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
+    names = [{name.split(".")[-2] if "." in name else name for name in n} for n in (before[1], after[1])]
+    assert moved <= names[0] and not moved & names[1], names
+    assert len(after[1]) < len(before[1])
 
 
 def _layer_norm_step(route: str, tau: float, values: torch.Tensor, monkeypatch) -> tuple:  # noqa: ANN001

@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -390,8 +391,8 @@ def test_verifiable_sessions_pin_optimizers_to_one_op_sequence_on_every_device(t
 
 def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
     """Rules revision 2 takes ``pow(x, 2)`` as exact (``x * x``): a GPT-2 (tanh GELU: squares in its
-    backward) records the same weights under revisions 1, 4 and the latest (7: a reduction's -0 logged, an
-    unlogged replayed element within reach of zero taken for +0),
+    backward) records the same weights under revisions 1, 4 and the latest (8: ops that only move values
+    kept; 7: a reduction's -0 logged, an unlogged replayed element within reach of zero taken for +0),
     a smaller log under 4 than under 1 (its squares' ties are not logged), and each bundle replays on its
     own rules on two profiles with nothing unlogged or refused. A bundle of a revision this detrl does not
     know is bad input, in one line."""
@@ -413,20 +414,20 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 7]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 8]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
         for hardware in ("native", get_profile("emulated:splitk", seed=0)):
             replayed = zoo.replay(specimen, bundle, hardware, steps=3)  # raises Divergence if it differs
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
-    manifests[2]["rules_revision"] = 8
+    manifests[2]["rules_revision"] = 9
     (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[2]))
     with pytest.raises(engine.BundleError) as raised:
         zoo.replay(specimen, new, "native", steps=3)
     message = str(raised.value)
     assert (
-        "recorded by a newer detrl (rounding-rule revision 8; this one applies revisions 1 to 7)" in message
+        "recorded by a newer detrl (rounding-rule revision 9; this one applies revisions 1 to 8)" in message
     )
     assert "\n" not in message
 
@@ -481,6 +482,131 @@ def test_a_layer_norm_sum_that_cancels_to_zero_is_covered_from_rules_revision_7(
     ):
         replayed = zoo.replay(specimen, tmp_path / "rules7", get_profile(name, seed=seed), steps=2)
         assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
+
+
+#: A call of each op :data:`detrl.core.oprules.KEEP_FROM_8` lists, on FP32-grid FP64 inputs ``x`` (4-d).
+def _kept_from_8_calls(x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    aten = torch.ops.aten
+    m, v, idx = x[0, 0], x.flatten()[:10], torch.tensor([4, 1])
+    return {
+        "unsafe_split": lambda: aten.unsafe_split.Tensor(x, 2, 1),
+        "unsafe_split_with_sizes": lambda: aten.unsafe_split_with_sizes.default(x, [1, 3], 1),
+        "unsafe_chunk": lambda: aten.unsafe_chunk.default(x, 2, 1),
+        "slice_backward": lambda: aten.slice_backward.default(x, [2, 4, 6, 8], 3, 1, 7, 1),
+        "select_backward": lambda: aten.select_backward.default(m, [3, 6, 6], 0, 1),
+        "diagonal_backward": lambda: aten.diagonal_backward.default(m[0], [6, 6], 0, 0, 1),
+        "ceil": lambda: aten.ceil.default(x * 8),
+        "ceil_": lambda: aten.ceil_.default(x * 8),
+        "floor": lambda: aten.floor.default(x * 8),
+        "floor_": lambda: aten.floor_.default(x * 8),
+        "trunc": lambda: aten.trunc.default(x * 8),
+        "trunc_": lambda: aten.trunc_.default(x * 8),
+        "tril": lambda: aten.tril.default(m),
+        "tril_": lambda: aten.tril_.default(m.clone()),
+        "triu": lambda: aten.triu.default(m, 1),
+        "triu_": lambda: aten.triu_.default(m.clone()),
+        "masked_scatter": lambda: aten.masked_scatter.default(m, m > 0, x),
+        "masked_scatter_": lambda: aten.masked_scatter_.default(m.clone(), m > 0, x),
+        "pixel_shuffle": lambda: aten.pixel_shuffle.default(x, 2),
+        "pixel_unshuffle": lambda: aten.pixel_unshuffle.default(x, 2),
+        "channel_shuffle": lambda: aten.channel_shuffle.default(x, 2),
+        "native_channel_shuffle": lambda: aten.native_channel_shuffle.default(x, 2),
+        "repeat_interleave": lambda: aten.repeat_interleave.self_int(x, 2, 1),
+        "_unsafe_index": lambda: aten._unsafe_index.Tensor(x, [None, torch.tensor([3, 0, 3])]),
+        "upsample_nearest1d": lambda: aten.upsample_nearest1d.default(x[0], [9]),
+        "upsample_nearest2d": lambda: aten.upsample_nearest2d.default(x, [9, 12]),
+        "upsample_nearest3d": lambda: aten.upsample_nearest3d.default(x[None], [3, 9, 12]),
+        "_upsample_nearest_exact1d": lambda: aten._upsample_nearest_exact1d.default(x[0], [9]),
+        "_upsample_nearest_exact2d": lambda: aten._upsample_nearest_exact2d.default(x, [9, 12]),
+        "_upsample_nearest_exact3d": lambda: aten._upsample_nearest_exact3d.default(x[None], [3, 9, 12]),
+        "reflection_pad1d": lambda: aten.reflection_pad1d.default(x[0], [2, 3]),
+        "reflection_pad2d": lambda: aten.reflection_pad2d.default(x, [2, 3, 1, 2]),
+        "reflection_pad3d": lambda: aten.reflection_pad3d.default(x, [2, 3, 1, 2, 1, 1]),
+        "replication_pad1d": lambda: aten.replication_pad1d.default(x[0], [2, 3]),
+        "replication_pad2d": lambda: aten.replication_pad2d.default(x, [2, 3, 1, 2]),
+        "replication_pad3d": lambda: aten.replication_pad3d.default(x, [2, 3, 1, 2, 1, 1]),
+        "diag_embed": lambda: aten.diag_embed.default(x),
+        "diag": lambda: aten.diag.default(v, 1),
+        "im2col": lambda: aten.im2col.default(x, [3, 3], [1, 1], [1, 1], [2, 2]),
+        "hardtanh_backward": lambda: aten.hardtanh_backward.default(x, x.flip(0), -0.5, 0.5),
+        "max_pool3d_with_indices": lambda: aten.max_pool3d_with_indices.default(x, [2, 2, 2], [1, 2, 2]),
+        "adaptive_max_pool1d": lambda: aten.adaptive_max_pool1d.default(x[0], [4]),
+        "adaptive_max_pool2d": lambda: aten.adaptive_max_pool2d.default(x, [4, 4]),
+        "adaptive_max_pool3d": lambda: aten.adaptive_max_pool3d.default(x, [2, 4, 4]),
+        "kthvalue": lambda: aten.kthvalue.default(x, 3, -1),
+        "median": lambda: aten.median.dim(x, -1),
+        "nanmedian": lambda: aten.nanmedian.dim(x, -1),
+        "cummax": lambda: aten.cummax.default(x, -1),
+        "cummin": lambda: aten.cummin.default(x, -1),
+        "msort": lambda: aten.msort.default(x),
+        "alias_copy": lambda: aten.alias_copy.default(x),
+        "unsqueeze_copy": lambda: aten.unsqueeze_copy.default(x, 1),
+        "squeeze_copy": lambda: aten.squeeze_copy.default(x[:1]),
+        "t_copy": lambda: aten.t_copy.default(m),
+        "transpose_copy": lambda: aten.transpose_copy.int(x, 1, 3),
+        "permute_copy": lambda: aten.permute_copy.default(x, [3, 1, 0, 2]),
+        "expand_copy": lambda: aten.expand_copy.default(m[:1], [4, 6]),
+        "slice_copy": lambda: aten.slice_copy.Tensor(x, 3, 1, 5, 2),
+        "select_copy": lambda: aten.select_copy.int(x, 2, 3),
+        "split_copy": lambda: aten.split_copy.Tensor(x, 4, 3),
+        "split_with_sizes_copy": lambda: aten.split_with_sizes_copy.default(x, [2, 4], 3),
+        "unbind_copy": lambda: aten.unbind_copy.int(x, 1),
+        "diagonal_copy": lambda: aten.diagonal_copy.default(x, 0, 2, 3),
+        "as_strided_copy": lambda: aten.as_strided_copy.default(x, [3, 3], [7, 2], 1),
+        "detach_copy": lambda: aten.detach_copy.default(x),
+        "_reshape_copy": lambda: aten._reshape_copy.default(x, [8, 36]),
+        "unfold_copy": lambda: aten.unfold_copy.default(x, 3, 2, 1),
+        "index_copy": lambda: aten.index_copy.default(m, 0, idx, x[1, 1, :2]),
+        "index_copy_": lambda: aten.index_copy_.default(m.clone(), 0, idx, x[1, 1, :2]),
+        "take": lambda: aten.take.default(x, torch.tensor([[3, 70], [5, 1]])),
+    }
+
+
+def test_ops_kept_from_rules_revision_8_leave_fp32_grid_values_on_the_grid():
+    """What makes an op ``KEEP`` from revision 8: its FP64 result of FP32-grid inputs is on the grid, so
+    rounding it changes nothing and no machine can round it otherwise. Each listed op, on random grid
+    values (scaled by 8 where it rounds to integers, so that they have fractions), gives grid values; under
+    revision 7 each was an unlisted reduction. A sum of the same values is off the grid: the check can fail."""
+    from detrl.core.oprules import KEEP_FROM_8
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 6, 6, generator=g, dtype=torch.float64).float().double()
+    calls = _kept_from_8_calls(x)
+    assert set(calls) == {p.__name__ for p in KEEP_FROM_8}, "a listed op without a call here, or one unlisted"
+    for name, call in calls.items():
+        out = call()
+        for t in (out,) if isinstance(out, torch.Tensor) else out:
+            if t.is_floating_point():
+                assert torch.equal(t.float().double(), t), name
+        for overload in getattr(torch.ops.aten, name).overloads():
+            func = getattr(getattr(torch.ops.aten, name), overload)
+            assert classify(func, {}, 8) is OpKind.KEEP and classify(func, {}, 7) is OpKind.REDUCTION, func
+    total = x.sum(-1)
+    assert not torch.equal(total.float().double(), total)
+
+
+def test_an_lstm_keeps_its_gate_split_from_rules_revision_8(tmp_path, monkeypatch):
+    """The zoo's LSTM splits its gates with ``unsafe_split``, unlisted before revision 8 and so logged as a
+    reduction: its views were rounded (to no effect) and took op positions. Recorded under 7 and 8, the
+    weights are the same bit for bit, and each bundle replicates under its own rules on two orders."""
+    import json
+
+    from detrl.core import engine
+    from detrl.formats import bundle as bundle_mod
+    from detrl.testing import zoo
+
+    specimen = zoo.SPECIMENS["lstm"]
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 7)
+        zoo.record(specimen, tmp_path / "rules7", steps=2)
+    zoo.record(specimen, tmp_path / "rules8", steps=2)
+    manifests = [json.loads((tmp_path / d / bundle_mod.MANIFEST).read_text()) for d in ("rules7", "rules8")]
+    assert [m["rules_revision"] for m in manifests] == [7, 8]
+    assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
+    for bundle in ("rules7", "rules8"):
+        for name in ("emulated:pairwise", "emulated:splitk"):
+            replayed = zoo.replay(specimen, tmp_path / bundle, get_profile(name), steps=2)
+            assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
 
 
 def test_sums_exact_in_every_order_are_found():

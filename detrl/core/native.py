@@ -230,10 +230,10 @@ counts: collections.Counter[str] = collections.Counter()
 
 class Routes:
     """One rounding mode's table of operator routes, kept across steps and rebuilt when the profile or the
-    thresholds change (an elementwise op's route holds its threshold). ``plan_of(func)`` is the mode's
-    plan of an op."""
+    thresholds change (an elementwise op's route holds its threshold). ``plan_of(func, rules_revision)`` is
+    the mode's plan of an op."""
 
-    def __init__(self, plan_of: Callable[[Any], Any]) -> None:
+    def __init__(self, plan_of: Callable[[Any, int], Any]) -> None:
         self._plan_of = plan_of
         self._table: Any = None
         self._key: Any = None
@@ -262,7 +262,7 @@ class Routes:
                     return int(Route.PYTHON), False, 0.0, name, None, False, False, False
                 short = func.overloadpacket.__name__
                 return (
-                    int(route(func, plan_of(func), reorders, rules_revision)),
+                    int(route(func, plan_of(func, rules_revision), reorders, rules_revision)),
                     short.endswith("_"),
                     thresholds.tau(short),
                     short,

@@ -145,11 +145,38 @@ UNWRITTEN: dict[Any, Callable[[Sequence[Any], Any], None]] = {
 }
 
 
-def classify(func: Any, kwargs: dict[str, Any]) -> OpKind:
-    """The :class:`OpKind` of aten overload ``func`` called with ``kwargs``."""
+#: Rules revision 8: ops whose result holds only their inputs' values, zeros, or their inputs rounded to
+#: integers (an FP32 value's integer part is an FP32 value), so the FP64 result of FP32-grid inputs is on the
+#: grid already: ``KEEP``. Before, unlisted, they were logged as reductions, rounded to no effect and
+#: numbered; a strided result (the LSTM's gate split, ``unsafe_split``) was copied dense to be rounded and
+#: copied back. Splits, the backwards of slicing (zeros, then the gradient copied in), triangles, shuffles,
+#: nearest upsampling and reflective or replicating padding (copies; their backwards add overlapping
+#: gradients and stay logged), the element a selection picks (median, kthvalue, running max), and the
+#: functionalised copies of views. Not ``view_copy``, whose ``dtype`` overload reinterprets bits.
+KEEP_FROM_8 = _packets(
+    "unsafe_split", "unsafe_split_with_sizes", "unsafe_chunk", "slice_backward", "select_backward",
+    "diagonal_backward", "ceil", "ceil_", "floor", "floor_", "trunc", "trunc_", "tril", "tril_", "triu",
+    "triu_", "masked_scatter", "masked_scatter_", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
+    "native_channel_shuffle", "repeat_interleave", "_unsafe_index", "upsample_nearest1d",
+    "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+    "_upsample_nearest_exact3d", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
+    "replication_pad1d", "replication_pad2d", "replication_pad3d", "diag_embed", "diag", "im2col",
+    "hardtanh_backward", "max_pool3d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d",
+    "adaptive_max_pool3d", "kthvalue", "median", "nanmedian", "cummax", "cummin", "msort", "alias_copy",
+    "unsqueeze_copy", "squeeze_copy", "t_copy", "transpose_copy", "permute_copy", "expand_copy", "slice_copy",
+    "select_copy", "split_copy", "split_with_sizes_copy", "unbind_copy", "diagonal_copy", "as_strided_copy",
+    "detach_copy", "_reshape_copy", "unfold_copy", "index_copy", "index_copy_", "take",
+)  # fmt: skip
+
+
+def classify(func: Any, kwargs: dict[str, Any], rules_revision: int | None = None) -> OpKind:
+    """The :class:`OpKind` of aten overload ``func`` called with ``kwargs``, under rules revision
+    ``rules_revision`` (a bundle's; None: the current one, :data:`RULES_REVISION`)."""
     kind = _base_kind(func)
     if kind is OpKind.EXACT and func.overloadpacket in _ALPHA_FUSED and kwargs.get("alpha", 1) != 1:
         return OpKind.ELEMENTWISE
+    if kind is OpKind.REDUCTION and func.overloadpacket in KEEP_FROM_8:
+        return OpKind.KEEP if (rules_revision or RULES_REVISION) >= 8 else kind
     return kind
 
 
@@ -199,7 +226,10 @@ def _base_kind(func: Any) -> OpKind:
 #:    backward row sum that cancelled to exactly 0.0 on the recorder left rounding noise (1e-19) on another
 #:    order, which the replay rounded: about half of the initialisations of a layer norm followed by a mean
 #:    over its features diverged.
-RULES_REVISION = 7
+#: 8. Ops that only move, select or zero their inputs' values, or round them to integers, are ``KEEP``
+#:    (:data:`KEEP_FROM_8`): they were logged as reductions (unlisted), which rounded nothing, took an op
+#:    position, and copied a strided result dense and back (the LSTM's gate split: 1,170 copies a step).
+RULES_REVISION = 8
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.

@@ -424,7 +424,6 @@ class RoundingMode(EagerDispatchMode):
         #: default) costs each op one attribute test
         self.trace: OpTrace | None = None
         self._native_routes = native.Routes(plan_of)
-        #: the rounding rules the step follows (:data:`detrl.core.oprules.RULES_REVISION`; a replay: its bundle's)
         self.rules_revision = RULES_REVISION
         # the threshold of the last logged call, per thread: the native route reads it on the thread that
         # handed the call over, and autograd's device threads run the mode beside it
@@ -432,6 +431,17 @@ class RoundingMode(EagerDispatchMode):
         # the ops with class thresholds, for the per_class dict it was taken from (held, so its id stays its
         # own) at its length (classes are only ever added: calibration adds them, nothing removes one)
         self._classed: tuple[dict[str, float] | None, int, frozenset[str]] = (None, 0, frozenset())
+
+    @property
+    def rules_revision(self) -> int:
+        """The rounding rules the steps follow (:data:`detrl.core.oprules.RULES_REVISION`; a replay: its
+        bundle's). Setting it selects the ops' plans of that revision."""
+        return self._revision
+
+    @rules_revision.setter
+    def rules_revision(self, revision: int) -> None:
+        self._revision = revision
+        self._plans = _PLANS.setdefault(revision, {})
 
     @contextlib.contextmanager
     def step_scope(
@@ -479,7 +489,7 @@ class RoundingMode(EagerDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         self._last.learned = None
-        plan = _PLANS.get(id(func)) or _plan(func)
+        plan = self._plans.get(id(func)) or _plan(func, self._revision)
         if plan.island and islands.narrow_dtype(args, kwargs):
             return self._island(func, types, args, kwargs)
         if plan.decomposes and decompose.applies(func, args):
@@ -496,7 +506,9 @@ class RoundingMode(EagerDispatchMode):
             return out
         if kwargs:  # alpha= and the like: decided per call
             split = plan.splits and split_needed(func, kwargs)
-            kind = OpKind.EXACT if split else classify(func, kwargs) if plan.alpha else plan.kind
+            kind = (
+                OpKind.EXACT if split else classify(func, kwargs, self._revision) if plan.alpha else plan.kind
+            )
         else:  # the usual call: decided once, in the plan
             split = plan.splits_plain
             kind = OpKind.EXACT if split else plan.kind
@@ -833,25 +845,26 @@ class _Plan:
     unwritten: Callable[[Any, Any], None] | None  # sets what its kernel leaves unwritten (oprules.UNWRITTEN)
 
 
-_PLANS: dict[int, _Plan] = {}  # by id(): an OpOverload's __hash__ is Python code, called at every op
+#: per rules revision, by id(): an OpOverload's __hash__ is Python code, called at every op
+_PLANS: dict[int, dict[int, _Plan]] = {}
 #: Casts between float types: to FP64 from a narrower type they need no rounding (see :func:`_widens_floats`).
 CASTS = frozenset({torch.ops.aten._to_copy.default})
 
 
-def plan_of(func: Any) -> _Plan:
-    """What the mode decides about ``func`` once (cached)."""
-    return _PLANS.get(id(func)) or _plan(func)
+def plan_of(func: Any, rules_revision: int = RULES_REVISION) -> _Plan:
+    """What the mode decides about ``func`` once (cached), under rules revision ``rules_revision``."""
+    return _PLANS.get(rules_revision, {}).get(id(func)) or _plan(func, rules_revision)
 
 
-def _plan(func: Any) -> _Plan:
-    kind = classify(func, {})
+def _plan(func: Any, rules_revision: int) -> _Plan:
+    kind = classify(func, {}, rules_revision)
     keep, widening = bool(func.is_view) or kind is OpKind.KEEP, func in CASTS
     in_place_view = torch.Tag.inplace_view in func.tags
     plan = _Plan(
         decomposes=func in decompose.DECOMPOSITIONS,
         splits=split_needed(func, {}) or split_needed(func, {"alpha": 2}),
         splits_plain=split_needed(func, {}),
-        alpha=classify(func, {"alpha": 2}) is not kind,
+        alpha=classify(func, {"alpha": 2}, rules_revision) is not kind,
         kind=kind,
         random=randomness.draws_randomness(func),
         keep=keep,
@@ -860,7 +873,7 @@ def _plan(func: Any) -> _Plan:
         island=not (keep or widening or in_place_view or func.overloadpacket in AS_GIVEN),
         unwritten=UNWRITTEN.get(func),
     )
-    _PLANS[id(func)] = plan
+    _PLANS.setdefault(rules_revision, {})[id(func)] = plan
     return plan
 
 
