@@ -434,7 +434,7 @@ SMALLER = {"lstm_lm": ["data.seq_len=8", "data.n=64", "model.hidden=32", "model.
 def test_a_recording_is_the_same_bundle_with_and_without_the_kernel(tmp_path, recipe: str) -> None:  # noqa: ANN001
     """The whole record path: every log entry, threshold and commitment the same, byte for byte. The LSTM's
     gates are strided views of one matrix (``unsafe_split``, then ``sigmoid_`` in place on them), which the
-    kernel takes through a dense copy."""
+    kernel takes through a dense copy where an element is near a midpoint."""
     from detrl.formats import bundle as bundle_mod
     from detrl.run import config as config_mod
     from detrl.run import sessions, tasks

@@ -320,6 +320,42 @@ def test_ops_that_only_move_values_take_no_op_position_from_rules_revision_8() -
     assert len(after[1]) < len(before[1])
 
 
+@needs_native
+@pytest.mark.parametrize("tau", [2.0**-30, 2.0**-4])
+def test_strided_views_are_rounded_in_place_with_the_modes_bits(tau: float) -> None:
+    """In-place ops on strided views: an LSTM's gates (column blocks of one matrix: runs of 128 elements),
+    a permuted cube (runs of 32) and a transposed matrix (runs of one element, which go through a dense
+    copy). Elementwise ops with no element near a midpoint and exact ops are tested and rounded in place on
+    the route; at the large threshold most views have near elements and take the dense copy. Either way the
+    route's step is the mode's: op names, entries, stats and bits."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(16, 512, generator=g, dtype=torch.float64)
+    cube = torch.randn(4, 8, 32, generator=g, dtype=torch.float64)
+
+    def run(on: bool) -> tuple:
+        results: list[torch.Tensor] = []
+
+        def body() -> None:
+            x, c = base.clone(), cube.clone()
+            gates = x.unsafe_split(128, 1)
+            gates[0].sigmoid_()
+            gates[1].tanh_()
+            gates[2].mul_(0.1)
+            gates[3].add_(1.0 / 3.0)
+            c.permute(1, 0, 2).exp_()
+            x.t()[:64].sigmoid_()
+            results.extend([x, c])
+
+        recorded, counts = _recorded(on, tau, body)
+        return recorded, results, counts
+
+    (on, on_bits, counts), (off, off_bits, _) = run(True), run(False)
+    assert on == off
+    assert all(torch.equal(a, b) for a, b in zip(on_bits, off_bits, strict=True))
+    assert counts["python"] == 0, dict(counts)
+    assert (len(on[2]) > 0) == (tau > 2.0**-10), on[2]  # entries where the threshold is large
+
+
 def _layer_norm_step(route: str, tau: float, values: torch.Tensor, monkeypatch) -> tuple:  # noqa: ANN001
     """A layer norm's forward and backward in one recorded step; ``route``: "off" (the mode alone), "on"
     (the route, which writes layer norm out itself), "mode" (the route, but the mode writes layer norm out
@@ -394,6 +430,19 @@ def test_sums_with_near_elements_log_alike_on_the_route_and_in_the_mode() -> Non
             for d in torch.randperm(nd, generator=g)[: int(torch.randint(1, nd + 1, (1,), generator=g))]
         ]
         calls.append((x, dims))
+    # wider ones: a bias gradient's column sums and a transposed matrix's row sums (read in place, side by
+    # side), row sums of every other column (terms strided), and kept dims that do not step through memory
+    # as one (a copy)
+    views = {"t": lambda x: x.t(), "odd": lambda x: x[:, ::2], None: lambda x: x}
+    for shape, dims, view in (
+        ((16, 37), [0], None),
+        ((37, 16), [1], "t"),
+        ((16, 18), [1], "odd"),
+        ((3, 16, 9), [1], None),
+    ):
+        binades = torch.randint(-2, 3, shape, generator=g).double()
+        x = views[view]((torch.randint(-8, 9, shape, generator=g).double() * 2.0**binades).float().double())
+        calls += [(x, dims), (torch._neg_view(x), dims)]
     logs = {}
     for on in (True, False, "revision 1"):
         step = StepRounding()

@@ -154,8 +154,8 @@ static PyObject *round_inplace(PyObject *self, PyObject *args) {
  * 2**-149) * times, m_r = max |x[r, c]| over the row's elements whose FP32 rounding is finite (abs_max).
  * times is a power of two. Rows run contiguous (col_stride 1) or side by side (row_stride 1: a transposed
  * view). */
-VECTOR_CLONES static void strided_row_abs_max(const double *x, Py_ssize_t rows, Py_ssize_t cols,
-                                              Py_ssize_t row_stride, Py_ssize_t col_stride, double *out) {
+VECTOR_CLONES static void strided_row_abs_max(const double *restrict x, Py_ssize_t rows, Py_ssize_t cols,
+                                              Py_ssize_t row_stride, Py_ssize_t col_stride, double *restrict out) {
     if (col_stride == 1) {
         for (Py_ssize_t r = 0; r < rows; r++) out[r] = abs_max(x + r * row_stride, cols, 0.0);
         return;
@@ -377,24 +377,75 @@ static int sum_is_exact(double largest, double smallest, int log2_terms) {
     return e_max - e_min + log2_terms <= 29;
 }
 
+/* One sum's terms, `terms` of them side by side: the largest and the smallest nonzero magnitude (INFINITY:
+ * none) into *largest and *smallest; returns whether a term is off the FP32 grid (a NaN is). A max and a
+ * min are exact in any order, so the loop may run in vector lanes. */
+VECTOR_CLONES static int term_extremes(const double *x, Py_ssize_t terms, double *largest, double *smallest) {
+    double big = 0.0, small = INFINITY;
+    int off = 0;
+#pragma omp simd reduction(max : big) reduction(min : small) reduction(| : off)
+    for (Py_ssize_t j = 0; j < terms; j++) {
+        double v = x[j];
+        off |= (double)(float)v != v;
+        double m = fabs(v), nonzero = m != 0.0 ? m : INFINITY;
+        big = m > big ? m : big;
+        small = nonzero < small ? nonzero : small;
+    }
+    *largest = big, *smallest = small;
+    return off;
+}
+
+/* term_extremes of `outer` sums side by side (sum i's term j at x[i + j * stride]: a matrix's column sums, a
+ * bias gradient), one row of terms at a time across all sums. */
+VECTOR_CLONES static int columns_extremes(const double *restrict x, Py_ssize_t outer, Py_ssize_t terms, Py_ssize_t stride,
+                                          double *restrict largest, double *restrict smallest) {
+    int off = 0;
+    for (Py_ssize_t i = 0; i < outer; i++) largest[i] = 0.0, smallest[i] = INFINITY;
+    for (Py_ssize_t j = 0; j < terms; j++) {
+        const double *row = x + j * stride;
+        for (Py_ssize_t i = 0; i < outer; i++) {
+            double v = row[i];
+            off |= (double)(float)v != v;
+            double m = fabs(v), nonzero = m != 0.0 ? m : INFINITY;
+            largest[i] = m > largest[i] ? m : largest[i];
+            smallest[i] = nonzero < smallest[i] ? nonzero : smallest[i];
+        }
+    }
+    return off;
+}
+
 /* scale.exact_sum_elements' rule for sums of FP32-grid terms: x holds `outer` sums of `terms` FP64 terms
- * each, row-major (outer, terms). Where every term is on the FP32 grid, writes mask[i] = 1 for a sum every
- * order computes exactly (frexp exponents of its largest and smallest nonzero magnitudes e_max, e_min:
- * e_max - e_min + ceil(log2(terms)) <= 29, or no nonzero term), and a finite largest term, else 0; returns
- * 1. Returns 0, the mask unwritten, where some term is off the grid (a NaN is): then the rule claims no
- * element. The exponents, maxima, minima and the count are exact, so this is the torch reference's mask
- * (tests/test_rounding.py compares the two). */
-static int exact_sums_into(const double *x, Py_ssize_t outer, Py_ssize_t terms, uint8_t *mask) {
+ * each, sum i's term j at x[i * outer_stride + j * term_stride] (strides in elements: row-major rows, or
+ * the columns of a matrix read in place). Where every term is on the FP32 grid, writes mask[i] = 1 for a sum
+ * every order computes exactly (frexp exponents of its largest and smallest nonzero magnitudes e_max,
+ * e_min: e_max - e_min + ceil(log2(terms)) <= 29, or no nonzero term), and a finite largest term, else 0;
+ * returns 1. Returns 0, the mask unwritten, where some term is off the grid (a NaN is): then the rule claims
+ * no element; -1 where it could not allocate. The exponents, maxima, minima and the count are exact, so
+ * this is the torch reference's mask (tests/test_rounding.py compares the two). */
+static int exact_sums_into(const double *x, Py_ssize_t outer, Py_ssize_t terms, Py_ssize_t outer_stride,
+                           Py_ssize_t term_stride, uint8_t *mask) {
     const int log2_terms = ceil_log2(terms);
+    if (outer_stride == 1 && term_stride != 1 && outer > 1) {
+        double *largest = malloc(2 * (size_t)outer * sizeof *largest);
+        if (!largest) return -1;
+        double *smallest = largest + outer;
+        const int off = columns_extremes(x, outer, terms, term_stride, largest, smallest);
+        for (Py_ssize_t i = 0; i < outer && !off; i++) mask[i] = (uint8_t)sum_is_exact(largest[i], smallest[i], log2_terms);
+        free(largest);
+        return !off;
+    }
     for (Py_ssize_t i = 0; i < outer; i++) {
-        const double *row = x + i * terms;
         double largest = 0.0, smallest = INFINITY;
-        for (Py_ssize_t j = 0; j < terms; j++) {
-            double v = row[j];
-            if ((double)(float)v != v) return 0; /* off the grid: overflows to inf, or NaN */
-            double m = fabs(v);
-            largest = m > largest ? m : largest;
-            smallest = m != 0.0 && m < smallest ? m : smallest;
+        if (term_stride == 1) {
+            if (term_extremes(x + i * outer_stride, terms, &largest, &smallest)) return 0;
+        } else {  /* strided terms, read one by one */
+            for (Py_ssize_t j = 0; j < terms; j++) {
+                double v = x[i * outer_stride + j * term_stride];
+                if ((double)(float)v != v) return 0;
+                double m = fabs(v);
+                largest = m > largest ? m : largest;
+                smallest = m != 0.0 && m < smallest ? m : smallest;
+            }
         }
         mask[i] = (uint8_t)sum_is_exact(largest, smallest, log2_terms);
     }
@@ -492,8 +543,9 @@ static PyObject *exact_sums(PyObject *self, PyObject *args) {
     }
     int found;
     Py_BEGIN_ALLOW_THREADS
-    found = exact_sums_into((const double *)(uintptr_t)address, outer, terms, (uint8_t *)(uintptr_t)mask);
+    found = exact_sums_into((const double *)(uintptr_t)address, outer, terms, terms, 1, (uint8_t *)(uintptr_t)mask);
     Py_END_ALLOW_THREADS
+    if (found < 0) return PyErr_NoMemory();
     return PyBool_FromLong(found);
 }
 

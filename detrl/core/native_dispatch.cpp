@@ -368,11 +368,46 @@ void count_rounded(Step* step, int64_t n) {
   if (step->nested == 0) step->rounded += n;
 }
 
+// A strided view's elements are runs of `run` elements side by side in memory (its innermost dims that are
+// dense), one run at each offset `starts` lists (in elements from its data pointer). Rounding and the
+// elementwise near test take an element as it is, wherever it lies, so a view (an LSTM's gates, four
+// column blocks of one matrix) is rounded and tested in place instead of through a dense copy written back.
+struct Runs {
+  int64_t run = 1;
+  std::vector<int64_t> starts;
+};
+
+// The runs of a plain FP64 CPU tensor, or false where they are shorter than kShortRun (a transposed matrix:
+// a run of one element each, for which the dense copy is faster) or more than numel / kShortRun.
+constexpr int64_t kShortRun = 16;
+bool runs_of(const at::Tensor& t, Runs& r) {
+  const int64_t dims = t.dim();
+  int64_t d = dims - 1;
+  r.run = 1;
+  for (; d >= 0; --d) {  // the dense innermost dims (size-1 dims have no stride to keep)
+    if (t.size(d) != 1 && t.stride(d) != r.run) break;
+    r.run *= t.size(d);
+  }
+  if (r.run < kShortRun) return false;
+  r.starts.assign(1, 0);
+  for (; d >= 0; --d) {  // each outer dim repeats the runs so far at its stride
+    const int64_t n = t.size(d), stride = t.stride(d), before = static_cast<int64_t>(r.starts.size());
+    for (int64_t i = 1; i < n; ++i) {
+      for (int64_t j = 0; j < before; ++j) r.starts.push_back(r.starts[static_cast<size_t>(j)] + i * stride);
+    }
+  }
+  return true;
+}
+
 // RoundingMode._round_exact: an FP64 tensor to the nearest FP32 value, in place.
 void round_exact(Step* step, const at::Tensor& t) {
   if (!rounded_output(t)) return;
+  Runs runs;
   if (plain_cpu(t) && t.is_contiguous()) {
     round_dense(t.data_ptr<double>(), t.numel());
+  } else if (plain_cpu(t) && runs_of(t, runs)) {
+    double* p = t.data_ptr<double>();
+    for (const int64_t start : runs.starts) round_dense(p + start, runs.run);
   } else {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     t.copy_(t.to(c10::ScalarType::Float));
@@ -490,20 +525,22 @@ bool product_unit(const Product& p, std::vector<double>& rows, std::vector<doubl
 
 // Whether any element of the dense product out (M, N) lies within T = max(rows[i] cols[j], 2**-149) tau of
 // an FP32 midpoint.
+VECTOR_CLONES bool any_near_row(const double* row, double r, const double* cols, int64_t n, double tau, int tiny) {
+  int any = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    double t = r * cols[j];
+    t = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
+    any |= near_flag(row[j], t, tiny);
+  }
+  return any != 0;
+}
+
 bool any_near_product(const at::Tensor& out, const std::vector<double>& rows, const std::vector<double>& cols,
                       double tau, int tiny) {
   const int64_t m = out.size(0), n = out.size(1);
   const double* x = out.data_ptr<double>();
-  int any = 0;
   for (int64_t i = 0; i < m; ++i) {
-    const double* row = x + i * n;
-    const double r = rows[i];
-    for (int64_t j = 0; j < n; ++j) {
-      double t = r * cols[j];
-      t = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
-      any |= near_flag(row[j], t, tiny);
-    }
-    if (any) return true;
+    if (any_near_row(x + i * n, rows[static_cast<size_t>(i)], cols.data(), n, tau, tiny)) return true;
   }
   return false;
 }
@@ -767,6 +804,25 @@ bool kernel_readable(const at::Tensor& x) {
 // out_elements, with the kernel's pass (exact_sums): 1 where the mask is written (1: an element every order
 // computes exactly), 0 where the rule claims no element (no dims, terms off the FP32 grid), -1 where the
 // mode decides (not a plain FP64 CPU tensor).
+// Whether dims order[begin..end) of x (outer to inner) step through memory as one dim does: each one's
+// stride is the next one's times its size (dims of size 1 aside). If so, stride is that dim's step (the
+// innermost one's stride; 1 where every dim has size 1).
+bool as_one_dim(const at::Tensor& x, const std::vector<int64_t>& order, int64_t begin, int64_t end, int64_t& stride) {
+  stride = 1;
+  int64_t next = -1;  // the stride the next dim outwards must have, once a dim of size > 1 was seen
+  for (int64_t k = end - 1; k >= begin; --k) {
+    const int64_t d = order[static_cast<size_t>(k)];
+    if (x.size(d) == 1) continue;
+    if (next < 0) {
+      stride = x.stride(d);
+    } else if (x.stride(d) != next) {
+      return false;
+    }
+    next = x.stride(d) * x.size(d);
+  }
+  return true;
+}
+
 int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& args, int64_t out_elements,
                    std::vector<uint8_t>& mask) {
   if (args.empty() || !args[0].isTensor()) return -1;
@@ -779,9 +835,16 @@ int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& ar
   std::vector<int64_t> order;
   const int64_t terms = sum_order(x, reduced, order);
   if (x.numel() == 0 || out_elements * terms != x.numel()) return 0;
-  at::Tensor rows = x.permute(order).resolve_neg().contiguous();  // the terms of each sum in a row
   mask.resize(static_cast<size_t>(out_elements));
-  return api->exact_sums(rows.data_ptr<double>(), out_elements, terms, mask.data());
+  // Read in place where the kept dims and the summed dims each step through memory as one dim (a matrix's
+  // column sums: a bias gradient), else from a copy with the terms of each sum in a row. The rule reads
+  // magnitudes only, so a lazy negation's memory gives the same mask.
+  const auto kept = static_cast<int64_t>(std::count(reduced.begin(), reduced.end(), false));
+  int64_t outer_stride = 1, term_stride = 1;
+  if (as_one_dim(x, order, 0, kept, outer_stride) && as_one_dim(x, order, kept, rank, term_stride))
+    return api->exact_sums(x.const_data_ptr<double>(), out_elements, terms, outer_stride, term_stride, mask.data());
+  at::Tensor rows = x.permute(order).resolve_neg().contiguous();  // the terms of each sum in a row
+  return api->exact_sums(rows.data_ptr<double>(), out_elements, terms, terms, 1, mask.data());
 }
 
 // scale.exact_sum_elements of an embedding's gradient (args: aten.embedding_dense_backward's grad_output,
@@ -1020,6 +1083,22 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
   for (const auto& t : targets) total += t.defined() ? t.numel() : 0;
   const bool conv = route == LOGGED_CONV || route == LOGGED_CONV_TERMS;
   bool to_mode = step->kernel == nullptr && (total > kLargeOutput || conv);
+  // An elementwise op's one strided output (an in-place op on a view): tested and rounded in place, run by
+  // run, where no element is near a midpoint; else through a dense copy, as any output.
+  Runs runs;
+  if (!to_mode && route == LOGGED && targets.size() == 1 && rounded_output(targets[0]) && plain_cpu(targets[0]) &&
+      !targets[0].is_contiguous() && runs_of(targets[0], runs)) {
+    double* p = targets[0].data_ptr<double>();
+    bool near = false;
+    for (const int64_t start : runs.starts) near = near || any_near(p + start, runs.run, tau_of(0));
+    if (!near) {
+      for (const int64_t start : runs.starts) round_dense(p + start, runs.run);
+      count_rounded(step, targets[0].numel());
+      py::gil_scoped_acquire gil;
+      step->number(e.name);
+      return;
+    }
+  }
   if (!to_mode) {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     for (const auto& t : targets) {

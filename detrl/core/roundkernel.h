@@ -22,7 +22,7 @@ typedef struct {
     Py_ssize_t max_kept, max_pinned, max_short, n_kept, n_pinned, n_short;
 } DetrlEntries;
 
-#define DETRL_KERNEL_API_VERSION 4
+#define DETRL_KERNEL_API_VERSION 5
 #define DETRL_KERNEL_API_CAPSULE "detrl.core._roundkernel._C_API"
 
 typedef struct {
@@ -40,9 +40,11 @@ typedef struct {
      * returns -1 where it could not allocate. */
     int (*unit_factors)(const double *x, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t row_stride,
                         Py_ssize_t col_stride, double times, double *out);
-    /* exact_sums: which of outer sums of terms FP64 terms (row-major) every order computes exactly, as
-     * 0/1 bytes; returns 0 (the mask unwritten) where a term is off the FP32 grid, else 1. */
-    int (*exact_sums)(const double *x, Py_ssize_t outer, Py_ssize_t terms, uint8_t *mask);
+    /* exact_sums: which of outer sums of terms FP64 terms (sum i's term j at x[i * outer_stride + j *
+     * term_stride]) every order computes exactly, as 0/1 bytes; returns 0 (the mask unwritten) where a term
+     * is off the FP32 grid, -1 where it could not allocate, else 1 (strides: version 5). */
+    int (*exact_sums)(const double *x, Py_ssize_t outer, Py_ssize_t terms, Py_ssize_t outer_stride,
+                      Py_ssize_t term_stride, uint8_t *mask);
     /* exact_rows: decompose._exact_rows' rule for a layer norm's outer rows of n FP64 values (row-major):
      * 0/1 bytes, 1 where every order sums the row exactly (version 3). */
     void (*exact_rows)(const double *x, Py_ssize_t outer, Py_ssize_t n, uint8_t *mask);
