@@ -181,6 +181,42 @@ def test_matrix_scale_row_times_column(tau: float) -> None:
     assert (want is None) == (got is None) and (want is None or want == got)
 
 
+@needs_kernel
+@pytest.mark.parametrize("tau", TAUS)
+@pytest.mark.parametrize("negative_zeros", [False, True])
+def test_rows_along_channels_are_tested_first_at_their_largest_threshold(
+    tau: float, negative_zeros: bool
+) -> None:
+    """A product's output is searched a block at a time against the row's largest T before each element's
+    own T (the vector pass's shortcut): column factors 2**-60..2**60 apart, ties and their neighbours at small
+    and large columns, rows long enough for several blocks, a channel scale along rows (no row factor), and
+    NaN or infinite factors, which mark every block: the kernel's entries and bits are the reference's."""
+    g = torch.Generator().manual_seed(8)
+    rows_n, cols_n = 9, 100
+    spread = 2.0 ** torch.randint(-60, 61, (cols_n,), generator=g).double()
+    row = 2.0 ** torch.randint(-20, 21, (rows_n,), generator=g).double()
+    for col in (spread, torch.full((cols_n,), 2.0**-30, dtype=torch.float64)):  # even columns: T is the row's
+        unit = row.view(-1, 1) * col.view(1, -1)  # the unit at each element (no clamp at these sizes)
+        # FP32 values in [1, 2) times 2**23 units (an FP32 spacing of one unit), moved to their midpoint and
+        # off it by a multiple of T: near below 1 T (a search at a quarter of T would miss 0.5 and 0.9). One
+        # such element a row, the others far from any midpoint: a block holds at most one near element.
+        m = (1 + torch.rand(rows_n, cols_n, generator=g, dtype=torch.float64)).float().double()
+        off = torch.tensor([0.0, 0.5, 0.9, 1.1, 3.0], dtype=torch.float64)
+        pick = torch.full((rows_n, cols_n), 1e6, dtype=torch.float64)
+        at = torch.randint(0, cols_n, (rows_n,), generator=g)
+        pick[torch.arange(rows_n), at] = off[torch.arange(rows_n) % 5]
+        sign = torch.randint(0, 2, (rows_n, cols_n), generator=g).double() * 2 - 1
+        x = sign * (m * 2.0**23 * unit + unit / 2 + pick * tau * unit)
+        for c in (
+            col,
+            torch.where(torch.arange(cols_n) == 7, float("inf"), col),
+            torch.where(torch.arange(cols_n) == 50, float("nan"), col),
+        ):
+            scale = Scale(outer=rows_n, channels=cols_n, inner=1, col=c, row=row)
+            _assert_same(x, tau, scale, negative_zeros)
+            _assert_same(x, tau, Scale(outer=rows_n, channels=cols_n, inner=1, col=c), negative_zeros)
+
+
 def test_matrix_scale_follows_the_rows_a_channel_scale_does_not() -> None:
     """A row of tiny terms gets a tiny unit under mm's scale; under the channel (column) scale it shares
     the largest row's, so at the same tau every one of its elements would be logged."""

@@ -106,10 +106,17 @@ static inline double column_threshold(const double *cols, Py_ssize_t c, int has_
     return t * tau;
 }
 
+/* t_max: the row's largest T (column_threshold at the largest column factor). A block is first tested
+ * against it alone, which costs no T per element: x - t and x + t lie within x - t_max and x + t_max, and
+ * IEEE subtraction, addition and rounding to FP32 are monotone, so an element near at its own T is near at
+ * t_max too. Only a block with an element near at t_max takes the test at each element's T. */
 VECTOR_CLONES static Py_ssize_t first_near_columns(const double *x, Py_ssize_t j0, Py_ssize_t n, const double *cols,
-                                                   int has_row, double row, double tau, int tiny) {
+                                                   int has_row, double row, double tau, int tiny, double t_max) {
     for (Py_ssize_t j = j0; j < n; j += BLOCK) {
         Py_ssize_t end = n - j < BLOCK ? n : j + BLOCK;
+        int maybe = 0;
+        for (Py_ssize_t i = j; i < end; i++) maybe |= (float)(x[i] - t_max) != (float)(x[i] + t_max);
+        if (!maybe) continue;
         int any = 0;
         for (Py_ssize_t i = j; i < end; i++) any |= near_flag(x[i], column_threshold(cols, i, has_row, row, tau), tiny);
         if (any) return j;
@@ -293,6 +300,15 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
      * vector's few elements skip the vector search. */
     int along_channels = inner == 1 && thresholds;
     Py_ssize_t rows_n = along_channels ? outer : outer * channels, length = along_channels ? channels : inner;
+    /* along the channels: the largest channel factor, for each row's largest T (first_near_columns); a NaN
+     * among them makes it NaN, which marks every block for the test at each element's T */
+    double col_max = 0.0;
+    int nan_col = 0;
+    for (Py_ssize_t c = 0; along_channels && c < channels; c++) {
+        nan_col |= thresholds[c] != thresholds[c];
+        col_max = thresholds[c] > col_max ? thresholds[c] : col_max;
+    }
+    if (nan_col) col_max = NAN;
     Py_ssize_t total = rows_n * length;
     for (Py_ssize_t r = length ? start / length : rows_n; r < rows_n; r++) {
         Py_ssize_t o = along_channels ? r : r / channels, c = along_channels ? 0 : r % channels;
@@ -307,7 +323,9 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
             /* the next block with a near element (rows shorter than a vector's few elements: this one) */
             Py_ssize_t hit = length < 8       ? j0
                              : along_channels ? first_near_columns(row, j0, length, thresholds, rows != NULL,
-                                                                   row_factor, tau, tiny)
+                                                                   row_factor, tau, tiny,
+                                                                   column_threshold(&col_max, 0, rows != NULL,
+                                                                                    row_factor, tau))
                              : thresholds     ? first_near_at(row, j0, length, tc, tiny)
                                               : first_near_each(row, j0, length, c1, lo, hi);
             if (out) round_block(row + j0, hit - j0);
