@@ -573,27 +573,32 @@ static PyObject *exact_sums(PyObject *self, PyObject *args) {
  * exponent e; an infinity's is 2**-24, as torch's frexp gives it exponent 0; no nonzero value: q = inf),
  * as the torch reference computes it: the same max, min, product by n and compare
  * (tests/test_decompose.py compares the two). */
-static void exact_rows_into(const double *x, Py_ssize_t outer, Py_ssize_t n, uint8_t *mask) {
+VECTOR_CLONES static void exact_rows_into(const double *x, Py_ssize_t outer, Py_ssize_t n, uint8_t *mask) {
+    /* q from one value a row: spacing32 is monotone in a finite magnitude (frexp's exponent is), so the
+     * smallest spacing of a row's finite nonzero values is that of the smallest of them; an infinity's,
+     * 2**-24, is taken beside it. The pass over the row is a max, a min and flags: vector lanes. */
     for (Py_ssize_t i = 0; i < outer; i++) {
         const double *row = x + i * n;
-        int on_grid = 1;
-        double largest = 0.0, q = INFINITY;
+        int off = 0, infinite = 0;
+        double largest = 0.0, smallest = INFINITY;
+#pragma omp simd reduction(max : largest) reduction(min : smallest) reduction(| : off, infinite)
         for (Py_ssize_t j = 0; j < n; j++) {
             double v = row[j];
-            on_grid &= (double)(float)v == v;
+            off |= (double)(float)v != v;
             double m = fabs(v);
+            infinite |= m == INFINITY;
             largest = m > largest ? m : largest;
-            if (m != 0.0 && m == m) {
-                double spacing = 0x1p-24;
-                if (!isinf(m)) {
-                    int e;
-                    frexp(m, &e);
-                    spacing = ldexp(1.0, e - 24 < -149 ? -149 : e - 24);
-                }
-                q = spacing < q ? spacing : q;
-            }
+            double finite = m != 0.0 && m < INFINITY ? m : INFINITY;
+            smallest = finite < smallest ? finite : smallest;
         }
-        mask[i] = (uint8_t)(on_grid && largest * (double)n <= q * 0x1p52);
+        double q = INFINITY;
+        if (smallest < INFINITY) {
+            int e;
+            frexp(smallest, &e);
+            q = ldexp(1.0, e - 24 < -149 ? -149 : e - 24);
+        }
+        if (infinite) q = 0x1p-24 < q ? 0x1p-24 : q;
+        mask[i] = (uint8_t)(!off && largest * (double)n <= q * 0x1p52);
     }
 }
 
