@@ -695,6 +695,16 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
   const DetrlKernelApi* api = step->kernel;
   const Py_ssize_t n = dense.numel();
   double* x = dense.data_ptr<double>();
+  // A convolution exact in every order (rules revision 3) logs nothing: rounded without the near pass,
+  // whose entries would all be left out (a first layer on pixel data lands on ties often, and its entries
+  // cost more than this test, which stops in its first block on a convolution that is not exact).
+  if (products != nullptr && products_exact(*products)) {
+    round_dense(x, n);
+    count_rounded(step, n);
+    py::gil_scoped_acquire gil;
+    step->number(e.name);
+    return;
+  }
   Layout l{1, 1, n};
   std::vector<double> per_channel;
   if (route == LOGGED_MM) {  // scale.Scale(outer=M, channels=N, inner=1, col, row)
@@ -741,9 +751,6 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
     }
     n_kept = k, n_pinned = p, n_short = q;
   }
-  // A convolution exact in every order (rules revision 3): its entries left out, as the mode's _without
-  // leaves every element out; tested only where it has any, as the mode tests it.
-  if ((n_kept || n_pinned || n_short) && products != nullptr && products_exact(*products)) n_kept = n_pinned = n_short = 0;
   count_rounded(step, n);
   py::gil_scoped_acquire gil;
   if (n_kept == 0 && n_pinned == 0 && n_short == 0) {
