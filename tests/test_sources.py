@@ -5,7 +5,7 @@ import torch
 
 from detrl import Sources
 from detrl.core.randomness import StreamRandomMode
-from detrl.core.sources import STREAMS, derive_seed
+from detrl.core.sources import STREAMS, derive_seed, state_bytes
 
 
 def test_each_stream_has_its_own_seed_derived_from_base_and_name():
@@ -43,6 +43,26 @@ def test_state_round_trip_resumes_streams_exactly():
     assert torch.equal(a.permutation("data_order", 100), b.permutation("data_order", 100))
     assert (a.numpy("replay").integers(0, 1000, 10) == b.numpy("replay").integers(0, 1000, 10)).all()
     assert a.digest_bytes() == b.digest_bytes()
+
+
+def test_the_commitment_bytes_are_the_canonical_json_of_the_state():
+    """``digest_bytes`` writes the generators' base64 states into the JSON of the rest (a shortcut): the
+    same bytes as the canonical JSON of ``state_dict`` with no stream, one, and several of each kind, before
+    and after they draw, seeded or not; and they change when a stream draws."""
+    a = Sources(seed=5, streams={"explore": {"seed": None}})
+    seen = [a.digest_bytes()]
+    assert seen[0] == state_bytes(a.state_dict())
+    for draw in (
+        lambda: a.torch("init"),
+        lambda: torch.rand(3, generator=a.torch("dropout")),
+        lambda: a.numpy("replay").integers(0, 9, 4),
+        lambda: a.permutation("data_order", 7),
+        lambda: torch.rand(3, generator=a.torch("explore")),
+    ):
+        draw()
+        seen.append(a.digest_bytes())
+        assert seen[-1] == state_bytes(a.state_dict())
+    assert len(set(seen)) == len(seen)
 
 
 def test_bad_state_and_unknown_streams_are_clear_errors():

@@ -211,8 +211,17 @@ class Sources:
         return cls(seed=seed, streams=streams, bitflip=bitflip)
 
     def digest_bytes(self) -> bytes:
-        """Canonical bytes of the switchboard state, for commitments."""
-        return state_bytes(self.state_dict())
+        """Canonical bytes of the switchboard state, for commitments: :func:`state_bytes` of
+        :meth:`state_dict`, every step. The generators' states are most of them (5 KB of base64 each), and
+        JSON scans a string for characters to escape, which base64 has none of: each is written into the
+        JSON of the rest in its place (the same bytes, in half the time)."""
+        state = self.state_dict()
+        encoded = state["torch"]
+        state["torch"] = {name: f"@detrl-stream-{name}@" for name in encoded}
+        out = state_bytes(state)
+        for name, b64 in encoded.items():
+            out = out.replace(f'"@detrl-stream-{name}@"'.encode(), b'"' + b64.encode() + b'"', 1)
+        return out
 
     def _check(self, name: str) -> None:
         if name not in STREAMS:
