@@ -402,6 +402,28 @@ def test_a_decompositions_sums_take_the_route_and_count_as_its_parts(tau: float,
 
 
 @needs_native
+def test_a_written_out_layer_norm_gives_the_modes_layout_and_bits() -> None:
+    """The route's layer norm computes dense rows in loops, and rows laid out otherwise (a transposed
+    sequence of patches, as SegFormer normalises) with torch's ops, whose results take the rows' layout:
+    later ops may depend on it. Either way the output, mean and rstd have the mode's strides and bits, with
+    and without a weight and a bias."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    g = torch.Generator().manual_seed(6)
+    base = torch.randn(4, 24, 10, generator=g, dtype=torch.float64).float().double()
+    weight, bias = (torch.randn(24, generator=g, dtype=torch.float64).float().double() for _ in range(2))
+    for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous()):
+        for w, b in ((weight, bias), (None, None), (weight, None)):
+            results = {}
+            for on in (True, False):
+                mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
+                with native.switched(on), mode.step_scope(StepRounding()):
+                    results[on] = torch.ops.aten.native_layer_norm.default(x, [24], w, b, 1e-5)
+            for got, want in zip(results[True], results[False], strict=True):
+                assert got.stride() == want.stride() and torch.equal(got, want)
+
+
+@needs_native
 def test_sums_with_near_elements_log_alike_on_the_route_and_in_the_mode() -> None:
     """Under rules revision 2 a sum's entries leave out the elements every order computes exactly; the route
     finds them with the C kernel (an embedding gradient's in the mode): random sums over random dims (FP32
@@ -680,6 +702,84 @@ def test_batch_norm_and_softmax_backwards_are_decomposed_natively_with_the_modes
     assert on[:3] == off[:3]
     for got, want in zip(on[3], off[3], strict=True):
         assert (got is None and want is None) or torch.equal(got, want)
+
+
+def _special_values(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random FP64 values over 80 binades, with zeros, signed zeros, infinities, NaN and FP64 subnormals."""
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(
+        -40, 40, shape, generator=g
+    )
+    r = torch.rand(shape, generator=g)
+    x[r < 0.02] = 0.0
+    x[(r >= 0.02) & (r < 0.03)] = -0.0
+    x[(r >= 0.03) & (r < 0.035)] = float("inf")
+    x[(r >= 0.035) & (r < 0.04)] = float("nan")
+    x[(r >= 0.04) & (r < 0.05)] = 5e-324
+    return x
+
+
+@needs_native
+def test_batch_norm_backwards_element_passes_give_the_torch_ops_bits() -> None:
+    """The written-out batch norm backward replaces its element-wise torch ops by two loops; each element
+    must take the same IEEE operations in the same order. Rounding to FP32 hides most last-bit differences
+    (the route-against-mode tests cannot see them), so the loops are held to the unrounded torch results,
+    bit for bit, on values of every kind, with and without spatial dims."""
+    module = native._module()
+    g = torch.Generator().manual_seed(4)
+    for shape in ((6, 5, 7, 3), (9, 4), (2, 3, 5)):
+        x, grad, count = _special_values(shape, g), _special_values(shape, g), shape[1]
+        mean, invstd, a, b, s = (_special_values((count,), g) for _ in range(5))
+        view = [1, count] + [1] * (len(shape) - 2)
+        xhat, product = module.batch_norm_centred(x, grad, mean, invstd)
+        want_xhat = torch.sub(x, mean.view(view)).mul_(invstd.view(view))
+        assert torch.equal(xhat.view(torch.int64), want_xhat.view(torch.int64))
+        assert torch.equal(product.view(torch.int64), torch.mul(grad, want_xhat).view(torch.int64))
+        got = module.batch_norm_grad_input(grad, want_xhat, a, b, s)
+        want = torch.sub(grad, a.view(view)).sub_(want_xhat.clone().mul_(b.view(view))).mul_(s.view(view))
+        assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+
+
+@needs_native
+def test_layer_norms_element_passes_give_the_torch_ops_bits() -> None:
+    """The written-out layer norm's three loops against the torch ops they replace, bit for bit: the rows
+    with exact ones zeroed and those rows' sums (exact rows: FP32-grid values of few binades, rows of -0s
+    and of zeros among them; any order sums them alike), the centred rows and their squares, and the
+    output with and without a weight and a bias, on values of every kind."""
+    from detrl.core import decompose
+
+    module = native._module()
+    g = torch.Generator().manual_seed(5)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int64)
+
+    for shape in ((4, 6, 32), (9, 7), (1, 1)):
+        rows = _special_values(shape, g)
+        flat = rows.view(-1, shape[-1])
+        half = (flat.shape[0] + 1) // 2  # rows that sum exactly: integers over a few binades
+        flat[:half] = torch.randint(-8, 9, (half, shape[-1]), generator=g) * 2.0 ** torch.randint(
+            -3, 3, (half, shape[-1]), generator=g
+        )
+        flat[-1] = -0.0
+        exact = decompose._exact_rows(rows)
+        masked, sums = module.layer_norm_masked(rows, exact)
+        assert torch.equal(bits(masked), bits(rows.masked_fill(exact.unsqueeze(-1), 0.0)))
+        assert bool(exact.any()) and torch.equal(bits(sums[exact]), bits(rows.sum(-1)[exact]))
+        mean = _special_values((*shape[:-1], 1), g)
+        centred, squares = module.layer_norm_centred(rows, mean)
+        want = torch.sub(rows, mean)
+        assert torch.equal(bits(centred), bits(want)) and torch.equal(
+            bits(squares), bits(torch.mul(want, want))
+        )
+        rstd = _special_values((*shape[:-1], 1), g)
+        weight, bias = _special_values(shape[-1:], g), _special_values(shape[-1:], g)
+        for w, b in ((weight, bias), (weight, None), (None, bias), (None, None)):
+            want = torch.sub(rows, mean).mul_(rstd)
+            if w is not None:
+                want.mul_(w)
+            if b is not None:
+                want.add_(b)
+            assert torch.equal(bits(module.layer_norm_scaled(centred, rstd, w, b)), bits(want))
 
 
 def _convolution_step(on: bool, rules: int, pixels: torch.Tensor) -> tuple:

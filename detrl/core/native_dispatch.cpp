@@ -1573,12 +1573,110 @@ std::vector<at::Tensor> batch_norm(Step* step, const at::Tensor& x, const at::Te
   return {out, mean, invstd};
 }
 
+// The element passes of a decomposition written out as loops, where its tensors are dense: each element
+// takes the same IEEE operations in the same order as the torch ops they replace (no FMA contraction:
+// -ffp-contract=off), so the same bits, in one pass over memory instead of one per op and its temporary.
+
+// A dense FP64 CPU tensor of n elements (a per-channel or per-row vector, an activation).
+bool dense_double(const at::Tensor& t, int64_t n) { return plain_double(t) && t.is_contiguous() && t.numel() == n; }
+
+// h = (x - m) * s; p = g * h (batch norm backward's xhat and grad_out * xhat).
+VECTOR_CLONES void centred_products(const double* __restrict__ x, const double* __restrict__ g, double m, double s,
+                                    double* __restrict__ h, double* __restrict__ p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = (x[i] - m) * s;
+    h[i] = v;
+    p[i] = g[i] * v;
+  }
+}
+
+// out = ((g - a) - h * b) * s (batch norm backward's input gradient).
+VECTOR_CLONES void batch_norm_input_gradient(const double* __restrict__ g, const double* __restrict__ h, double a,
+                                             double b, double s, double* __restrict__ out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = ((g[i] - a) - h[i] * b) * s;
+}
+
+// (outer, count, inner) of a dense (N, C, *S) tensor.
+Layout channels_of(const at::Tensor& x) {
+  const int64_t outer = x.size(0), count = x.size(1);
+  return {outer, count, outer > 0 && count > 0 ? x.numel() / (outer * count) : 0};
+}
+
+// batch_norm_backward's first pass over dense (N, C, *S) x and grad_out, per-channel mean and invstd:
+// (xhat, grad_out * xhat), as at::sub(x, mean).mul_(invstd) and at::mul(grad_out, xhat).
+std::pair<at::Tensor, at::Tensor> batch_norm_centred(const at::Tensor& x, const at::Tensor& g, const at::Tensor& mean,
+                                                     const at::Tensor& invstd) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const Layout l = channels_of(x);
+  at::Tensor xhat = at::empty_like(x), product = at::empty_like(x);
+  const double *px = x.const_data_ptr<double>(), *pg = g.const_data_ptr<double>();
+  const double *m = mean.const_data_ptr<double>(), *is = invstd.const_data_ptr<double>();
+  double *ph = xhat.data_ptr<double>(), *pp = product.data_ptr<double>();
+  for (int64_t o = 0; o < l.outer; ++o) {
+    for (int64_t k = 0; k < l.channels; ++k) {
+      const int64_t at = (o * l.channels + k) * l.inner;
+      centred_products(px + at, pg + at, m[k], is[k], ph + at, pp + at, l.inner);
+    }
+  }
+  return {xhat, product};
+}
+
+// Its last: the input gradient from per-channel a = sum_g / n, b = sum_gx / n and scale s, as
+// at::sub(grad_out, a).sub_(xhat.mul_(b)).mul_(s).
+at::Tensor batch_norm_grad_input(const at::Tensor& g, const at::Tensor& xhat, const at::Tensor& a, const at::Tensor& b,
+                                 const at::Tensor& s) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const Layout l = channels_of(g);
+  at::Tensor out = at::empty_like(g);
+  const double *pg = g.const_data_ptr<double>(), *ph = xhat.const_data_ptr<double>();
+  const double *pa = a.const_data_ptr<double>(), *pb = b.const_data_ptr<double>(), *ps = s.const_data_ptr<double>();
+  double* po = out.data_ptr<double>();
+  for (int64_t o = 0; o < l.outer; ++o) {
+    for (int64_t k = 0; k < l.channels; ++k) {
+      const int64_t at = (o * l.channels + k) * l.inner;
+      batch_norm_input_gradient(pg + at, ph + at, pa[k], pb[k], ps[k], po + at, l.inner);
+    }
+  }
+  return out;
+}
+
+// batch_norm_backward with those passes, over dense (N, C, *S) tensors; false (nothing done) where they are
+// not dense.
+bool batch_norm_backward_dense(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& save_mean, const at::Tensor& save_invstd,
+                               const std::array<bool, 3>& mask, const Channels& c, at::Tensor& sum_g,
+                               at::Tensor& sum_gx, at::Tensor& grad_x) {
+  const int64_t count = x.size(1);
+  if (x.numel() == 0 || !dense_double(x, x.numel()) || !dense_double(grad_out, x.numel()) ||
+      grad_out.sizes() != x.sizes() || !dense_double(save_mean, count) || !dense_double(save_invstd, count) ||
+      (weight.defined() && !dense_double(weight, count)))
+    return false;
+  const auto [xhat, product] = batch_norm_centred(x, grad_out, save_mean, save_invstd);
+  sum_g = at::sum(grad_out, c.dims);
+  sum_gx = at::sum(product, c.dims);
+  if (mask[0]) {
+    at::Tensor scale, a, b;
+    {
+      c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+      scale = (weight.defined() ? at::mul(save_invstd, weight) : save_invstd).contiguous();
+      a = at::div(sum_g, wrapped(c.n)).contiguous(), b = at::div(sum_gx, wrapped(c.n)).contiguous();
+    }
+    grad_x = batch_norm_grad_input(grad_out, xhat, a, b, scale);
+  }
+  return true;
+}
+
 // decompose.batch_norm_backward: (grad_x, grad_weight, grad_bias), undefined where output_mask says so.
 std::vector<at::Tensor> batch_norm_backward(Step* step, const at::Tensor& grad_out, const at::Tensor& x,
                                             const at::Tensor& weight, const at::Tensor& save_mean,
                                             const at::Tensor& save_invstd, const std::array<bool, 3>& mask) {
   const Channels c = channels(x);
   at::Tensor xhat, sum_g, sum_gx, grad_x;
+  {
+    Decomposing inside(step);
+    if (batch_norm_backward_dense(grad_out, x, weight, save_mean, save_invstd, mask, c, sum_g, sum_gx, grad_x))
+      return {grad_x, mask[1] ? sum_gx : at::Tensor(), mask[2] ? sum_g : at::Tensor()};
+  }
   {
     Decomposing inside(step);
     {
@@ -1625,14 +1723,93 @@ at::Tensor rows_of(const at::Tensor& x, size_t normalized_dims, int64_t& n) {
   return x.reshape(shape);
 }
 
+// layer_norm's first pass over dense rows (*B, n) and their exact mask (*B): the rows with the exact ones
+// zeroed, as rows.masked_fill(exact, 0), and each exact row's sum (0 elsewhere). An exact row sums to the
+// same value in any order, so this loop's is rows.sum(-1)'s there: +0 for a row of -0s too, as torch's
+// sum starts from +0. (The passes keep the rows' shape: the logged sums of the step take the same call
+// class as the mode's.)
+std::pair<at::Tensor, at::Tensor> layer_norm_masked(const at::Tensor& rows, const at::Tensor& exact) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const int64_t n = rows.size(-1), count = n > 0 ? rows.numel() / n : 0;
+  at::Tensor masked = at::empty_like(rows), sums = at::zeros(exact.sizes(), rows.options());
+  const double* x = rows.const_data_ptr<double>();
+  const bool* is_exact = exact.const_data_ptr<bool>();
+  double *pm = masked.data_ptr<double>(), *ps = sums.data_ptr<double>();
+  for (int64_t r = 0; r < count; ++r) {
+    const double* row = x + r * n;
+    if (!is_exact[r]) {
+      std::memcpy(pm + r * n, row, static_cast<size_t>(n) * sizeof(double));
+      continue;
+    }
+    std::fill(pm + r * n, pm + (r + 1) * n, 0.0);
+    double total = 0.0;
+    for (int64_t j = 0; j < n; ++j) total += row[j];
+    ps[r] = total;
+  }
+  return {masked, sums};
+}
+
+// c = x - m; q = c * c (layer norm's centred rows and their squares, a row's mean m).
+VECTOR_CLONES void centred_squares(const double* __restrict__ x, double m, double* __restrict__ c,
+                                   double* __restrict__ q, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = x[i] - m;
+    c[i] = v;
+    q[i] = v * v;
+  }
+}
+
+// Its second pass: (centred, squares) of dense rows (*B, n) and their means (*B, 1), as at::sub(rows, mean)
+// and at::mul(centred, centred).
+std::pair<at::Tensor, at::Tensor> layer_norm_centred(const at::Tensor& rows, const at::Tensor& mean) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const int64_t n = rows.size(-1), count = n > 0 ? rows.numel() / n : 0;
+  at::Tensor centred = at::empty_like(rows), squares = at::empty_like(rows);
+  const double *x = rows.const_data_ptr<double>(), *m = mean.const_data_ptr<double>();
+  double *pc = centred.data_ptr<double>(), *pq = squares.data_ptr<double>();
+  for (int64_t r = 0; r < count; ++r) centred_squares(x + r * n, m[r], pc + r * n, pq + r * n, n);
+  return {centred, squares};
+}
+
+// out = (c * s) * w + b, w and b per element of a row (either may be absent: null), in that order.
+VECTOR_CLONES void scaled_shifted(const double* __restrict__ c, double s, const double* __restrict__ w,
+                                  const double* __restrict__ b, double* __restrict__ out, int64_t n) {
+  if (w != nullptr && b != nullptr) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (c[i] * s) * w[i] + b[i];
+  } else if (w != nullptr) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (c[i] * s) * w[i];
+  } else if (b != nullptr) {
+    for (int64_t i = 0; i < n; ++i) out[i] = c[i] * s + b[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = c[i] * s;
+  }
+}
+
+// Its last: the output from the centred rows (*B, n), rstd (*B, 1) and an optional weight and bias (n), as
+// centred.mul_(rstd), then .mul_(weight), then .add_(bias).
+at::Tensor layer_norm_scaled(const at::Tensor& centred, const at::Tensor& rstd, const at::Tensor& weight,
+                             const at::Tensor& bias) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const int64_t n = centred.size(-1), count = n > 0 ? centred.numel() / n : 0;
+  at::Tensor out = at::empty_like(centred);
+  const double *pc = centred.const_data_ptr<double>(), *ps = rstd.const_data_ptr<double>();
+  const double* pw = weight.defined() ? weight.const_data_ptr<double>() : nullptr;
+  const double* pb = bias.defined() ? bias.const_data_ptr<double>() : nullptr;
+  double* po = out.data_ptr<double>();
+  for (int64_t r = 0; r < count; ++r) scaled_shifted(pc + r * n, ps[r], pw, pb, po + r * n, n);
+  return out;
+}
+
 // decompose.layer_norm: (out, mean, rstd), mean and rstd (*B, 1, ..., 1). Rows every order sums exactly
-// (decompose._exact_rows, the C kernel's pass) are summed here and reach the logged row sum as zeros.
+// (decompose._exact_rows, the C kernel's pass) are summed here and reach the logged row sum as zeros. The
+// element passes are the loops above where the weight and bias are dense, else torch's ops.
 std::vector<at::Tensor> layer_norm(Step* step, const at::Tensor& x, size_t normalized_dims, const at::Tensor& weight,
                                    const at::Tensor& bias, double eps) {
   int64_t n = 0;
-  at::Tensor rows, exact, masked, mean, centred, squares, var, rstd, out;
+  at::Tensor rows, exact, masked, sums, mean, centred, squares, var, rstd, out;
   {
     Decomposing inside(step);
+    bool loops = false;
     {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
       rows = rows_of(x, normalized_dims, n);
@@ -1640,22 +1817,39 @@ std::vector<at::Tensor> layer_norm(Step* step, const at::Tensor& x, size_t norma
       exact = at::empty(dense.sizes().slice(0, dense.dim() - 1), dense.options().dtype(at::kBool));
       step->kernel->exact_rows(dense.data_ptr<double>(), exact.numel(), n,
                                reinterpret_cast<uint8_t*>(exact.data_ptr<bool>()));
-      masked = rows.masked_fill(exact.unsqueeze(-1), 0.0);
+      // the loops' results are dense; torch's ops give theirs the rows' layout, which later ops may depend on
+      // (a transposed sequence of patches: SegFormer), so rows laid out otherwise take torch's ops
+      loops = n > 0 && rows.is_contiguous() && (!weight.defined() || dense_double(weight, n)) &&
+              (!bias.defined() || dense_double(bias, n));
+      if (loops) {
+        std::tie(masked, sums) = layer_norm_masked(rows, exact);
+      } else {
+        masked = rows.masked_fill(exact.unsqueeze(-1), 0.0);
+      }
     }
     at::Tensor logged = at::sum(masked, {-1});
     {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-      mean = at::div(at::where(exact, rows.sum(-1), logged), wrapped(n)).unsqueeze(-1);
-      centred = at::sub(rows, mean);
-      squares = at::mul(centred, centred);
+      mean = at::div(at::where(exact, loops ? sums : rows.sum(-1), logged), wrapped(n)).unsqueeze(-1);
+      if (loops) {
+        mean = mean.contiguous();
+        std::tie(centred, squares) = layer_norm_centred(rows, mean);
+      } else {
+        centred = at::sub(rows, mean);
+        squares = at::mul(centred, centred);
+      }
     }
     at::Tensor spread = at::sum(squares, {-1});
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     var = at::div(spread, wrapped(n)).unsqueeze(-1);
     rstd = at::mul(at::reciprocal(at::add(var, wrapped(eps)).sqrt()), wrapped(1.0));  // Steps.inv_sqrt: 1.0 / sqrt
-    out = centred.mul_(rstd);
-    if (weight.defined()) out.mul_(weight.reshape({n}));
-    if (bias.defined()) out.add_(bias.reshape({n}));
+    if (loops) {
+      out = layer_norm_scaled(centred, rstd.contiguous(), weight, bias);
+    } else {
+      out = centred.mul_(rstd);
+      if (weight.defined()) out.mul_(weight.reshape({n}));
+      if (bias.defined()) out.add_(bias.reshape({n}));
+    }
     std::vector<int64_t> stats(x.sizes().begin(), x.sizes().end() - static_cast<int64_t>(normalized_dims));
     stats.resize(static_cast<size_t>(x.dim()), 1);
     return {out.reshape(x.sizes()), mean.reshape(stats), rstd.reshape(stats)};
@@ -2085,4 +2279,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unnest", &unnest, "undo the last nest()");
   m.def("leave", &leave,
         "end the innermost step; returns (rounded elements, native ops, Python ops, entry ops, one-pass ops)");
+  // the element passes of the decompositions written out, for tests against the torch ops they replace
+  // (dense FP64 CPU arguments of matching sizes, which the decompositions check before they call them)
+  auto dense_args = [](std::initializer_list<const at::Tensor*> ts) {
+    for (const at::Tensor* t : ts) TORCH_CHECK(plain_double(*t) && t->is_contiguous(), "dense FP64 CPU tensors only");
+  };
+  m.def("batch_norm_centred", [dense_args](const at::Tensor& x, const at::Tensor& g, const at::Tensor& mean,
+                                           const at::Tensor& invstd) {
+    dense_args({&x, &g, &mean, &invstd});
+    TORCH_CHECK(x.dim() >= 2 && g.sizes() == x.sizes() && mean.numel() == x.size(1) && invstd.numel() == x.size(1));
+    return batch_norm_centred(x, g, mean, invstd);
+  });
+  m.def("batch_norm_grad_input", [dense_args](const at::Tensor& g, const at::Tensor& xhat, const at::Tensor& a,
+                                              const at::Tensor& b, const at::Tensor& s) {
+    dense_args({&g, &xhat, &a, &b, &s});
+    const int64_t count = g.dim() >= 2 ? g.size(1) : -1;
+    TORCH_CHECK(xhat.sizes() == g.sizes() && a.numel() == count && b.numel() == count && s.numel() == count);
+    return batch_norm_grad_input(g, xhat, a, b, s);
+  });
+  m.def("layer_norm_masked", [dense_args](const at::Tensor& rows, const at::Tensor& exact) {
+    dense_args({&rows});
+    TORCH_CHECK(rows.dim() >= 1 && exact.scalar_type() == c10::ScalarType::Bool && exact.is_contiguous() &&
+                exact.numel() * rows.size(-1) == rows.numel());
+    return layer_norm_masked(rows, exact);
+  });
+  m.def("layer_norm_centred", [dense_args](const at::Tensor& rows, const at::Tensor& mean) {
+    dense_args({&rows, &mean});
+    TORCH_CHECK(rows.dim() >= 1 && mean.numel() * rows.size(-1) == rows.numel());
+    return layer_norm_centred(rows, mean);
+  });
+  m.def("layer_norm_scaled", [dense_args](const at::Tensor& centred, const at::Tensor& rstd,
+                                          std::optional<at::Tensor> weight, std::optional<at::Tensor> bias) {
+    const at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor());
+    dense_args({&centred, &rstd});
+    TORCH_CHECK(centred.dim() >= 1 && rstd.numel() * centred.size(-1) == centred.numel());
+    for (const at::Tensor* t : {&w, &b}) TORCH_CHECK(!t->defined() || dense_double(*t, centred.size(-1)));
+    return layer_norm_scaled(centred, rstd, w, b);
+  });
 }
