@@ -356,6 +356,32 @@ def test_strided_views_are_rounded_in_place_with_the_modes_bits(tau: float) -> N
     assert (len(on[2]) > 0) == (tau > 2.0**-10), on[2]  # entries where the threshold is large
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_a_copied_small_value_is_no_log_entry_from_rules_revision_8(on: bool) -> None:
+    """Under revision 7 an op that only moves values (unlisted) was a reduction, measured at its channel's
+    largest value: a copied value far below it lay "near" a midpoint and was logged, as a pinned value,
+    though every machine copies it alike (slicing's backward, ReLU6's, a mixture of experts' routing). From
+    revision 8 such an op takes no position and logs nothing, on the route and in the mode."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g, dtype=torch.float64) * 2.0 ** torch.randint(
+        -40, 1, (4, 8), generator=g
+    )
+    x = x.float().double()  # FP32-grid values over 40 binades
+    logged = {}
+    for revision in (7, 8):
+        step = StepRounding()
+        mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-20))
+        mode.rules_revision = revision
+        with native.switched(on), mode.step_scope(step):
+            out = torch.ops.aten.slice_backward.default(x, [4, 10], 1, 1, 9, 1)
+        assert torch.equal(out[:, 1:9], x) and not out[:, [0, 9]].any()
+        logged[revision] = (step.op_names, step.stats.logged)
+    assert logged[7][0] == ["slice_backward"] and logged[7][1] > 0
+    assert logged[8] == ([], 0)
+
+
 def _layer_norm_step(route: str, tau: float, values: torch.Tensor, monkeypatch) -> tuple:  # noqa: ANN001
     """A layer norm's forward and backward in one recorded step; ``route``: "off" (the mode alone), "on"
     (the route, which writes layer norm out itself), "mode" (the route, but the mode writes layer norm out

@@ -228,7 +228,9 @@ def _base_kind(func: Any) -> OpKind:
 #:    over its features diverged.
 #: 8. Ops that only move, select or zero their inputs' values, or round them to integers, are ``KEEP``
 #:    (:data:`KEEP_FROM_8`): they were logged as reductions (unlisted), which rounded nothing, took an op
-#:    position, and copied a strided result dense and back (the LSTM's gate split: 1,170 copies a step).
+#:    position, copied a strided result dense and back (the LSTM's gate split: 1,170 copies a step), and
+#:    logged a copied value far below its channel's largest as "near" a midpoint (a mixture of experts'
+#:    routing: a fifth of its log), though every machine copies it alike.
 RULES_REVISION = 8
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
