@@ -386,12 +386,19 @@ static int ceil_log2(int64_t terms) {
 
 /* The rule for one sum of FP32-grid terms, from its largest and smallest nonzero term magnitudes (INFINITY:
  * none) and ceil(log2(its number of terms)). */
+/* frexp's exponent of a positive normal double, from its bits (no libc call: a sum's two magnitudes, at every
+ * output of a sum with a near element). */
+static inline int normal_exponent(double d) {
+    uint64_t bits;
+    memcpy(&bits, &d, sizeof bits);
+    return (int)((bits >> 52) & 0x7FF) - 1022;
+}
+
 static int sum_is_exact(double largest, double smallest, int log2_terms) {
     if (!isfinite(largest)) return 0;
     if (isinf(smallest)) return 1; /* no nonzero term: the sum is zero */
-    int e_max, e_min;
-    frexp(largest, &e_max);
-    frexp(smallest < 1e308 ? smallest : 1e308, &e_min);
+    /* nonzero FP32-grid magnitudes are normal doubles (2**-149 and up), so the bits give frexp's exponents */
+    int e_max = normal_exponent(largest), e_min = normal_exponent(smallest < 1e308 ? smallest : 1e308);
     return e_max - e_min + log2_terms <= 29;
 }
 

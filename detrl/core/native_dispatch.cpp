@@ -535,10 +535,31 @@ VECTOR_CLONES bool any_near_row(const double* row, double r, const double* cols,
   return any != 0;
 }
 
+// The T of each element of an (M, 1) product (a sum in its terms' units: one row factor an element), as
+// the product's T: max(rows[i] * col, 2**-149) * tau.
+VECTOR_CLONES void column_thresholds(const double* rows, double col, double tau, int64_t m, double* out) {
+  for (int64_t i = 0; i < m; ++i) {
+    const double t = rows[i] * col;
+    out[i] = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
+  }
+}
+
+// Whether any element of x (m) lies within its T of an FP32 midpoint.
+VECTOR_CLONES bool any_near_each(const double* x, const double* t, int64_t m, int tiny) {
+  int any = 0;
+  for (int64_t i = 0; i < m; ++i) any |= near_flag(x[i], t[i], tiny);
+  return any != 0;
+}
+
 bool any_near_product(const at::Tensor& out, const std::vector<double>& rows, const std::vector<double>& cols,
                       double tau, int tiny) {
   const int64_t m = out.size(0), n = out.size(1);
   const double* x = out.data_ptr<double>();
+  if (n == 1) {  // one element a row: the rows side by side, in one vector pass
+    std::vector<double> t(static_cast<size_t>(m));
+    column_thresholds(rows.data(), cols[0], tau, m, t.data());
+    return any_near_each(x, t.data(), m, tiny);
+  }
   for (int64_t i = 0; i < m; ++i) {
     if (any_near_row(x + i * n, rows[static_cast<size_t>(i)], cols.data(), n, tau, tiny)) return true;
   }
@@ -707,7 +728,15 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
   }
   Layout l{1, 1, n};
   std::vector<double> per_channel;
-  if (route == LOGGED_MM) {  // scale.Scale(outer=M, channels=N, inner=1, col, row)
+  if (route == LOGGED_MM && dense.size(1) == 1) {
+    // an (M, 1) product (a sum in its terms' units) as one row of M channels, each element's T given: the
+    // same T and entries in the same order, with the kernel's vector search along the row instead of a
+    // scalar test per one-element row
+    l = {1, dense.size(0), 1};
+    per_channel.resize(static_cast<size_t>(n));
+    column_thresholds(rows, thresholds[0], tau, n, per_channel.data());
+    thresholds = per_channel.data(), rows = nullptr;
+  } else if (route == LOGGED_MM) {  // scale.Scale(outer=M, channels=N, inner=1, col, row)
     l = {dense.size(0), dense.size(1), 1};
   } else if (route == LOGGED_ROWS) {  // scale.Scale(outer=N*C, channels=1, inner=the rest, col=1, row)
     const int64_t outer = dense.size(0) * dense.size(1);
@@ -906,9 +935,17 @@ bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args,
   const bool trailing = dense && std::is_sorted(reduced.begin(), reduced.end());
   bool channels = dense && rank >= 2 && !reduced[1];  // a batch norm's channel sums: every dim but 1
   for (int64_t d = 0; d < rank; ++d) channels = channels && (d == 1 || reduced[static_cast<size_t>(d)]);
+  // the summed dims are the first ones (true, ..., false, ...): the sums side by side, a row of terms each
+  // step (a layer norm's weight and bias gradients, summed over the batch and the sequence)
+  const bool leading = dense && std::is_sorted(reduced.begin(), reduced.end(), std::greater<bool>());
   const double* p = x.const_data_ptr<double>();
   if (trailing) {  // the kernel's pass over the rows in place
     if (api->unit_factors(p, out_elements, terms, terms, 1, 1.0, unit.rows.data()) != 0) throw std::bad_alloc();
+    return true;
+  }
+  if (leading) {  // the kernel's pass reads the sums side by side, in place
+    if (api->unit_factors(p, out_elements, terms, 1, out_elements, 1.0, unit.rows.data()) != 0)
+      throw std::bad_alloc();
     return true;
   }
   if (channels) {  // (outer, channels, inner) in place: the kernel's pass over each sample's channel rows
