@@ -1713,9 +1713,6 @@ std::vector<at::Tensor> batch_norm_backward(Step* step, const at::Tensor& grad_o
     Decomposing inside(step);
     if (batch_norm_backward_dense(grad_out, x, weight, save_mean, save_invstd, mask, c, sum_g, sum_gx, grad_x))
       return {grad_x, mask[1] ? sum_gx : at::Tensor(), mask[2] ? sum_g : at::Tensor()};
-  }
-  {
-    Decomposing inside(step);
     {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
       xhat = at::sub(x, save_mean.view(c.shape)).mul_(save_invstd.view(c.shape));
