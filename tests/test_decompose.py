@@ -241,6 +241,16 @@ def test_the_kernel_path_of_exact_rows_finds_what_the_torch_path_finds(
         for v in found[True].tolist():
             seen[v] += 1
     assert seen[True] > 100 and seen[False] > 100, seen
+    # rows whose only nonzero values are infinities, beside rows of zeros and a mixed one
+    inf = float("inf")
+    rows = torch.tensor(
+        [[inf, 0.0, 0.0], [0.0, 0.0, 0.0], [-inf, -inf, 0.0], [inf, 1.0, 0.0]], dtype=torch.float64
+    )
+    found = {}
+    for fast in (True, False):
+        monkeypatch.setattr(decompose, "KERNEL_ROWS", fast)
+        found[fast] = decompose._exact_rows(rows)
+    assert found[True].tolist() == found[False].tolist() == [False, True, False, False]
 
 
 def test_layer_norm_mean_of_exact_rows_is_not_logged():

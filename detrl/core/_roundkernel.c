@@ -384,8 +384,6 @@ static int ceil_log2(int64_t terms) {
     return k;
 }
 
-/* The rule for one sum of FP32-grid terms, from its largest and smallest nonzero term magnitudes (INFINITY:
- * none) and ceil(log2(its number of terms)). */
 /* frexp's exponent of a positive normal double, from its bits (no libc call: a sum's two magnitudes, at every
  * output of a sum with a near element). */
 static inline int normal_exponent(double d) {
@@ -394,6 +392,8 @@ static inline int normal_exponent(double d) {
     return (int)((bits >> 52) & 0x7FF) - 1022;
 }
 
+/* The rule for one sum of FP32-grid terms, from its largest and smallest nonzero term magnitudes (INFINITY:
+ * none) and ceil(log2(its number of terms)). */
 static int sum_is_exact(double largest, double smallest, int log2_terms) {
     if (!isfinite(largest)) return 0;
     if (isinf(smallest)) return 1; /* no nonzero term: the sum is zero */
@@ -580,32 +580,20 @@ static PyObject *exact_sums(PyObject *self, PyObject *args) {
  * exponent e; an infinity's is 2**-24, as torch's frexp gives it exponent 0; no nonzero value: q = inf),
  * as the torch reference computes it: the same max, min, product by n and compare
  * (tests/test_decompose.py compares the two). */
-VECTOR_CLONES static void exact_rows_into(const double *x, Py_ssize_t outer, Py_ssize_t n, uint8_t *mask) {
+static void exact_rows_into(const double *x, Py_ssize_t outer, Py_ssize_t n, uint8_t *mask) {
     /* q from one value a row: spacing32 is monotone in a finite magnitude (frexp's exponent is), so the
-     * smallest spacing of a row's finite nonzero values is that of the smallest of them; an infinity's,
-     * 2**-24, is taken beside it. The pass over the row is a max, a min and flags: vector lanes. */
+     * smallest spacing of a row's nonzero values is that of the smallest of them. A row holding an infinity
+     * is never exact (n * inf exceeds any bound), whatever spacing the infinity is given. */
     for (Py_ssize_t i = 0; i < outer; i++) {
-        const double *row = x + i * n;
-        int off = 0, infinite = 0;
-        double largest = 0.0, smallest = INFINITY;
-#pragma omp simd reduction(max : largest) reduction(min : smallest) reduction(| : off, infinite)
-        for (Py_ssize_t j = 0; j < n; j++) {
-            double v = row[j];
-            off |= (double)(float)v != v;
-            double m = fabs(v);
-            infinite |= m == INFINITY;
-            largest = m > largest ? m : largest;
-            double finite = m != 0.0 && m < INFINITY ? m : INFINITY;
-            smallest = finite < smallest ? finite : smallest;
-        }
+        double largest, smallest;
+        const int off = term_extremes(x + i * n, n, &largest, &smallest);
         double q = INFINITY;
         if (smallest < INFINITY) {
             int e;
             frexp(smallest, &e);
             q = ldexp(1.0, e - 24 < -149 ? -149 : e - 24);
         }
-        if (infinite) q = 0x1p-24 < q ? 0x1p-24 : q;
-        mask[i] = (uint8_t)(!off && largest * (double)n <= q * 0x1p52);
+        mask[i] = (uint8_t)(!off && isfinite(largest) && largest * (double)n <= q * 0x1p52);
     }
 }
 

@@ -228,6 +228,11 @@ def _overload(name: str, overload: str) -> Any:
 counts: collections.Counter[str] = collections.Counter()
 
 
+def _unnamed(name: str) -> tuple[int, bool, float, str, Any, bool, bool, bool]:
+    """A table's entry for an operator Python cannot name: the mode takes it as it comes."""
+    return int(Route.PYTHON), False, 0.0, name, None, False, False, False
+
+
 class Routes:
     """One rounding mode's table of operator routes, kept across steps and rebuilt when the profile or the
     thresholds change (an elementwise op's route holds its threshold). ``plan_of(func, rules_revision)`` is
@@ -258,8 +263,8 @@ class Routes:
 
             def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any, bool, bool, bool]:
                 func = _overload(name, overload)
-                if func is None:  # an operator Python cannot name: the mode takes it as it comes
-                    return int(Route.PYTHON), False, 0.0, name, None, False, False, False
+                if func is None:
+                    return _unnamed(name)
                 short = func.overloadpacket.__name__
                 return (
                     int(route(func, plan_of(func, rules_revision), reorders, rules_revision)),
@@ -283,8 +288,8 @@ def _random_table(module: Any) -> Any:
 
     def resolve(name: str, overload: str) -> tuple[int, bool, float, str, Any, bool, bool, bool]:
         func = _overload(name, overload)
-        if func is None:  # an operator Python cannot name: the mode takes it as it comes
-            return int(Route.PYTHON), False, 0.0, name, None, False, False, False
+        if func is None:
+            return _unnamed(name)
         draws = randomness.draws_randomness(func)
         return (
             int(Route.PYTHON if draws else Route.KEEP),

@@ -399,6 +399,12 @@ bool runs_of(const at::Tensor& t, Runs& r) {
   return true;
 }
 
+// Each run of t's elements to the nearest FP32 value, in place.
+void round_runs(const at::Tensor& t, const Runs& r) {
+  double* p = t.data_ptr<double>();
+  for (const int64_t start : r.starts) round_dense(p + start, r.run);
+}
+
 // RoundingMode._round_exact: an FP64 tensor to the nearest FP32 value, in place.
 void round_exact(Step* step, const at::Tensor& t) {
   if (!rounded_output(t)) return;
@@ -406,8 +412,7 @@ void round_exact(Step* step, const at::Tensor& t) {
   if (plain_cpu(t) && t.is_contiguous()) {
     round_dense(t.data_ptr<double>(), t.numel());
   } else if (plain_cpu(t) && runs_of(t, runs)) {
-    double* p = t.data_ptr<double>();
-    for (const int64_t start : runs.starts) round_dense(p + start, runs.run);
+    round_runs(t, runs);
   } else {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     t.copy_(t.to(c10::ScalarType::Float));
@@ -523,25 +528,22 @@ bool product_unit(const Product& p, std::vector<double>& rows, std::vector<doubl
   return unit_factors(p.a, 1.0, rows) && unit_factors(p.b.t(), 0x1p-23 * terms_factor(p.a.size(1)), cols);
 }
 
-// Whether any element of the dense product out (M, N) lies within T = max(rows[i] cols[j], 2**-149) tau of
-// an FP32 midpoint.
+// A matrix product's T at an element of row factor r and column factor c: max(r c, 2**-149) tau (scale.Scale).
+inline double product_threshold(double r, double c, double tau) {
+  const double t = r * c;
+  return (t < 0x1p-149 ? 0x1p-149 : t) * tau;
+}
+
+// Whether any element of the dense product out (M, N) lies within its T of an FP32 midpoint.
 VECTOR_CLONES bool any_near_row(const double* row, double r, const double* cols, int64_t n, double tau, int tiny) {
   int any = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    double t = r * cols[j];
-    t = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
-    any |= near_flag(row[j], t, tiny);
-  }
+  for (int64_t j = 0; j < n; ++j) any |= near_flag(row[j], product_threshold(r, cols[j], tau), tiny);
   return any != 0;
 }
 
-// The T of each element of an (M, 1) product (a sum in its terms' units: one row factor an element), as
-// the product's T: max(rows[i] * col, 2**-149) * tau.
+// The T of each element of an (M, 1) product (a sum in its terms' units: one row factor an element).
 VECTOR_CLONES void column_thresholds(const double* rows, double col, double tau, int64_t m, double* out) {
-  for (int64_t i = 0; i < m; ++i) {
-    const double t = rows[i] * col;
-    out[i] = (t < 0x1p-149 ? 0x1p-149 : t) * tau;
-  }
+  for (int64_t i = 0; i < m; ++i) out[i] = product_threshold(rows[i], col, tau);
 }
 
 // Whether any element of x (m) lies within its T of an FP32 midpoint.
@@ -836,10 +838,6 @@ bool kernel_readable(const at::Tensor& x) {
          !x.is_conj() && !x._is_zerotensor();
 }
 
-// scale.exact_sum_elements of an aten.sum.dim_IntList call (args: its positional arguments) whose output has
-// out_elements, with the kernel's pass (exact_sums): 1 where the mask is written (1: an element every order
-// computes exactly), 0 where the rule claims no element (no dims, terms off the FP32 grid), -1 where the
-// mode decides (not a plain FP64 CPU tensor).
 // Whether dims order[begin..end) of x (outer to inner) step through memory as one dim does: each one's
 // stride is the next one's times its size (dims of size 1 aside). If so, stride is that dim's step (the
 // innermost one's stride; 1 where every dim has size 1).
@@ -859,6 +857,10 @@ bool as_one_dim(const at::Tensor& x, const std::vector<int64_t>& order, int64_t 
   return true;
 }
 
+// scale.exact_sum_elements of an aten.sum.dim_IntList call (args: its positional arguments) whose output has
+// out_elements, with the kernel's pass (exact_sums): 1 where the mask is written (1: an element every order
+// computes exactly), 0 where the rule claims no element (no dims, terms off the FP32 grid), -1 where the
+// mode decides (not a plain FP64 CPU tensor).
 int exact_sum_mask(const DetrlKernelApi* api, const std::vector<c10::IValue>& args, int64_t out_elements,
                    std::vector<uint8_t>& mask) {
   if (args.empty() || !args[0].isTensor()) return -1;
@@ -1132,11 +1134,11 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
   Runs runs;
   if (!to_mode && route == LOGGED && targets.size() == 1 && rounded_output(targets[0]) && plain_cpu(targets[0]) &&
       !targets[0].is_contiguous() && runs_of(targets[0], runs)) {
-    double* p = targets[0].data_ptr<double>();
+    const double* p = targets[0].const_data_ptr<double>();
     bool near = false;
     for (const int64_t start : runs.starts) near = near || any_near(p + start, runs.run, tau_of(0));
     if (!near) {
-      for (const int64_t start : runs.starts) round_dense(p + start, runs.run);
+      round_runs(targets[0], runs);
       count_rounded(step, targets[0].numel());
       py::gil_scoped_acquire gil;
       step->number(e.name);
@@ -1633,18 +1635,12 @@ VECTOR_CLONES void batch_norm_input_gradient(const double* __restrict__ g, const
   for (int64_t i = 0; i < n; ++i) out[i] = ((g[i] - a) - h[i] * b) * s;
 }
 
-// (outer, count, inner) of a dense (N, C, *S) tensor.
-Layout channels_of(const at::Tensor& x) {
-  const int64_t outer = x.size(0), count = x.size(1);
-  return {outer, count, outer > 0 && count > 0 ? x.numel() / (outer * count) : 0};
-}
-
 // batch_norm_backward's first pass over dense (N, C, *S) x and grad_out, per-channel mean and invstd:
 // (xhat, grad_out * xhat), as at::sub(x, mean).mul_(invstd) and at::mul(grad_out, xhat).
 std::pair<at::Tensor, at::Tensor> batch_norm_centred(const at::Tensor& x, const at::Tensor& g, const at::Tensor& mean,
                                                      const at::Tensor& invstd) {
   c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-  const Layout l = channels_of(x);
+  const Layout l = channel_layout(x);
   at::Tensor xhat = at::empty_like(x), product = at::empty_like(x);
   const double *px = x.const_data_ptr<double>(), *pg = g.const_data_ptr<double>();
   const double *m = mean.const_data_ptr<double>(), *is = invstd.const_data_ptr<double>();
@@ -1663,7 +1659,7 @@ std::pair<at::Tensor, at::Tensor> batch_norm_centred(const at::Tensor& x, const 
 at::Tensor batch_norm_grad_input(const at::Tensor& g, const at::Tensor& xhat, const at::Tensor& a, const at::Tensor& b,
                                  const at::Tensor& s) {
   c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-  const Layout l = channels_of(g);
+  const Layout l = channel_layout(g);
   at::Tensor out = at::empty_like(g);
   const double *pg = g.const_data_ptr<double>(), *ph = xhat.const_data_ptr<double>();
   const double *pa = a.const_data_ptr<double>(), *pb = b.const_data_ptr<double>(), *ps = s.const_data_ptr<double>();
@@ -2316,18 +2312,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the element passes of the decompositions written out, for tests against the torch ops they replace
   // (dense FP64 CPU arguments of matching sizes, which the decompositions check before they call them)
   auto dense_args = [](std::initializer_list<const at::Tensor*> ts) {
-    for (const at::Tensor* t : ts) TORCH_CHECK(plain_double(*t) && t->is_contiguous(), "dense FP64 CPU tensors only");
+    for (const at::Tensor* t : ts) TORCH_CHECK(dense_double(*t, t->numel()), "dense FP64 CPU tensors only");
   };
   m.def("batch_norm_centred", [dense_args](const at::Tensor& x, const at::Tensor& g, const at::Tensor& mean,
                                            const at::Tensor& invstd) {
     dense_args({&x, &g, &mean, &invstd});
-    TORCH_CHECK(x.dim() >= 2 && g.sizes() == x.sizes() && mean.numel() == x.size(1) && invstd.numel() == x.size(1));
+    TORCH_CHECK(x.dim() >= 2 && x.numel() > 0 && g.sizes() == x.sizes() && mean.numel() == x.size(1) &&
+                invstd.numel() == x.size(1));
     return batch_norm_centred(x, g, mean, invstd);
   });
   m.def("batch_norm_grad_input", [dense_args](const at::Tensor& g, const at::Tensor& xhat, const at::Tensor& a,
                                               const at::Tensor& b, const at::Tensor& s) {
     dense_args({&g, &xhat, &a, &b, &s});
-    const int64_t count = g.dim() >= 2 ? g.size(1) : -1;
+    const int64_t count = g.dim() >= 2 && g.numel() > 0 ? g.size(1) : -1;
     TORCH_CHECK(xhat.sizes() == g.sizes() && a.numel() == count && b.numel() == count && s.numel() == count);
     return batch_norm_grad_input(g, xhat, a, b, s);
   });
