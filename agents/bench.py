@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from detrl.bench.common import PartTimer, timed_parts
 from detrl.core.sources import STREAMS, Sources
 from detrl.run import config as config_mod
 from detrl.run import sessions
@@ -201,8 +202,8 @@ def part_verifiable(args: argparse.Namespace) -> dict[str, Any]:
         breakdown, parts = {}, _recorded_parts()
         for precision in ("fp32", "verifiable"):
             _log(f"verifiable: where a step goes: {precision}")
-            timer = _PartTimer()
-            with _timed_parts(timer, parts):
+            timer = PartTimer()
+            with timed_parts(timer, parts, returns_timed={"greedy_policy"}):
                 cfg = load(base, **sets, precision=precision)
                 sps = run_detrl(cfg, mode="record", run_dir=f"{tmp}/{precision}-parts")["steps_per_second"]
             breakdown[precision] = {**timer.seconds, "step": args.verifiable_steps / sps}
@@ -235,51 +236,6 @@ def _print_breakdown(breakdown: dict[str, dict[str, float]], labels: list[str], 
         print(f"  {label:<38} {x / steps * 1e6:8.1f} {y / steps * 1e6:11.1f} {ratio}")
 
 
-class _PartTimer:
-    """Wall time and calls of named parts of a run: :meth:`timed` wraps a callable. Parts do not nest: a
-    part called inside another (the target network's forward inside the update) counts as the outer one."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._inside = False
-
-    def timed(self, fn: Any, label: str) -> Any:
-        self.seconds.setdefault(label, 0.0)
-        self.calls.setdefault(label, 0)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self._inside:
-                return fn(*args, **kwargs)
-            self._inside = True
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.perf_counter() - t0
-                self.calls[label] += 1
-                self._inside = False
-
-        return wrapper
-
-
-@contextlib.contextmanager
-def _timed_parts(timer: _PartTimer, parts: list[tuple[Any, str, str]]) -> Any:
-    """Within: each ``(owner, attribute, label)`` of ``parts`` timed by ``timer``, restored on exit. For
-    ``dqn.greedy_policy``, the policy it returns is what acts, so that is timed."""
-    originals = [getattr(owner, name) for owner, name, _ in parts]
-    try:
-        for (owner, name, label), original in zip(parts, originals):
-            if name == "greedy_policy":
-                setattr(owner, name, lambda *a, policy=original, label=label: timer.timed(policy(*a), label))
-            else:
-                setattr(owner, name, timer.timed(original, label))
-        yield
-    finally:
-        for (owner, name, _), original in zip(parts, originals):
-            setattr(owner, name, original)
-
-
 def _recorded_parts() -> list[tuple[Any, str, str]]:
     """The parts of a recorded step ``--part verifiable`` times in each precision: (owner, attribute, label)."""
     from agents import dqn
@@ -310,7 +266,7 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
 
     cfg = load(CLEANRL_CARTPOLE, **{"train.steps": args.steps})
     torch.set_num_threads(1)
-    timer = _PartTimer()
+    timer = PartTimer()
     parts = [
         (dqn, "td_update", "update"),
         (dqn, "greedy_policy", "greedy action"),
@@ -347,7 +303,7 @@ def part_profile(args: argparse.Namespace) -> dict[str, Any]:
 
         Session.step = step  # type: ignore[method-assign]
         session = sessions.session_for(cfg, None, "off", sources=Sources.from_config(cfg.sources), force=True)
-        with session, _timed_parts(timer, parts):
+        with session, timed_parts(timer, parts, returns_timed={"greedy_policy"}):
             timed_sps = dqn.run(cfg, session, wrap_env=timed_env)["steps_per_second"]
     finally:
         Session.step = session_step  # type: ignore[method-assign]

@@ -3,9 +3,12 @@ stderr, recording a run, the base bundle of the trust benchmarks)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
+import time
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +124,51 @@ def record_small_digits(run_dir: Path) -> None:
 def mean_sd(values: list[float], scale: float = 1.0, digits: int = 4) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{scale * statistics.mean(values):.{digits}f} ± {scale * sd:.{digits}f}"
+
+
+class PartTimer:
+    """Wall time and calls of named parts of a run: :meth:`timed` wraps a callable. Parts do not nest: a
+    part called inside another (a DQN's target network forward inside its update) counts as the outer one."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._inside = False
+
+    def timed(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        self.seconds.setdefault(label, 0.0)
+        self.calls.setdefault(label, 0)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._inside:
+                return fn(*args, **kwargs)
+            self._inside = True
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - t0
+                self.calls[label] += 1
+                self._inside = False
+
+        return wrapper
+
+
+@contextlib.contextmanager
+def timed_parts(
+    timer: PartTimer, parts: list[tuple[Any, str, str]], returns_timed: Collection[str] = ()
+) -> Iterator[None]:
+    """Within: each ``(owner, attribute, label)`` of ``parts`` timed by ``timer``, restored on exit. An
+    attribute named in ``returns_timed`` is a factory (a DQN's ``greedy_policy``): the callable it returns
+    is what runs in the loop, so that is timed."""
+    originals = [getattr(owner, name) for owner, name, _ in parts]
+    try:
+        for (owner, name, label), original in zip(parts, originals):
+            if name in returns_timed:
+                setattr(owner, name, lambda *a, make=original, label=label: timer.timed(make(*a), label))
+            else:
+                setattr(owner, name, timer.timed(original, label))
+        yield
+    finally:
+        for (owner, name, _), original in zip(parts, originals):
+            setattr(owner, name, original)

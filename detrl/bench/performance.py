@@ -27,17 +27,21 @@ from detrl.bench.common import (
     LOG_GOAL_FACTOR,
     MODEL_CONFIGS,
     PAPER_LOG_BYTES_PER_STEP,
+    PartTimer,
     make_config,
     model_list,
     progress,
     record,
     reset_peak_rss,
     status_kb,
+    timed_parts,
 )
 from detrl.bench.registry import benchmark
 from detrl.core import kernel, native
+from detrl.core.engine import Session
 from detrl.core.rounding import Thresholds
 from detrl.formats import bundle as bundle_mod
+from detrl.formats import commit
 from detrl.formats.roundlog import dense_reference_bytes
 from detrl.run import config as config_mod
 from detrl.run import sessions, tasks
@@ -62,6 +66,22 @@ CALIBRATION_GOAL = 2.0
 #: Rounding-log goals per step after calibration, in bytes: ResNet-50 and GPT-2 small at least 1000x below
 #: the paper's logs (26.2 MB and 42.2 MB per step); the LSTM flat and small.
 LOG_GOALS = {"resnet50": 26_200, "gpt2": 42_200, "lstm_lm": 5_000}
+#: The phases of a timed step, in loop order (``--breakdown``): each measured between two clock reads.
+PHASES = [
+    "batch",
+    "step entry",
+    "forward and loss",
+    "backward",
+    "optimizer step",
+    "step exit",
+    "loss readout",
+]
+#: What ``--breakdown`` times inside a step's exit (its commitment): (owner, attribute, label).
+COMMIT_PARTS = [
+    (commit, "state_tensors", "step exit: the state's tensor list"),
+    (Session, "_state_hash", "step exit: the state hash (switchboard bytes included)"),
+    (bundle_mod.BundleWriter, "append_step", "step exit: the log segment and commitment record"),
+]
 
 
 def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -78,9 +98,11 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     baseline_kb = status_kb("VmRSS")  # torch imported, data loaded, no model yet
     session = sessions.session_for(cfg, tmp, mode, checkpoint_every=0, thresholds=thresholds, force=True)
     times: list[float] = []
+    phases = dict.fromkeys(PHASES, 0.0)  # seconds over the timed steps
+    timer = PartTimer()
     reset_ok, first_peak_kb = False, 0
     try:
-        with session:
+        with session, timed_parts(timer, COMMIT_PARTS if spec.get("breakdown") else []):
             model = session.init(train.model_builder(cfg, x))
             opt = session.track(train.make_optimizer(cfg, model))
             model.train()
@@ -89,20 +111,32 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 if i == warmup:
                     first_peak_kb = status_kb("VmHWM")
                     reset_ok = reset_peak_rss()
-                t0 = time.perf_counter()
+                    timer.seconds = dict.fromkeys(timer.seconds, 0.0)  # the timed steps' only
+                clock = [time.perf_counter()]
                 batch = next(batches)
+                clock.append(time.perf_counter())
                 with session.step():
+                    clock.append(time.perf_counter())
                     loss = train.training_loss(model, batch.x, batch.y)
+                    clock.append(time.perf_counter())
                     loss.backward()
+                    clock.append(time.perf_counter())
                     opt.step()
                     opt.zero_grad(set_to_none=True)
+                    clock.append(time.perf_counter())
+                clock.append(time.perf_counter())  # the exit: the commit and the log write
                 float(loss.detach())
-                times.append(time.perf_counter() - t0)  # includes the commit and the log write
+                clock.append(time.perf_counter())
+                times.append(clock[-1] - clock[0])
+                if i >= warmup:
+                    for name, a, b in zip(PHASES, clock, clock[1:]):
+                        phases[name] += b - a
             peak_kb = status_kb("VmHWM")
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return {
+        "phases": {name: t / max(1, steps) for name, t in {**phases, **timer.seconds}.items()},
         "times": times[warmup:],
         "first": times[:warmup],
         "baseline_kb": baseline_kb,
@@ -174,6 +208,12 @@ def bench_overhead(rest: list[str]) -> int:
         "(logs more than a calibrated run); 0 or negative (default): calibrate as a real run does",
     )
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print where a step goes: each phase of the loop, and the parts of the commitment, timed "
+        "inside the loop (the commitment's timers cost it a few microseconds of their own)",
+    )
     args = p.parse_args(rest)
     models = model_list(args.models)
     print(machine_line(args.threads))
@@ -184,6 +224,7 @@ def bench_overhead(rest: list[str]) -> int:
     )
     rows = []
     notes = []
+    breakdowns: list[str] = []
     for model in models:
         big = model in BIG_MODELS
         steps = args.big_steps if big else args.steps
@@ -202,7 +243,7 @@ def bench_overhead(rest: list[str]) -> int:
             for v in order:
                 t0 = time.perf_counter()
                 spec = {"model": model, "variant": v, "steps": steps, "warmup": args.warmup,
-                        "threads": args.threads, "tau": tau}  # fmt: skip
+                        "threads": args.threads, "tau": tau, "breakdown": args.breakdown}  # fmt: skip
                 out = _spawn_worker(spec)
                 res[v].append(out)
                 progress(
@@ -220,6 +261,8 @@ def bench_overhead(rest: list[str]) -> int:
             for v in VARIANTS
         }
         absmem = {v: statistics.median([o["peak_kb"] / 1024 for o in res[v]]) for v in VARIANTS}
+        if args.breakdown:
+            breakdowns.append(_breakdown_table(model, res))
         if not all(o["reset_ok"] for v in VARIANTS for o in res[v]):
             notes.append(f"{model}: could not reset peak RSS; steady-state peak includes the warm-up step")
         for v in VARIANTS:
@@ -263,7 +306,37 @@ def bench_overhead(rest: list[str]) -> int:
         "paper's 26.2 MB and 42.2 MB, the LSTM 5 KB, flat; 'Python mode': every op through the Python rounding "
         "mode (the native dispatch route off); 'torch rounding': that, and the native rounding kernel off too"
     )
+    for b in breakdowns:
+        print(b)
     return 0
+
+
+def _breakdown_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
+    """Where a step of ``model`` goes, in ms: each phase of the loop and each part of the commitment, per
+    variant (median over its processes of their mean over the timed steps), and verifiable recording's
+    excess over plain FP64 phase by phase."""
+    shown = ["fp64", "verifiable off", "verifiable record"]
+    labels = [*PHASES[:5], *(label for _, _, label in COMMIT_PARTS), "step exit", PHASES[-1]]
+    med = {
+        v: {k: statistics.median([o["phases"].get(k, 0.0) for o in res[v]]) for k in labels} for v in shown
+    }
+    for v in shown:  # the commitment's parts are inside the exit: the rest of it is its own row
+        med[v]["step exit: the rest (stats, Session)"] = med[v]["step exit"] - sum(
+            med[v][label] for _, _, label in COMMIT_PARTS
+        )
+        med[v]["a step"] = statistics.median([statistics.median(o["times"]) for o in res[v]])
+    rows_order = [*PHASES[:5], *(label for _, _, label in COMMIT_PARTS)]
+    rows_order += ["step exit: the rest (stats, Session)", PHASES[-1], "a step"]
+    rows = [
+        [label, *(f"{med[v][label] * 1e3:.3f}" for v in shown),
+         f"{(med['verifiable record'][label] - med['fp64'][label]) * 1e3:+.3f}"]
+        for label in rows_order
+    ]  # fmt: skip
+    head = (
+        f"\n{model}: where a step goes, ms (each phase between two clock reads inside the loop; median over "
+        "the processes of each one's mean over its timed steps; 'a step' is the median step)"
+    )
+    return head + "\n" + table(["part", *shown, "record - fp64"], rows)
 
 
 def _calibration_own(recorded: list[dict[str, Any]], off: list[dict[str, Any]]) -> float:
