@@ -206,3 +206,27 @@ def test_an_optimizer_state_that_is_not_tensors_and_numbers_is_refused_in_one_li
     opt.state[model.weight]["history"] = [torch.zeros(1)]
     with pytest.raises(ValueError, match=r"SGD: state 'history' of weight is a list"):
         optimizer_tensors(opt, {id(model.weight): "weight"})
+
+
+def test_cache_follows_a_swap_of_a_tensor_written_at_every_commitment() -> None:
+    """A tensor written at every commitment has no copy (the drop rule) and is rehashed through the view the
+    cache keeps: a swapped storage, an in-place transpose or a resize must still be seen through."""
+    p = torch.nn.Parameter(torch.arange(12, dtype=torch.float64).reshape(3, 4))
+    cache = commit.DigestCache(drop_after=2)
+    for _ in range(5):
+        with torch.no_grad():
+            p.add_(1.0)
+        assert cache.digest("p", p) == commit.tensor_digest("p", p)
+    entry = cache._entries["p"]
+    assert entry.copy is None and entry.retry_in > 0  # the steady state of a written tensor
+    p.data = torch.arange(12, dtype=torch.float64).reshape(3, 4) * 2.0  # another storage
+    assert cache.digest("p", p) == commit.tensor_digest("p", p)
+    with torch.no_grad():
+        p.add_(1.0)
+    assert cache.digest("p", p) == commit.tensor_digest("p", p)
+    t = p.data
+    t.t_()  # same memory, other strides
+    assert cache.digest("p", t) == commit.tensor_digest("p", t)
+    with torch.no_grad():
+        t.resize_(2, 2)  # same storage, fewer elements
+    assert cache.digest("p", t) == commit.tensor_digest("p", t)
