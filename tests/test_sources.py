@@ -65,6 +65,33 @@ def test_the_commitment_bytes_are_the_canonical_json_of_the_state():
     assert len(set(seen)) == len(seen)
 
 
+def test_a_streams_encoded_state_is_reused_only_while_the_state_is_the_same():
+    """The switchboard keeps each torch stream's last state and base64 (re-encoding an unchanged stream at
+    every commitment cost more than the rest of the bytes): what it writes is always the fresh encoding of
+    the stream's state, after a draw, a rewind to an earlier state and a load alike."""
+    import base64
+
+    a = Sources(seed=7)
+    g = a.torch("dropout")
+
+    def fresh() -> str:
+        return base64.b64encode(g.get_state().numpy().tobytes()).decode()
+
+    start = g.get_state()
+    first = a.state_dict()["torch"]["dropout"]
+    assert first == fresh() and a.state_dict()["torch"]["dropout"] is first  # unchanged: the same string
+    torch.rand(5, generator=g)
+    assert a.state_dict()["torch"]["dropout"] == fresh() != first
+    g.set_state(start)  # back to the first state
+    assert a.state_dict()["torch"]["dropout"] == fresh() == first
+    other = Sources(seed=8)
+    torch.rand(2, generator=other.torch("dropout"))
+    a.load_state_dict(other.state_dict())
+    g = a.torch("dropout")
+    assert a.state_dict()["torch"]["dropout"] == fresh() == other.state_dict()["torch"]["dropout"]
+    assert a.digest_bytes() == other.digest_bytes() == state_bytes(a.state_dict())
+
+
 def test_bad_state_and_unknown_streams_are_clear_errors():
     with pytest.raises(ValueError, match="unknown random stream"):
         Sources(streams={"nope": {"seed": 1}})

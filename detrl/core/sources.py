@@ -96,6 +96,9 @@ class Sources:
                 self._seeds[name] = derive_seed(self.base_seed, name)
         self._torch: dict[str, torch.Generator] = {}
         self._numpy: dict[str, np.random.Generator] = {}
+        #: each torch stream's last state and its base64: a stream no step drew from (the init stream after
+        #: init, the data order within an epoch) is not encoded again at every commitment
+        self._encoded: dict[str, tuple[bytes, str]] = {}
 
     # ------------------------------------------------------------------ streams
     def seed_of(self, name: str) -> int:
@@ -161,11 +164,19 @@ class Sources:
             "bitflip": self.bitflip,
             "seeds": dict(self._seeds),
             "unseeded": sorted(self._unseeded),
-            "torch": {
-                n: base64.b64encode(g.get_state().numpy().tobytes()).decode() for n, g in self._torch.items()
-            },
+            "torch": {n: self._torch_state(n, g) for n, g in self._torch.items()},
             "numpy": {n: g.bit_generator.state for n, g in self._numpy.items()},
         }
+
+    def _torch_state(self, name: str, g: torch.Generator) -> str:
+        """Stream ``name``'s state as base64 (the bytes of ``g.get_state()``), reused while they are equal."""
+        raw = g.get_state().numpy().tobytes()
+        last = self._encoded.get(name)
+        if last is not None and last[0] == raw:
+            return last[1]
+        b64 = base64.b64encode(raw).decode()
+        self._encoded[name] = (raw, b64)
+        return b64
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore seeds and stream positions saved by :meth:`state_dict` (validated: untrusted input)."""
