@@ -316,17 +316,19 @@ def _breakdown_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
     variant (median over its processes of their mean over the timed steps), and verifiable recording's
     excess over plain FP64 phase by phase."""
     shown = ["fp64", "verifiable off", "verifiable record"]
-    labels = [*PHASES[:5], *(label for _, _, label in COMMIT_PARTS), "step exit", PHASES[-1]]
+    commit_labels = [label for _, _, label in COMMIT_PARTS]
+    exit_rest = "step exit: the rest (stats, Session)"
     med = {
-        v: {k: statistics.median([o["phases"].get(k, 0.0) for o in res[v]]) for k in labels} for v in shown
+        v: {
+            k: statistics.median([o["phases"].get(k, 0.0) for o in res[v]]) for k in [*PHASES, *commit_labels]
+        }
+        for v in shown
     }
     for v in shown:  # the commitment's parts are inside the exit: the rest of it is its own row
-        med[v]["step exit: the rest (stats, Session)"] = med[v]["step exit"] - sum(
-            med[v][label] for _, _, label in COMMIT_PARTS
-        )
+        med[v][exit_rest] = med[v]["step exit"] - sum(med[v][label] for label in commit_labels)
         med[v]["a step"] = statistics.median([statistics.median(o["times"]) for o in res[v]])
-    rows_order = [*PHASES[:5], *(label for _, _, label in COMMIT_PARTS)]
-    rows_order += ["step exit: the rest (stats, Session)", PHASES[-1], "a step"]
+    exit_at = PHASES.index("step exit")
+    rows_order = [*PHASES[:exit_at], *commit_labels, exit_rest, *PHASES[exit_at + 1 :], "a step"]
     rows = [
         [label, *(f"{med[v][label] * 1e3:.3f}" for v in shown),
          f"{(med['verifiable record'][label] - med['fp64'][label]) * 1e3:+.3f}"]

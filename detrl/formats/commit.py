@@ -73,10 +73,15 @@ def _record_header(name: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes
     )
 
 
-def _digest_buffer(name: str, t: torch.Tensor, data: np.ndarray) -> bytes:
-    h = _hasher(_record_header(name, t.dtype, tuple(t.shape), data.nbytes))
+def _digest_record(header: bytes, data: np.ndarray) -> bytes:
+    """BLAKE3 of a tensor's record: its header (:func:`_record_header`), then its raw bytes."""
+    h = _hasher(header)
     h.update(data)
     return h.digest()
+
+
+def _digest_buffer(name: str, t: torch.Tensor, data: np.ndarray) -> bytes:
+    return _digest_record(_record_header(name, t.dtype, tuple(t.shape), data.nbytes), data)
 
 
 def tensor_digest(name: str, t: torch.Tensor) -> bytes:
@@ -151,9 +156,7 @@ class DigestCache:
             e.retry_in -= 1
             e.changed_run += 1
             self.misses += 1
-            h = _hasher(e.header)
-            h.update(e.view)
-            e.digest = h.digest()
+            e.digest = _digest_record(e.header, e.view)
             return e.digest
         if e is not None and e.src is t and e.layout == layout:
             data = e.view
@@ -171,7 +174,8 @@ class DigestCache:
             self.hits += 1
             return e.digest
         self.misses += 1
-        d = _digest_buffer(name, t, data)
+        header = _record_header(name, t.dtype, tuple(t.shape), data.nbytes)
+        d = _digest_record(header, data)
         if e is None:
             e = self._entries[name] = _Entry(d, t.dtype, t.shape)
         else:
@@ -180,7 +184,7 @@ class DigestCache:
         if e.src is not t or e.layout != layout:
             aliased = t.device.type == "cpu" and t.is_contiguous()  # else ``data`` is a copy, not a view
             e.src, e.view, e.layout = (t, data, layout) if aliased else (None, None, ())
-            e.header = _record_header(name, t.dtype, tuple(t.shape), data.nbytes) if aliased else b""
+            e.header = header if aliased else b""
         self._keep(e, data)
         return d
 
