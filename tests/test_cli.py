@@ -152,3 +152,18 @@ def test_bench_perop_prints_every_op_under_every_layer(capsys):
         assert min(plain, any_mode, recorded, python_mode, torch_ref) > 0
         assert abs(entry - (any_mode - plain)) < 0.11 and abs(own - (python_mode - any_mode)) < 0.11
         assert abs(beyond - (recorded - plain)) < 0.11
+
+
+def test_bench_zoo_prints_the_log_a_step_that_the_recording_wrote(tmp_path, capsys):
+    """``detrl bench zoo``'s log column: step 1's KB and the later steps' mean, the sizes a recording of the
+    same model writes (a log's size is deterministic), and its replay verdict beside them."""
+    from detrl.testing import zoo
+
+    name = "layer_norm_then_mean"
+    assert main(["bench", "zoo", "--models", name, "--steps", "3", "--profiles", "emulated:splitk"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line.split() for line in out.splitlines() if line.startswith(name)]
+    per_step = zoo.record(zoo.SPECIMENS[name], tmp_path / "run", steps=3).log_bytes[-3:]
+    assert min(per_step) > 0
+    assert row[2:5] == [f"{per_step[0] / 1e3:.1f}", "/", f"{(per_step[1] + per_step[2]) / 2e3:.1f}"], out
+    assert "replicates" in row, out

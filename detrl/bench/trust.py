@@ -491,6 +491,7 @@ def bench_zoo(rest: list[str]) -> int:
             t0 = time.perf_counter()
             rec = zoo.record(s, run, steps=args.steps)
             t_rec = (time.perf_counter() - t0) / args.steps
+            log = _log_sizes(rec.log_bytes[-args.steps :])
             for hw in profiles:
                 progress(f"zoo: replaying {name} on {hw}")
                 t0 = time.perf_counter()
@@ -509,17 +510,27 @@ def bench_zoo(rest: list[str]) -> int:
                         without = "replicates"
                     except Divergence as e:
                         without = f"diverges at {e.step}"
-                rows.append([name, f"{rec.totals.logged:,}", f"{t_rec:.1f}", hw, f"{t_rep:.1f}", verdict,
+                rows.append([name, f"{rec.totals.logged:,}", log, f"{t_rec:.1f}", hw, f"{t_rep:.1f}", verdict,
                              corrected, without])  # fmt: skip
             shutil.rmtree(run, ignore_errors=True)
             shutil.rmtree(nolog, ignore_errors=True)
-    headers = ["model", "logged", "record s/step", "profile", "replay s/step", "with log", "corrected",
-               "without log"]  # fmt: skip
+    headers = ["model", "logged", "log KB step 1 / later", "record s/step", "profile", "replay s/step",
+               "with log", "corrected", "without log"]  # fmt: skip
     print(table(headers, rows))
     print(
-        "without log: replayed only where the log corrected elements ('-': it corrected none, or --no-strip)"
+        "log KB: the rounding log's bytes on disk (segment headers included) of the calibrating step 1, and "
+        "the mean of the later steps; without log: replayed only where the log corrected elements ('-': it "
+        "corrected none, or --no-strip)"
     )
     return 0
+
+
+def _log_sizes(per_step: list[int]) -> str:
+    """``step 1 / later``: step 1's log KB and the later steps' mean (``step 1`` alone for one step)."""
+    first = f"{per_step[0] / 1e3:.1f}" if per_step else "-"
+    if len(per_step) < 2:
+        return first
+    return f"{first} / {statistics.mean(per_step[1:]) / 1e3:.1f}"
 
 
 @benchmark("islands", "step time of models with float32 islands against their FP64 twins, side by side")
