@@ -54,3 +54,21 @@ def test_the_table_shows_each_part_and_recordings_excess_over_fp64(runs):
     assert float(rows["a step"][2]) == pytest.approx(
         statistics.median(res["verifiable record"][0]["times"]) * 1e3, abs=1e-3
     )
+
+
+def test_every_repeat_runs_each_variant_once_with_fp64_beside_the_recording():
+    firsts = set()
+    for r in range(2 * len(performance.VARIANTS)):
+        order = performance.run_order(r)
+        assert sorted(order) == sorted(performance.VARIANTS)
+        at, fp64 = order.index(performance.PAIRED), order.index("fp64")
+        assert fp64 == (at - 1 if r % 2 else at + 1)  # back to back, fp64 first in odd repeats
+        firsts.add(order[0])
+    assert len(firsts) >= len(performance.VARIANTS) - 1  # the rotation spreads who runs first
+
+
+def test_the_per_repeat_ratio_pairs_each_recording_with_its_own_fp64():
+    rec = [{"times": [2.0, 2.2, 2.4]}, {"times": [3.0, 3.3, 3.6]}, {"times": [1.5]}]
+    fp64 = [{"times": [1.0, 1.1, 1.2]}, {"times": [2.0, 2.2, 2.4]}, {"times": [1.25]}]
+    assert performance._paired_column(rec, fp64) == "1.50x (1.20..2.00)"
+    assert performance._paired_column([], []) == "-"

@@ -237,10 +237,8 @@ def bench_overhead(rest: list[str]) -> int:
                 "a calibrated run)"
             )
         res: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-        names = list(VARIANTS)
         for r in range(repeats):
-            order = names[r % len(names) :] + names[: r % len(names)]  # rotate to spread drift
-            for v in order:
+            for v in run_order(r):
                 t0 = time.perf_counter()
                 spec = {"model": model, "variant": v, "steps": steps, "warmup": args.warmup,
                         "threads": args.threads, "tau": tau, "breakdown": args.breakdown}  # fmt: skip
@@ -282,17 +280,23 @@ def bench_overhead(rest: list[str]) -> int:
                 log = _log_column(model, [b for o in res[v] for b in o["log_bytes"]])
             rows.append([
                 model, v, str(len(res[v]) * steps), f"{med[v] * 1e3:.1f}",
-                f"{med[v] / med['fp64']:.2f}x{_verdict(med[v] / med['fp64'], goal)}", f"{med[v] / med['fp32']:.2f}x",
+                f"{med[v] / med['fp64']:.2f}x{_verdict(med[v] / med['fp64'], goal)}",
+                _paired_column(res[v], res["fp64"]) if v == PAIRED else "-", f"{med[v] / med['fp32']:.2f}x",
                 f"{mem[v]:.0f}", f"{mem[v] / mem['fp64']:.2f}x" if mem["fp64"] > 0 else "-",
                 f"{mem1[v]:.0f}", f"{absmem[v]:.0f}", f"{statistics.median(logged):.0f}" if logged else "-",
                 calibration, own, log,
             ])  # fmt: skip
-    headers = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp32",
+    headers = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp64 per repeat: median (min..max)", "/fp32",
                "peak MB", "peak /fp64", "peak MB incl. step 1", "abs. peak RSS MB", "logged/step",
                "step 1 / later", "calibration's own, in later steps", "log KB/step (first..last)"]  # fmt: skip
     print(table(headers, rows))
     for n in notes:
         print("note: " + n)
+    print(
+        "/fp64: the median step of every process of the variant over fp64's (the verdict); per repeat: each "
+        f"repeat runs {PAIRED} and fp64 back to back, and its ratio is theirs alone, so its spread is the "
+        "machine's drift between repeats"
+    )
     print(
         "calibration's own: (step 1 of verifiable record - step 1 of verifiable off) / a later step of verifiable "
         "record, median over the repeats paired in order: what calibrating (and the durable point that "
@@ -339,6 +343,30 @@ def _breakdown_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
         "the processes of each one's mean over its timed steps; 'a step' is the median step)"
     )
     return head + "\n" + table(["part", *shown, "record - fp64"], rows)
+
+
+#: The variant that runs beside fp64 in every repeat, for its per-repeat ratio.
+PAIRED = "verifiable record"
+
+
+def run_order(repeat: int) -> list[str]:
+    """The variants' order in repeat ``repeat``: rotated by one each repeat to spread a drifting machine's
+    slow spells, with fp64 moved beside :data:`PAIRED`, before it in odd repeats and after it in even ones."""
+    names = list(VARIANTS)
+    order = names[repeat % len(names) :] + names[: repeat % len(names)]
+    order.remove("fp64")
+    at = order.index(PAIRED)
+    order.insert(at if repeat % 2 else at + 1, "fp64")
+    return order
+
+
+def _paired_column(paired: list[dict[str, Any]], fp64: list[dict[str, Any]]) -> str:
+    """``median (min..max)`` over the repeats of the paired variant's median step over fp64's in the same
+    repeat (the two ran back to back)."""
+    ratios = [statistics.median(p["times"]) / statistics.median(f["times"]) for p, f in zip(paired, fp64)]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})"
 
 
 def _calibration_own(recorded: list[dict[str, Any]], off: list[dict[str, Any]]) -> float:
