@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import math
 import os
 import shutil
@@ -450,6 +451,51 @@ def test_a_written_out_layer_norm_gives_the_modes_layout_and_bits() -> None:
 
 
 @needs_native
+def test_a_written_out_layer_norm_backward_gives_the_modes_layout_and_bits() -> None:
+    """The route's layer norm backward computes its element passes over dense rows in two loops, and rows
+    laid out otherwise with torch's ops. Either way each gradient has the mode's strides and bits, and the
+    step logs the same entries: with and without a weight, under every output mask, on values of every kind
+    (zeros, infinities, NaN, subnormals) and on FP32-grid values whose row sums have near elements."""
+    from detrl.core.rounding import RoundingMode, StepRounding, Thresholds
+
+    g = torch.Generator().manual_seed(8)
+    special = _special_values((4, 24, 10), g)
+    grid = torch.randn(4, 24, 10, generator=g, dtype=torch.float64).float().double()
+    weight = torch.randn(24, generator=g, dtype=torch.float64).float().double()
+    masks = ([True, True, True], [True, False, False], [False, True, True], [True, True, False])
+    checked = near = 0
+    for base, tau in ((special, 2.0**-20), (grid, 2.0**-3)):
+        for x in (base.transpose(1, 2), base.transpose(1, 2).contiguous()):
+            # the incoming gradient dense, or its rows spaced out in memory (a slice of a wider buffer: the
+            # rows are a view that is not dense, which takes torch's ops)
+            wide = (torch.randn(*x.shape[:-1], 30, generator=g, dtype=torch.float64) * 3).float().double()
+            grad_out = wide[..., :24] if x.is_contiguous() else wide[..., :24].contiguous()
+            _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [24], weight, None, 1e-5)
+            for mask, w in itertools.product(masks, (weight, None)):
+                if mask[1] and w is None:
+                    continue  # a weight's gradient needs a weight
+                results, logged = {}, {}
+                for on in (True, False):
+                    mode = RoundingMode(get_profile("native"), Thresholds(default=tau))
+                    step = StepRounding()
+                    with native.switched(on), mode.step_scope(step):
+                        results[on] = torch.ops.aten.native_layer_norm_backward.default(
+                            grad_out, x, [24], mean, rstd, w, w, mask
+                        )
+                    logged[on] = (step.stats.logged, step.op_names, list(step.recorded))
+                assert logged[True] == logged[False]
+                near += logged[True][0]
+                for got, want in zip(results[True], results[False], strict=True):
+                    assert (got is None) == (want is None)
+                    if got is not None:
+                        assert got.stride() == want.stride()
+                        assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+                        checked += 1
+    assert checked == 2 * 2 * 9  # nine gradients under the masks, for each set of values and layout
+    assert near > 0  # the FP32-grid rows' sums had elements near a midpoint
+
+
+@needs_native
 def test_sums_with_near_elements_log_alike_on_the_route_and_in_the_mode() -> None:
     """Under rules revision 2 a sum's entries leave out the elements every order computes exactly; the route
     finds them with the C kernel (an embedding gradient's in the mode): random sums over random dims (FP32
@@ -767,6 +813,46 @@ def test_batch_norm_backwards_element_passes_give_the_torch_ops_bits() -> None:
         got = module.batch_norm_grad_input(grad, want_xhat, a, b, s)
         want = torch.sub(grad, a.view(view)).sub_(want_xhat.clone().mul_(b.view(view))).mul_(s.view(view))
         assert torch.equal(got.view(torch.int64), want.view(torch.int64))
+
+
+@needs_native
+def test_layer_norm_backwards_element_passes_give_the_torch_ops_bits() -> None:
+    """The written-out layer norm backward replaces its element-wise torch ops by two loops over the rows:
+    xhat, the weighted incoming gradient, its product with xhat and grad_out * xhat in one, the input
+    gradient in the other. Rounding to FP32 hides most last-bit differences (the route-against-mode test
+    cannot see them), so the loops are held to the unrounded torch results, bit for bit, on values of every
+    kind, with and without a weight and with each output left out."""
+    module = native._module()
+    g = torch.Generator().manual_seed(9)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int64)
+
+    for shape in ((4, 6, 32), (9, 7), (1, 1)):
+        x, grad = _special_values(shape, g), _special_values(shape, g)
+        stats = (*shape[:-1], 1)
+        mean, rstd, a, b = (_special_values(stats, g) for _ in range(4))
+        weight = _special_values(shape[-1:], g)
+        want_xhat = torch.sub(x, mean).mul_(rstd)
+        for w, terms, products in itertools.product((weight, None), (True, False), (True, False)):
+            xhat, gw, weighted, product = module.layer_norm_grad_passes(
+                x, grad, mean, rstd, w, terms, products
+            )
+            assert torch.equal(bits(xhat), bits(want_xhat))
+            want_gw = torch.mul(grad, w) if w is not None else grad
+            if terms:
+                assert torch.equal(bits(gw), bits(want_gw))
+                assert torch.equal(bits(weighted), bits(torch.mul(want_gw, want_xhat)))
+            else:
+                assert gw is None and weighted is None
+            if products:
+                assert torch.equal(bits(product), bits(torch.mul(grad, want_xhat)))
+            else:
+                assert product is None
+        for gw in (torch.mul(grad, weight), grad):
+            got = module.layer_norm_grad_input(gw, want_xhat, a, b, rstd)
+            want = torch.sub(gw, a).sub_(torch.mul(want_xhat, b)).mul_(rstd)
+            assert torch.equal(bits(got), bits(want))
 
 
 @needs_native

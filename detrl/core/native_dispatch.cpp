@@ -351,10 +351,10 @@ bool rounded_output(const at::Tensor& t) {
 }
 
 // Vector builds of the loops over an output, as in the C kernel: each element is computed exactly as the
-// scalar code computes it (no fast-math, no FMA contraction); the loader picks an AVX2 clone where the CPU
-// has it.
+// scalar code computes it (no fast-math, no FMA contraction); the loader picks an AVX-512 clone where the CPU
+// has it, else an AVX2 one.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__)
-#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define VECTOR_CLONES
 #endif
@@ -1629,8 +1629,8 @@ VECTOR_CLONES void centred_products(const double* __restrict__ x, const double* 
   }
 }
 
-// out = ((g - a) - h * b) * s (batch norm backward's input gradient).
-VECTOR_CLONES void batch_norm_input_gradient(const double* __restrict__ g, const double* __restrict__ h, double a,
+// out = ((g - a) - h * b) * s (batch norm's and layer norm's backward input gradient, a channel or a row).
+VECTOR_CLONES void norm_input_gradient(const double* __restrict__ g, const double* __restrict__ h, double a,
                                              double b, double s, double* __restrict__ out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = ((g[i] - a) - h[i] * b) * s;
 }
@@ -1667,7 +1667,7 @@ at::Tensor batch_norm_grad_input(const at::Tensor& g, const at::Tensor& xhat, co
   for (int64_t o = 0; o < l.outer; ++o) {
     for (int64_t k = 0; k < l.channels; ++k) {
       const int64_t at = (o * l.channels + k) * l.inner;
-      batch_norm_input_gradient(pg + at, ph + at, pa[k], pb[k], ps[k], po + at, l.inner);
+      norm_input_gradient(pg + at, ph + at, pa[k], pb[k], ps[k], po + at, l.inner);
     }
   }
   return out;
@@ -1886,25 +1886,103 @@ std::vector<at::Tensor> layer_norm(Step* step, const at::Tensor& x, size_t norma
   }
 }
 
-// decompose.layer_norm_backward: (grad_x, grad_weight, grad_bias), undefined where the mask says so.
+// h = (x - m) * s; with wx: a = g * w (g alone without w), wx = a * h, and gw = a where gw is given; with p:
+// p = g * h (layer norm backward's xhat, its weighted incoming gradient, their product, grad_out * xhat).
+VECTOR_CLONES void layer_norm_grad_terms(const double* __restrict__ x, const double* __restrict__ g,
+                                         const double* __restrict__ w, double m, double s, double* __restrict__ h,
+                                         double* __restrict__ gw, double* __restrict__ wx, double* __restrict__ p,
+                                         int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double hx = (x[i] - m) * s;
+    h[i] = hx;
+    if (wx != nullptr) {
+      const double a = w != nullptr ? g[i] * w[i] : g[i];
+      if (gw != nullptr) gw[i] = a;
+      wx[i] = a * hx;
+    }
+    if (p != nullptr) p[i] = g[i] * hx;
+  }
+}
+
+// layer_norm_backward's first pass over dense rows (*B, n) of x and grad_out, their mean and rstd (*B) and an
+// optional dense weight (n): {xhat, gw, gw * xhat, grad_out * xhat} as at::sub(x, mean).mul_(rstd),
+// at::mul(g, weight) (g itself without a weight), at::mul(gw, xhat) and at::mul(g, xhat); the second and
+// third only with terms, the last only with products (undefined tensors otherwise).
+std::vector<at::Tensor> layer_norm_grad_passes(const at::Tensor& x, const at::Tensor& g, const at::Tensor& mean,
+                                               const at::Tensor& rstd, const at::Tensor& weight, bool terms,
+                                               bool products) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const int64_t n = g.size(-1), count = n > 0 ? g.numel() / n : 0;
+  at::Tensor xhat = at::empty_like(g), gw, weighted, product;
+  if (terms) {
+    weighted = at::empty_like(g);
+    gw = weight.defined() ? at::empty_like(g) : g;
+  }
+  if (products) product = at::empty_like(g);
+  const double *px = x.const_data_ptr<double>(), *pg = g.const_data_ptr<double>();
+  const double *pm = mean.const_data_ptr<double>(), *ps = rstd.const_data_ptr<double>();
+  const double* pw = weight.defined() ? weight.const_data_ptr<double>() : nullptr;
+  double* ph = xhat.data_ptr<double>();
+  double* pgw = terms && weight.defined() ? gw.data_ptr<double>() : nullptr;
+  double* pwx = terms ? weighted.data_ptr<double>() : nullptr;
+  double* pp = products ? product.data_ptr<double>() : nullptr;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t o = r * n;
+    layer_norm_grad_terms(px + o, pg + o, pw, pm[r], ps[r], ph + o, pgw != nullptr ? pgw + o : nullptr,
+                          pwx != nullptr ? pwx + o : nullptr, pp != nullptr ? pp + o : nullptr, n);
+  }
+  return {xhat, gw, weighted, product};
+}
+
+// Its last: the input gradient of dense rows (*B, n) from gw, xhat, the rows' a = sum(gw) / n,
+// b = sum(gw * xhat) / n and rstd s (*B), as at::sub(gw, a).sub_(at::mul(xhat, b)).mul_(s).
+at::Tensor layer_norm_grad_input(const at::Tensor& gw, const at::Tensor& xhat, const at::Tensor& a,
+                                 const at::Tensor& b, const at::Tensor& s) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const int64_t n = gw.size(-1), count = n > 0 ? gw.numel() / n : 0;
+  at::Tensor out = at::empty_like(gw);
+  const double *pg = gw.const_data_ptr<double>(), *ph = xhat.const_data_ptr<double>();
+  const double *pa = a.const_data_ptr<double>(), *pb = b.const_data_ptr<double>(), *ps = s.const_data_ptr<double>();
+  double* po = out.data_ptr<double>();
+  for (int64_t r = 0; r < count; ++r) norm_input_gradient(pg + r * n, ph + r * n, pa[r], pb[r], ps[r], po + r * n, n);
+  return out;
+}
+
+// decompose.layer_norm_backward: (grad_x, grad_weight, grad_bias), undefined where the mask says so. Where the
+// rows, their statistics and the weight are dense, its element passes are the loops above (two passes instead
+// of nine torch ops and their temporaries), else torch's ops; the sums are the step's ops either way.
 std::vector<at::Tensor> layer_norm_backward(Step* step, const at::Tensor& grad_out, const at::Tensor& x,
                                             size_t normalized_dims, const at::Tensor& mean, const at::Tensor& rstd_in,
                                             const at::Tensor& weight, const at::Tensor& bias,
                                             const std::array<bool, 3>& mask) {
   int64_t n = 0;
-  at::Tensor g, rstd, xhat, grad_x, grad_w, grad_b;
+  at::Tensor g, rows, rstd, mean_rows, xhat, gw, weighted, product, grad_x, grad_w, grad_b;
   Decomposing inside(step);
+  bool loops = false;
   {
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     g = rows_of(grad_out, normalized_dims, n);
     std::vector<int64_t> stats(g.sizes().begin(), g.sizes().end() - 1);
     stats.push_back(1);
     rstd = rstd_in.reshape(stats);
-    xhat = at::sub(rows_of(x, normalized_dims, n), mean.reshape(stats)).mul_(rstd);
+    mean_rows = mean.reshape(stats);
+    rows = rows_of(x, normalized_dims, n);
+    const int64_t count = n > 0 ? g.numel() / n : 0;
+    loops = n > 0 && rows.sizes() == g.sizes() && dense_double(g, g.numel()) && dense_double(rows, g.numel()) &&
+            dense_double(mean_rows, count) && dense_double(rstd, count) &&
+            (!weight.defined() || dense_double(weight, n));
+    if (loops) {
+      std::vector<at::Tensor> passes = layer_norm_grad_passes(rows, g, mean_rows, rstd, weight, mask[0], mask[1]);
+      xhat = passes[0];
+      gw = passes[1];
+      weighted = passes[2];
+      product = passes[3];
+    } else {
+      xhat = at::sub(rows, mean_rows).mul_(rstd);
+    }
   }
   if (mask[0]) {
-    at::Tensor gw, weighted;
-    {
+    if (!loops) {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
       gw = weight.defined() ? at::mul(g, weight.reshape({n})) : g;
     }
@@ -1913,18 +1991,21 @@ std::vector<at::Tensor> layer_norm_backward(Step* step, const at::Tensor& grad_o
     {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
       mean_g = at::div(total_g, wrapped(n)).unsqueeze(-1);
-      weighted = at::mul(gw, xhat);
+      if (!loops) weighted = at::mul(gw, xhat);
     }
     at::Tensor total_gx = at::sum(weighted, {-1});
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
     mean_gx = at::div(total_gx, wrapped(n)).unsqueeze(-1);
-    grad_x = at::sub(gw, mean_g).sub_(at::mul(xhat, mean_gx)).mul_(rstd).reshape(x.sizes());
+    if (loops) {
+      grad_x = layer_norm_grad_input(gw, xhat, mean_g.contiguous(), mean_gx.contiguous(), rstd).reshape(x.sizes());
+    } else {
+      grad_x = at::sub(gw, mean_g).sub_(at::mul(xhat, mean_gx)).mul_(rstd).reshape(x.sizes());
+    }
   }
   std::vector<int64_t> batch;
   for (int64_t d = 0; d + 1 < g.dim(); ++d) batch.push_back(d);
   if (mask[1]) {
-    at::Tensor product;
-    {
+    if (!loops) {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
       product = at::mul(g, xhat);
     }
@@ -2327,6 +2408,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const int64_t count = g.dim() >= 2 && g.numel() > 0 ? g.size(1) : -1;
     TORCH_CHECK(xhat.sizes() == g.sizes() && a.numel() == count && b.numel() == count && s.numel() == count);
     return batch_norm_grad_input(g, xhat, a, b, s);
+  });
+  m.def("layer_norm_grad_passes", [dense_args](const at::Tensor& x, const at::Tensor& g, const at::Tensor& mean,
+                                               const at::Tensor& rstd, std::optional<at::Tensor> weight, bool terms,
+                                               bool products) {
+    const at::Tensor w = weight.value_or(at::Tensor());
+    dense_args({&x, &g, &mean, &rstd});
+    TORCH_CHECK(g.dim() >= 1 && g.numel() > 0 && x.sizes() == g.sizes() && mean.numel() * g.size(-1) == g.numel() &&
+                rstd.numel() == mean.numel() && (!w.defined() || dense_double(w, g.size(-1))));
+    return layer_norm_grad_passes(x, g, mean, rstd, w, terms, products);
+  });
+  m.def("layer_norm_grad_input", [dense_args](const at::Tensor& gw, const at::Tensor& xhat, const at::Tensor& a,
+                                              const at::Tensor& b, const at::Tensor& s) {
+    dense_args({&gw, &xhat, &a, &b, &s});
+    const int64_t count = gw.dim() >= 1 && gw.numel() > 0 ? gw.numel() / gw.size(-1) : -1;
+    TORCH_CHECK(xhat.sizes() == gw.sizes() && a.numel() == count && b.numel() == count && s.numel() == count);
+    return layer_norm_grad_input(gw, xhat, a, b, s);
   });
   m.def("layer_norm_masked", [dense_args](const at::Tensor& rows, const at::Tensor& exact) {
     dense_args({&rows});
