@@ -1,8 +1,9 @@
 """``detrl bench perop``: what one aten op costs under verifiable precision, and where that time goes.
 
 A verifiable step is its ops' plain FP64 cost plus, per op, the rounding mode's work. This benchmark times
-single ops (an add, an in-place multiply, an exp, a sum over rows, a matrix product) at a small and a large
-size, each called directly and under four layers, so that the differences name the parts:
+single ops (an add, an in-place multiply, an exp, a sum over rows, a matrix product, a layer norm and its
+backward) at a small and a large size, each called directly and under four layers, so that the differences
+name the parts:
 
 * ``plain``: the op on FP64 tensors, no mode;
 * ``any mode``: under a dispatch mode that only calls the op back (the native profile's ``HardwareMode``:
@@ -40,12 +41,20 @@ def _ops(numel: int) -> dict[str, Callable[[], Any]]:
     x = torch.randn(numel, generator=g, dtype=torch.float64).float().double()
     y = torch.randn(numel, generator=g, dtype=torch.float64).float().double()
     rows = torch.randn(side, side, generator=g, dtype=torch.float64).float().double()
+    grad = torch.randn(side, side, generator=g, dtype=torch.float64).float().double()
+    w, b = (torch.randn(side, generator=g, dtype=torch.float64).float().double() for _ in range(2))
+    _, mean, rstd = torch.ops.aten.native_layer_norm.default(rows, [side], w, b, 1e-5)
     return {
         "add": lambda: torch.add(x, y),
         "mul_ (in place)": lambda: x.mul_(1.0),
         "exp": lambda: torch.exp(y),
         "sum over rows": lambda: torch.sum(rows, 1),
         "mm": lambda: rows @ rows,
+        # written out as row sums and element passes (a transformer's every block has two)
+        "layer norm": lambda: torch.ops.aten.native_layer_norm.default(rows, [side], w, b, 1e-5),
+        "layer norm backward": lambda: torch.ops.aten.native_layer_norm_backward.default(
+            grad, rows, [side], mean, rstd, w, b, [True, True, True]
+        ),
     }
 
 
