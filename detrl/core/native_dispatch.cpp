@@ -1619,19 +1619,27 @@ std::vector<at::Tensor> batch_norm(Step* step, const at::Tensor& x, const at::Te
 // A dense FP64 CPU tensor of n elements (a per-channel or per-row vector, an activation).
 bool dense_double(const at::Tensor& t, int64_t n) { return plain_double(t) && t.is_contiguous() && t.numel() == n; }
 
-// h = (x - m) * s; p = g * h (batch norm backward's xhat and grad_out * xhat).
-VECTOR_CLONES void centred_products(const double* __restrict__ x, const double* __restrict__ g, double m, double s,
-                                    double* __restrict__ h, double* __restrict__ p, int64_t n) {
+// h = (x - m) * s; with wx: a = g * w (g alone without w), wx = a * h, and gw = a where gw is given; with p:
+// p = g * h. Batch norm backward's xhat and grad_out * xhat (a channel); layer norm backward's xhat, its
+// weighted incoming gradient, their product and grad_out * xhat (a row).
+VECTOR_CLONES void centred_terms(const double* __restrict__ x, const double* __restrict__ g,
+                                 const double* __restrict__ w, double m, double s, double* __restrict__ h,
+                                 double* __restrict__ gw, double* __restrict__ wx, double* __restrict__ p, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const double v = (x[i] - m) * s;
-    h[i] = v;
-    p[i] = g[i] * v;
+    const double hx = (x[i] - m) * s;
+    h[i] = hx;
+    if (wx != nullptr) {
+      const double a = w != nullptr ? g[i] * w[i] : g[i];
+      if (gw != nullptr) gw[i] = a;
+      wx[i] = a * hx;
+    }
+    if (p != nullptr) p[i] = g[i] * hx;
   }
 }
 
 // out = ((g - a) - h * b) * s (batch norm's and layer norm's backward input gradient, a channel or a row).
 VECTOR_CLONES void norm_input_gradient(const double* __restrict__ g, const double* __restrict__ h, double a,
-                                             double b, double s, double* __restrict__ out, int64_t n) {
+                                       double b, double s, double* __restrict__ out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = ((g[i] - a) - h[i] * b) * s;
 }
 
@@ -1648,7 +1656,7 @@ std::pair<at::Tensor, at::Tensor> batch_norm_centred(const at::Tensor& x, const 
   for (int64_t o = 0; o < l.outer; ++o) {
     for (int64_t k = 0; k < l.channels; ++k) {
       const int64_t at = (o * l.channels + k) * l.inner;
-      centred_products(px + at, pg + at, m[k], is[k], ph + at, pp + at, l.inner);
+      centred_terms(px + at, pg + at, nullptr, m[k], is[k], ph + at, nullptr, nullptr, pp + at, l.inner);
     }
   }
   return {xhat, product};
@@ -1886,24 +1894,6 @@ std::vector<at::Tensor> layer_norm(Step* step, const at::Tensor& x, size_t norma
   }
 }
 
-// h = (x - m) * s; with wx: a = g * w (g alone without w), wx = a * h, and gw = a where gw is given; with p:
-// p = g * h (layer norm backward's xhat, its weighted incoming gradient, their product, grad_out * xhat).
-VECTOR_CLONES void layer_norm_grad_terms(const double* __restrict__ x, const double* __restrict__ g,
-                                         const double* __restrict__ w, double m, double s, double* __restrict__ h,
-                                         double* __restrict__ gw, double* __restrict__ wx, double* __restrict__ p,
-                                         int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const double hx = (x[i] - m) * s;
-    h[i] = hx;
-    if (wx != nullptr) {
-      const double a = w != nullptr ? g[i] * w[i] : g[i];
-      if (gw != nullptr) gw[i] = a;
-      wx[i] = a * hx;
-    }
-    if (p != nullptr) p[i] = g[i] * hx;
-  }
-}
-
 // layer_norm_backward's first pass over dense rows (*B, n) of x and grad_out, their mean and rstd (*B) and an
 // optional dense weight (n): {xhat, gw, gw * xhat, grad_out * xhat} as at::sub(x, mean).mul_(rstd),
 // at::mul(g, weight) (g itself without a weight), at::mul(gw, xhat) and at::mul(g, xhat); the second and
@@ -1928,8 +1918,8 @@ std::vector<at::Tensor> layer_norm_grad_passes(const at::Tensor& x, const at::Te
   double* pp = products ? product.data_ptr<double>() : nullptr;
   for (int64_t r = 0; r < count; ++r) {
     const int64_t o = r * n;
-    layer_norm_grad_terms(px + o, pg + o, pw, pm[r], ps[r], ph + o, pgw != nullptr ? pgw + o : nullptr,
-                          pwx != nullptr ? pwx + o : nullptr, pp != nullptr ? pp + o : nullptr, n);
+    centred_terms(px + o, pg + o, pw, pm[r], ps[r], ph + o, pgw != nullptr ? pgw + o : nullptr,
+                  pwx != nullptr ? pwx + o : nullptr, pp != nullptr ? pp + o : nullptr, n);
   }
   return {xhat, gw, weighted, product};
 }
