@@ -1,9 +1,12 @@
 """The switchboard: named streams, independent seeds, state round trip, stream-driven random ops."""
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
-from detrl import Sources
+from detrl import Session, Sources
 from detrl.core.randomness import StreamRandomMode
 from detrl.core.sources import STREAMS, derive_seed, state_bytes
 
@@ -132,3 +135,69 @@ def test_random_ops_in_a_step_draw_from_the_stream_not_the_global_rng():
 def test_random_op_without_a_handler_is_refused():
     with StreamRandomMode(torch.Generator()), pytest.raises(RuntimeError, match="no switchboard stream"):
         torch.rand(3, out=torch.empty(3))  # aten.rand.out: no handler
+
+
+class _HostRandomNet(torch.nn.Module):
+    """Masks its hidden units by ``np.random`` and, by Python's ``random``, skips a layer or not: model code
+    that draws from the host's global RNGs inside a step (wav2vec2's SpecAugment, layer drop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = h * torch.from_numpy(np.random.rand(16) < 0.5).to(h.dtype)
+        if random.random() < 0.5:
+            h = torch.relu(self.b(h))
+        return self.c(h)
+
+
+def _host_random_run(session, steps: int = 4) -> Session:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g)
+    with session:
+        model = session.init(_HostRandomNet)
+        opt = session.track(torch.optim.SGD(model.parameters(), lr=0.1))
+        done = session.restore() if session.mode == "replay" else 0
+        for _ in range(done, steps):
+            if session.stop_requested:
+                break
+            xb = x.to(session.precision.dtype)
+            with session.step(batch=(xb, y)):
+                loss = torch.nn.functional.cross_entropy(model(xb), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    return session
+
+
+def test_model_code_drawing_from_random_and_numpy_replays_from_any_checkpoint(tmp_path):
+    """Each step seeds ``random`` and ``np.random`` from the dropout stream and the step: a replay on
+    another profile, from step 0 or from a checkpoint, draws what the recording drew, whatever state the
+    auditor's process left them in. Unseeded (the old engine), a replay in a fresh process diverged."""
+    rec = _host_random_run(Session(tmp_path / "run", mode="record", sources=Sources(), checkpoint_every=2))
+    np.random.seed(12345)  # the auditor's process: any state
+    random.seed(678)
+    full = _host_random_run(Session(tmp_path / "run", mode="replay", hardware="emulated:splitk"))
+    segment = _host_random_run(
+        Session(tmp_path / "run", mode="replay", hardware="emulated:reversed", start=2)
+    )
+    assert full.leaves == rec.leaves and segment.leaves == rec.leaves
+    assert segment.step_index == 4
+
+
+def test_the_dropout_stream_decides_the_host_draws_and_the_session_restores_them(tmp_path):
+    def weights(seed: int, name: str) -> list[torch.Tensor]:
+        run = Session(tmp_path / name, mode="record", sources=Sources(streams={"dropout": {"seed": seed}}))
+        return list(_host_random_run(run, steps=1).model.parameters())
+
+    np.random.seed(5)
+    random.seed(6)
+    want = (np.random.rand(), random.random())
+    np.random.seed(5)
+    random.seed(6)
+    a, b, c = weights(1, "a"), weights(1, "b"), weights(2, "c")  # one init: only the host draws differ
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert not all(torch.equal(p, q) for p, q in zip(a, c))
+    assert (np.random.rand(), random.random()) == want  # the user's own streams, as they were

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 import sys
 import time
 import weakref
@@ -304,7 +305,9 @@ class Session:
         route_random_ops: route random aten ops (dropout) inside steps to the ``dropout`` stream. A run
             whose model draws nothing at random may switch this off to save the dispatch-mode overhead;
             torch's global RNG is then seeded from the ``dropout`` stream, so a stray random op is still
-            deterministic.
+            deterministic. Either way, Python's ``random`` and NumPy's global RNG are seeded from that
+            stream: at every step when routing (:meth:`Sources.seed_host_rngs`), else once here. The
+            session leaves those two as it found them.
         resume: with ``mode="record"``, continue the bundle in ``run_dir`` from its last checkpoint (see
             :meth:`restore`); the bundle is unchanged until the run goes past the steps it holds.
         force: with ``mode="record"``, replace a bundle already in ``run_dir`` (otherwise refused).
@@ -577,8 +580,12 @@ class Session:
             )
         if self._tracker is not None:
             self._stack.enter_context(self._tracker)
+        # The steps own the host's global RNGs (each seeds them, see Sources.seed_host_rngs): they are left
+        # as the session found them.
+        self._stack.callback(_restore_host_rngs, random.getstate(), np.random.get_state())
         if not self.route_random_ops:
             torch.manual_seed(self.sources.seed_of("dropout"))
+            self.sources.seed_host_rngs(0)  # no step seeds them: they draw on from here, as torch's does
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -767,6 +774,8 @@ class Session:
         step = self.step_index + 1
         rounding = None
         t0 = time.perf_counter()
+        if self.route_random_ops:  # model code drawing from random or np.random replays too
+            self.sources.seed_host_rngs(step)
         # Attention is its math decomposition: the same aten ops on every device, its dropout mask from the
         # dropout stream (see detrl/core/portable.py).
         with contextlib.ExitStack() as modes:
@@ -1028,6 +1037,11 @@ class _PlainStep:
         if kind is None:
             session = self._session
             session._end_step(session.step_index + 1, None, self._t0, self._frozen)
+
+
+def _restore_host_rngs(python_state: Any, numpy_state: Any) -> None:
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
 
 
 def _module_on_stack(model: torch.nn.Module | None) -> str:

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -130,6 +131,21 @@ class Sources:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed_of(name))
             yield
+
+    def seed_host_rngs(self, step: int) -> None:
+        """Seed Python's ``random`` and NumPy's global RNG for step ``step``, from the ``dropout`` stream's
+        seed and the step alone (no stream's state moves).
+
+        Model code that draws from them inside a step then draws the same numbers in the recording and in
+        every replay, a segment replayed from a checkpoint included (wav2vec2's SpecAugment masks and layer
+        drop take ``np.random``; older layer-drop code takes ``random``). A seed per step, not a stream:
+        a stream's state would have to be in every checkpoint, and torch's own random ops, which have one,
+        are routed to the dropout stream instead. Randomness inside the model is what the ``dropout`` source
+        stands for, so switching that source unseeded changes these draws too.
+        """
+        seed = derive_seed(self._seeds["dropout"], f"host/{step}")
+        random.seed(seed)
+        np.random.seed(seed & 0xFFFF_FFFF)  # the legacy global RNG takes 32-bit seeds
 
     def permutation(self, name: str, n: int) -> torch.Tensor:
         """A random permutation of ``range(n)`` (int64, CPU) drawn from stream ``name``."""

@@ -334,11 +334,23 @@ def _segmentation_maps(size: Size = Size()) -> tuple[torch.Tensor, ...]:
     return x, torch.randint(0, 3, (size.batch, side, side), generator=g)
 
 
+def _waveforms(size: Size = Size()) -> tuple[torch.Tensor, ...]:
+    """``(batch // 2, 100 * image)`` raw audio samples and ``(batch // 2, 4)`` CTC labels in ``1..7``."""
+    g = torch.Generator().manual_seed(6)
+    n = max(1, size.batch // 2)
+    return torch.randn(n, 100 * size.image, generator=g), torch.randint(1, 8, (n, 4), generator=g)
+
+
+def _ctc_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(input_values=batch[0], labels=batch[1]).loss
+
+
 def regressions(size: Size = Size()) -> dict[str, Specimen]:
     """Hugging Face models that an earlier detrl failed on, kept as cases (a slow test replays them): BigBird's
     block-sparse attention (an ``unsqueeze_`` on a float32 mask), SegFormer's segmentation loss over
-    channels-last logits, EfficientNet (a weight gradient that cancels before a batch norm) and DPT (its
-    residual convolutions' thresholds looked up under a layout)."""
+    channels-last logits, EfficientNet (a weight gradient that cancels before a batch norm), DPT (its
+    residual convolutions' thresholds looked up under a layout) and wav2vec2 with its CTC loss (SpecAugment
+    draws its training masks from NumPy's global RNG, which no step seeded)."""
     w, v = size.width, size.vocab
     toks = functools.partial(tokens, dataclasses.replace(size, seq=16))
     wide = functools.partial(images, dataclasses.replace(size, image=2 * size.image))
@@ -362,6 +374,12 @@ def regressions(size: Size = Size()) -> dict[str, Specimen]:
                      hidden_size=w, num_hidden_layers=4, num_attention_heads=4, intermediate_size=2 * w,
                      neck_hidden_sizes=[8, 8, 16, 16], fusion_hidden_size=16, backbone_out_indices=[0, 1, 2, 3],
                      head_in_index=-1), imgs, _depth_loss, "DPTForDepthEstimation"),
+            Specimen("hf_wav2vec2_ctc", _hf("Wav2Vec2ForCTC", "Wav2Vec2Config", vocab_size=8, hidden_size=w,
+                     num_hidden_layers=1, num_attention_heads=4, intermediate_size=2 * w, conv_dim=(8, 8),
+                     conv_stride=(5, 4), conv_kernel=(10, 4), num_conv_pos_embeddings=8,
+                     num_conv_pos_embedding_groups=2, feat_extract_norm="group", mask_time_prob=0.2,
+                     ctc_loss_reduction="mean", pad_token_id=0), functools.partial(_waveforms, size), _ctc_loss,
+                     "Wav2Vec2ForCTC"),
         ]
     }  # fmt: skip
 
