@@ -3,6 +3,8 @@ precision and replays bit for bit on all four emulated profiles."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,3 +74,17 @@ def test_a_gradient_penalty_on_a_leaf_input_replays(tmp_path) -> None:
     rep = zoo.replay(specimen, tmp_path / "run", "emulated:pairwise", steps=2)
     assert rep.totals.refused == 0 and rep.totals.unlogged_near == 0
     assert all(torch.equal(v, want[k]) for k, v in rep.model.named_parameters())
+
+
+def test_a_compiled_model_runs_as_written_inside_steps(tmp_path) -> None:
+    """``torch.compile``'s generated kernels would compute outside the rounding mode (and inductor failed to
+    build the mode's FP64 graph, a C++ error at the first step): inside a step the model runs eagerly, so it
+    records the bits of the same model uncompiled, and replays."""
+    plain = zoo.SPECIMENS["upcast_mlp"]
+    compiled = dataclasses.replace(plain, name="compiled", build=lambda: torch.compile(plain.build()))
+    want = zoo.record(plain, tmp_path / "plain", steps=2).model.state_dict()
+    rec = zoo.record(compiled, tmp_path / "run", steps=2)
+    got = {k.removeprefix("_orig_mod."): v for k, v in rec.model.state_dict().items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+    rep = zoo.replay(compiled, tmp_path / "run", "emulated:pairwise", steps=2)
+    assert rep.totals.refused == 0 and rep.totals.unlogged_near == 0

@@ -780,6 +780,10 @@ class Session:
         # dropout stream (see detrl/core/portable.py).
         with contextlib.ExitStack() as modes:
             modes.enter_context(portable_kernels())
+            # A compiled model's generated kernels would compute outside every mode: inside a step it runs
+            # as written (torch 2.6+; until torch._dynamo is loaded, nothing can have been compiled).
+            if "torch._dynamo" in sys.modules and hasattr(torch.compiler, "set_stance"):
+                modes.enter_context(torch.compiler.set_stance("force_eager"))
             # Innermost first: random ops are drawn from their stream before a profile sees them.
             if not self.precision.is_verifiable and self.hardware != "native":
                 modes.enter_context(HardwareMode(self.profile))
