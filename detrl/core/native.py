@@ -114,7 +114,7 @@ def route(
     """The route of aten overload ``func``, given the rounding mode's ``plan`` of it
     (:func:`detrl.core.rounding.plan_of`), under a profile whose ``reorders(func)`` says whether it computes
     ``func`` other than the native kernel. What the mode does beyond running, rounding and numbering an op
-    stays with the mode: profiles' emulations, decompositions, random ops, reductions whose unit needs
+    stays with the mode: profiles' emulations, decompositions, composites, random ops, reductions whose unit needs
     their arguments in a way the fallback does not compute or that write what their schema does not say
     (batch norm), and fused ops no native split covers. Two routes need the C kernel and go to the mode
     without it: a convolution's gradients (``LOGGED_CONV``: the input gradient's unit per sample and
@@ -125,7 +125,7 @@ def route(
     if plan.decomposes and func in _DECOMPOSED and not plan.random:
         decomposed, steps = _DECOMPOSED[func]
         return Route.PYTHON if reorders(func) or any(reorders(f) for f in steps) else decomposed
-    if plan.random or plan.decomposes or reorders(func) or func in UNWRITTEN:
+    if plan.random or plan.decomposes or plan.composite is not None or reorders(func) or func in UNWRITTEN:
         return Route.PYTHON
     if plan.keep:
         return Route.KEEP

@@ -25,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from detrl.core import decompose, islands, kernel, native, randomness
+from detrl.core.composites import COMPOSITES
 from detrl.core.dispatch import EagerDispatchMode
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import (
@@ -504,6 +505,9 @@ class RoundingMode(EagerDispatchMode):
             if self.trace is not None:
                 self._trace(func, written)
             return out
+        if plan.composite is not None:  # no FP64 kernel: its parts are ops of the step (core/composites.py)
+            with self:
+                return plan.composite(*args, **kwargs)
         if kwargs:  # alpha= and the like: decided per call
             split = plan.splits and split_needed(func, kwargs)
             kind = (
@@ -843,6 +847,7 @@ class _Plan:
     #: tag; a twin would take the new shape and leave the original's as it was)
     island: bool
     unwritten: Callable[[Any, Any], None] | None  # sets what its kernel leaves unwritten (oprules.UNWRITTEN)
+    composite: Callable[..., Any] | None  # the ops it runs as, having no FP64 kernel (composites.COMPOSITES)
 
 
 #: per rules revision, by id(): an OpOverload's __hash__ is Python code, called at every op
@@ -872,6 +877,7 @@ def _plan(func: Any, rules_revision: int) -> _Plan:
         square=func in SQUARES,
         island=not (keep or widening or in_place_view or func.overloadpacket in AS_GIVEN),
         unwritten=UNWRITTEN.get(func),
+        composite=COMPOSITES.get(func),
     )
     _PLANS.setdefault(rules_revision, {})[id(func)] = plan
     return plan

@@ -296,6 +296,8 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
                      toks, lm_loss, "Qwen2ForCausalLM"),
             Specimen("hf_mistral", _hf("MistralForCausalLM", "MistralConfig", **_decoder(size)), toks, lm_loss,
                      "MistralForCausalLM"),
+            Specimen("hf_mixtral", _hf("MixtralForCausalLM", "MixtralConfig", num_local_experts=4,
+                                       num_experts_per_tok=2, **_decoder(size)), toks, lm_loss, "MixtralForCausalLM"),
             Specimen(
                 "hf_bert", _hf("BertForSequenceClassification", "BertConfig", vocab_size=v, hidden_size=w,
                                num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * w,
