@@ -414,20 +414,20 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 8]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 9]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
         for hardware in ("native", get_profile("emulated:splitk", seed=0)):
             replayed = zoo.replay(specimen, bundle, hardware, steps=3)  # raises Divergence if it differs
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
-    manifests[2]["rules_revision"] = 9
+    manifests[2]["rules_revision"] = 10
     (new / bundle_mod.MANIFEST).write_text(json.dumps(manifests[2]))
     with pytest.raises(engine.BundleError) as raised:
         zoo.replay(specimen, new, "native", steps=3)
     message = str(raised.value)
     assert (
-        "recorded by a newer detrl (rounding-rule revision 9; this one applies revisions 1 to 8)" in message
+        "recorded by a newer detrl (rounding-rule revision 10; this one applies revisions 1 to 9)" in message
     )
     assert "\n" not in message
 
@@ -599,7 +599,8 @@ def test_an_lstm_keeps_its_gate_split_from_rules_revision_8(tmp_path, monkeypatc
     with monkeypatch.context() as m:
         m.setattr(engine, "RULES_REVISION", 7)
         zoo.record(specimen, tmp_path / "rules7", steps=2)
-    zoo.record(specimen, tmp_path / "rules8", steps=2)
+        m.setattr(engine, "RULES_REVISION", 8)
+        zoo.record(specimen, tmp_path / "rules8", steps=2)
     manifests = [json.loads((tmp_path / d / bundle_mod.MANIFEST).read_text()) for d in ("rules7", "rules8")]
     assert [m["rules_revision"] for m in manifests] == [7, 8]
     assert manifests[0]["durable"]["merkle_root"] == manifests[1]["durable"]["merkle_root"]
@@ -1091,3 +1092,89 @@ def test_rrelu_and_the_other_seeded_fills_draw_from_the_stream_and_replay(tmp_pa
     other_draws = Sources(streams={"dropout": {"seed": 12345}})
     other = run(Session(tmp_path / "other", mode="record", sources=other_draws, planned_steps=2))
     assert not torch.equal(other.model[0].weight, want)
+
+
+class _Routed(torch.nn.Module):
+    """Each of 12 tokens goes to two of three experts (a fixed routing): a gather whose backward is an
+    ``index_put`` with ``accumulate=True`` (``_index_put_impl_`` below the native route), and a
+    ``scatter_add`` that brings the experts' outputs back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.experts = torch.nn.Parameter(torch.randn(3, 8, 8) / 4)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (12, 8) -> (12, 5)
+        h = self.inp(x)
+        token = torch.arange(12).repeat(2)  # (24,): every token twice
+        expert = torch.cat([torch.arange(12) % 3, (torch.arange(12) + 1) % 3])
+        routed = torch.bmm(h[token].unsqueeze(1), self.experts[expert]).squeeze(1)  # (24, 8)
+        back = torch.zeros_like(h).scatter_add(0, token.view(-1, 1).expand(-1, 8), routed)
+        return self.head(back)
+
+
+def test_scatters_that_add_log_only_their_inexact_elements_from_revision_9(tmp_path, monkeypatch):
+    """Rules revision 9: an element of ``index_put(accumulate=True)`` or ``scatter_add`` that every order
+    sums exactly (here each token's two gradients) needs no entry, as a sum's. The recording's weights are
+    the same under revisions 8 and 9; 9 logs less, none of it at those ops; each replays on its own rules on
+    every emulated profile with nothing unlogged or refused, through the native route and the Python mode."""
+    from detrl.core import engine, native
+    from detrl.formats import bundle as bundle_mod
+    from detrl.testing import zoo
+
+    specimen = zoo.Specimen(
+        "routed", _Routed, lambda: zoo.features(zoo.Size(width=16, batch=3)), zoo.classify
+    )
+    logged: dict[int, set[str]] = {}
+    real_end = engine.Session._end_step
+
+    def end_step(self, step, rounding, t0, frozen):  # noqa: ANN001, ANN202
+        if rounding is not None:
+            logged.setdefault(self.rules_revision, set()).update(
+                rounding.op_names[e.op] for e in rounding.recorded
+            )
+        return real_end(self, step, rounding, t0, frozen)
+
+    monkeypatch.setattr(engine.Session, "_end_step", end_step)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 8)
+        before = zoo.record(specimen, tmp_path / "rules8", steps=3)
+    after = zoo.record(specimen, tmp_path / "rules9", steps=3)
+    assert after.rules_revision == 9 and before.rules_revision == 8
+    assert after.leaves == before.leaves
+    assert {"_index_put_impl_", "scatter_add"} <= logged[8]
+    assert not {"index_put", "_index_put_impl_", "scatter_add"} & logged[9]
+    assert after.totals.logged < before.totals.logged
+    for run in ("rules8", "rules9"):
+        for hardware in ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"):
+            replayed = zoo.replay(specimen, tmp_path / run, hardware, steps=3)
+            assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, (run, hardware)
+    with native.switched(False):  # the Python mode sees index_put itself, and logs what the route logs
+        zoo.record(specimen, tmp_path / "python", steps=3)
+    for name in (bundle_mod.ROUNDLOG, bundle_mod.COMMITMENTS):
+        assert (tmp_path / "rules9" / name).read_bytes() == (tmp_path / "python" / name).read_bytes(), name
+
+
+def test_scatter_elements_exact_in_every_order_are_found():
+    """The sum rule on a scatter's terms: ``self[i]`` and every value sent to ``i``, found by the op's own
+    indexing. A destination whose terms span more than 29 - ceil(log2(n)) binades is not exact; one no value
+    reaches is; a replacing ``index_put``, or values off the FP32 grid, claim nothing."""
+    from detrl.core.scale import exact_scatter_elements
+
+    aten = torch.ops.aten
+    base = torch.tensor([[1.0, 0.0], [0.0, 0.0], [2.0**-40, 0.0]], dtype=torch.float64)
+    rows = torch.tensor([0, 0, 2])
+    values = torch.tensor([[1.5, 3.0], [2.0**-30, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    mask = exact_scatter_elements(aten.index_put.default, (base, [rows], values, True), base)
+    # (0, 0): 1 + 1.5 + 2**-30 spans 30 binades over 3 terms; (2, 0): 2**-40 + 1: 40 binades
+    assert mask.tolist() == [False, True, True, True, False, True]
+    masked = exact_scatter_elements(
+        aten._index_put_impl_.default, (base, [None, torch.tensor([1])], values[:, :1], True), base
+    )
+    assert masked.all()  # one value into each element of column 1: exact
+    index = torch.tensor([[0, 1], [0, 1]])
+    scattered = exact_scatter_elements(aten.scatter_add.default, (base, 0, index, values), base)
+    assert scattered.tolist() == [False, True, True, True, True, True]  # (0, 0): 1 + 1.5 + 2**-30 again
+    assert exact_scatter_elements(aten.index_put.default, (base, [rows], values, False), base) is None
+    assert exact_scatter_elements(aten.index_put.default, (base, [rows], values + 0.1, True), base) is None

@@ -35,6 +35,7 @@ from detrl.core import extensions, kernel, randomness
 from detrl.core.fused import SPLIT
 from detrl.core.oprules import (
     EXACT_PRODUCTS,
+    EXACT_SCATTERS,
     EXACT_SUMS,
     FLOAT32_EXACT,
     HIDDEN_WRITES,
@@ -148,6 +149,8 @@ def route(
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:
             return Route.LOGGED_SUM
+        if rules_revision >= 9 and func in EXACT_SCATTERS:  # scale.exact_scatter_elements: the mode's
+            return Route.PYTHON
         return Route.LOGGED_REDUCTION
     if plan.kind is not OpKind.EXACT:
         return Route.PYTHON

@@ -462,11 +462,53 @@ def _quantum(t: torch.Tensor) -> float:
 
 
 def exact_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-    """:func:`exact_sum_elements` or :func:`exact_product_elements`, by op (``oprules.exact_rule`` says
-    which ops a rules revision asks it for)."""
+    """:func:`exact_sum_elements`, :func:`exact_product_elements` or :func:`exact_scatter_elements`, by op
+    (``oprules.exact_rule`` says which ops a rules revision asks it for)."""
     if func is _CONVOLUTION:
         return exact_product_elements(func, args, out)
+    if func in _SCATTERS:
+        return exact_scatter_elements(func, args, out)
     return exact_sum_elements(func, args, out)
+
+
+def exact_scatter_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Which elements of a scatter that adds every machine computes alike, in any order: a flat bool mask over
+    ``out``'s row-major elements, or None where the call is not a plain sum of FP64 terms on the FP32 grid.
+
+    ``index_put(self, indices, values, accumulate=True)`` and ``scatter_add(self, dim, index, src)`` (and
+    their in-place forms, whose ``args`` must hold ``self`` as it was before the op) give element ``i`` the
+    sum of ``self[i]`` and every value sent to ``i``; the order in which a machine adds the values sent to
+    one element is its own. The rule is :func:`exact_sum_elements`' (``self[i]`` counted as a term),
+    applied to those terms. Which element each value goes to is found by running the op's own indexing on
+    the element numbers ``0 .. numel - 1``: the same indices, so the same broadcasting and masks."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    base = args[0]
+    numbers = torch.arange(base.numel(), device=base.device).view(base.shape)
+    if func in _INDEX_PUTS:
+        if len(args) < 4 or args[3] is not True or not isinstance(args[2], torch.Tensor):
+            return None  # without accumulate the values replace: nothing is summed
+        indices = tuple(slice(None) if i is None else i for i in args[1])
+        destination = numbers[indices]
+        values = args[2].expand(destination.shape)
+    elif func in _SCATTER_ADDS:
+        index, src = args[2], args[3]
+        if not isinstance(index, torch.Tensor) or not isinstance(src, torch.Tensor):
+            return None
+        destination = numbers.gather(args[1], index)
+        values = src[tuple(slice(0, n) for n in index.shape)]
+    else:
+        return None
+    if destination.shape != values.shape or not _fp32_grid(base) or not _fp32_grid(values):
+        return None
+    flat = destination.reshape(-1)
+    magnitude = values.abs().reshape(-1)
+    largest = base.abs().reshape(-1).scatter_reduce(0, flat, magnitude, "amax")
+    magnitude = magnitude.masked_fill(magnitude == 0, math.inf)
+    own = base.abs().reshape(-1)
+    smallest = own.masked_fill(own == 0, math.inf).scatter_reduce(0, flat, magnitude, "amin")
+    terms = torch.bincount(flat, minlength=base.numel()).double().add_(1)
+    return _exact_of(largest, smallest, terms)
 
 
 def _exact_of(largest: torch.Tensor, smallest: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
@@ -544,6 +586,10 @@ _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 _SUM_DIMS = torch.ops.aten.sum.dim_IntList
 _EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 _CONVOLUTION = torch.ops.aten.convolution.default
+_ATEN = torch.ops.aten
+_INDEX_PUTS = frozenset({_ATEN.index_put.default, _ATEN.index_put_.default, _ATEN._index_put_impl_.default})
+_SCATTER_ADDS = frozenset({_ATEN.scatter_add.default, _ATEN.scatter_add_.default})
+_SCATTERS = _INDEX_PUTS | _SCATTER_ADDS
 _SUM = torch.ops.aten.sum.default
 _MEAN = torch.ops.aten.mean.default
 _MEAN_DIMS = torch.ops.aten.mean.dim
