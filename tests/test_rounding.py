@@ -1095,9 +1095,9 @@ def test_rrelu_and_the_other_seeded_fills_draw_from_the_stream_and_replay(tmp_pa
 
 
 class _Routed(torch.nn.Module):
-    """Each of 12 tokens goes to two of three experts (a fixed routing): a gather whose backward is an
-    ``index_put`` with ``accumulate=True`` (``_index_put_impl_`` below the native route), and a
-    ``scatter_add`` that brings the experts' outputs back."""
+    """Each of 12 tokens goes to two of three experts (a fixed routing): gathers whose backwards are an
+    ``index_add`` (``index_select``) and an ``index_put`` with ``accumulate=True`` (indexing the experts;
+    ``_index_put_impl_`` below the native route), and a ``scatter_add`` that brings the outputs back."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1109,14 +1109,14 @@ class _Routed(torch.nn.Module):
         h = self.inp(x)
         token = torch.arange(12).repeat(2)  # (24,): every token twice
         expert = torch.cat([torch.arange(12) % 3, (torch.arange(12) + 1) % 3])
-        routed = torch.bmm(h[token].unsqueeze(1), self.experts[expert]).squeeze(1)  # (24, 8)
+        routed = torch.bmm(h.index_select(0, token).unsqueeze(1), self.experts[expert]).squeeze(1)  # (24, 8)
         back = torch.zeros_like(h).scatter_add(0, token.view(-1, 1).expand(-1, 8), routed)
         return self.head(back)
 
 
 def test_scatters_that_add_log_only_their_inexact_elements_from_revision_9(tmp_path, monkeypatch):
-    """Rules revision 9: an element of ``index_put(accumulate=True)`` or ``scatter_add`` that every order
-    sums exactly (here each token's two gradients) needs no entry, as a sum's. The recording's weights are
+    """Rules revision 9: an element of ``index_put(accumulate=True)``, ``scatter_add`` or ``index_add`` that
+    every order sums exactly (here each token's two gradients) needs no entry, as a sum's. The recording's weights are
     the same under revisions 8 and 9; 9 logs less, none of it at those ops; each replays on its own rules on
     every emulated profile with nothing unlogged or refused, through the native route and the Python mode."""
     from detrl.core import engine, native
@@ -1143,8 +1143,8 @@ def test_scatters_that_add_log_only_their_inexact_elements_from_revision_9(tmp_p
     after = zoo.record(specimen, tmp_path / "rules9", steps=3)
     assert after.rules_revision == 9 and before.rules_revision == 8
     assert after.leaves == before.leaves
-    assert {"_index_put_impl_", "scatter_add"} <= logged[8]
-    assert not {"index_put", "_index_put_impl_", "scatter_add"} & logged[9]
+    assert {"_index_put_impl_", "scatter_add", "index_add_"} <= logged[8]
+    assert not logged[9]  # the scatters were all that logged here
     assert after.totals.logged < before.totals.logged
     for run in ("rules8", "rules9"):
         for hardware in ("emulated:splitk", "emulated:reversed", "emulated:pairwise", "emulated:atomic"):
@@ -1159,7 +1159,8 @@ def test_scatters_that_add_log_only_their_inexact_elements_from_revision_9(tmp_p
 def test_scatter_elements_exact_in_every_order_are_found():
     """The sum rule on a scatter's terms: ``self[i]`` and every value sent to ``i``, found by the op's own
     indexing. A destination whose terms span more than 29 - ceil(log2(n)) binades is not exact; one no value
-    reaches is; a replacing ``index_put``, or values off the FP32 grid, claim nothing."""
+    reaches is; a replacing ``index_put``, an ``index_add`` whose alpha scales, or values off the FP32 grid
+    claim nothing."""
     from detrl.core.scale import exact_scatter_elements
 
     aten = torch.ops.aten
@@ -1176,5 +1177,8 @@ def test_scatter_elements_exact_in_every_order_are_found():
     index = torch.tensor([[0, 1], [0, 1]])
     scattered = exact_scatter_elements(aten.scatter_add.default, (base, 0, index, values), base)
     assert scattered.tolist() == [False, True, True, True, True, True]  # (0, 0): 1 + 1.5 + 2**-30 again
+    added = exact_scatter_elements(aten.index_add_.default, (base, 0, rows, values, 1), base)
+    assert added.tolist() == mask.tolist()  # index_add(0, rows, values) is that index_put
+    assert exact_scatter_elements(aten.index_add.default, (base, 0, rows, values, 2), base) is None  # alpha
     assert exact_scatter_elements(aten.index_put.default, (base, [rows], values, False), base) is None
     assert exact_scatter_elements(aten.index_put.default, (base, [rows], values + 0.1, True), base) is None

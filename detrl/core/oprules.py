@@ -231,7 +231,7 @@ def _base_kind(func: Any) -> OpKind:
 #:    position, copied a strided result dense and back (the LSTM's gate split: 1,170 copies a step), and
 #:    logged a copied value far below its channel's largest as "near" a midpoint (a mixture of experts'
 #:    routing: a fifth of its log), though every machine copies it alike.
-#: 9. Elements of a scatter that adds (``index_put`` with ``accumulate=True``, ``scatter_add``:
+#: 9. Elements of a scatter that adds (``index_put`` with ``accumulate=True``, ``scatter_add``, ``index_add``:
 #:    :data:`EXACT_SCATTERS`) that are exact in FP64 in every order need no log entry, as a sum's
 #:    (:func:`detrl.core.scale.exact_scatter_elements`). The backward of a gather is one: a mixture of
 #:    experts' routing (each token's gradient from its two experts, 91 % of a tiny Mixtral's log), a graph
@@ -245,10 +245,10 @@ EXACT_SUMS = frozenset({aten.sum.dim_IntList, aten.embedding_dense_backward.defa
 EXACT_PRODUCTS = frozenset({aten.convolution.default})
 #: Revision 9: the scatters that add, whose elements exact in every order are found and left unlogged. The
 #: in-place forms too (the rounding mode keeps a copy of what they add to): ``index_put`` runs as
-#: ``_index_put_impl_`` on a copy below the native route. Not ``index_add``: its ``alpha`` scales the terms.
+#: ``_index_put_impl_`` on a copy below the native route.
 EXACT_SCATTERS = frozenset({
     aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
-    aten.scatter_add.default, aten.scatter_add_.default,
+    aten.scatter_add.default, aten.scatter_add_.default, aten.index_add.default, aten.index_add_.default,
 })  # fmt: skip
 
 

@@ -26,10 +26,11 @@ from torch.utils._pytree import tree_flatten
 
 from detrl.core import decompose, islands, kernel, native, randomness
 from detrl.core.composites import COMPOSITES
-from detrl.core.dispatch import EagerDispatchMode
+from detrl.core.dispatch import EagerDispatchMode, bound_arguments
 from detrl.core.fused import run_split, split_needed
 from detrl.core.oprules import (
     AS_GIVEN,
+    EXACT_SCATTERS,
     HIDDEN_WRITES,
     RULES_REVISION,
     SQUARES,
@@ -519,7 +520,7 @@ class RoundingMode(EagerDispatchMode):
         if plan.square and self.rules_revision >= 2 and squares(func, args, kwargs):
             kind = OpKind.EXACT  # x * x: exact in FP64 (oprules.RULES_REVISION)
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
-        before = snapshot(func, args) if calibrating or plan.keeps_terms else args
+        before = snapshot(func, args) if calibrating or plan.scatter_terms else args
         draw = randomness.handler_for(func, args, kwargs) if plan.random and self.random is not None else None
         if draw is not None:  # drawn from the stream (plain IEEE arithmetic), then rounded as its kind says
             out = draw(self.random, func, args, kwargs)
@@ -545,7 +546,8 @@ class RoundingMode(EagerDispatchMode):
             elif _rounded_output(t):
                 if taus is None:
                     taus = self._call_taus(func, args, kwargs, sum(map(_rounded_output, targets)))
-                terms = before if plan.keeps_terms else args  # what an in-place scatter added to
+                # a scatter's terms: what an in-place form added to, alpha from the keywords
+                terms = tuple(bound_arguments(func, before, kwargs)) if plan.scatter_terms else args
                 self._round_logged(func, t, kind, terms, taus[min(rounded, len(taus) - 1)])
                 rounded += 1
         if self.trace is not None:
@@ -849,9 +851,9 @@ class _Plan:
     island: bool
     unwritten: Callable[[Any, Any], None] | None  # sets what its kernel leaves unwritten (oprules.UNWRITTEN)
     composite: Callable[..., Any] | None  # the ops it runs as, having no FP64 kernel (composites.COMPOSITES)
-    #: an in-place scatter with an exactness rule (oprules.EXACT_SCATTERS): the values it adds to are copied
-    #: before it runs, for scale.exact_scatter_elements
-    keeps_terms: bool
+    #: a scatter with an exactness rule (oprules.EXACT_SCATTERS): scale.exact_scatter_elements takes all its
+    #: arguments, with a copy of what an in-place form adds to, taken before it runs
+    scatter_terms: bool
 
 
 #: per rules revision, by id(): an OpOverload's __hash__ is Python code, called at every op
@@ -882,7 +884,7 @@ def _plan(func: Any, rules_revision: int) -> _Plan:
         island=not (keep or widening or in_place_view or func.overloadpacket in AS_GIVEN),
         unwritten=UNWRITTEN.get(func),
         composite=COMPOSITES.get(func),
-        keeps_terms=exact_rule(func, rules_revision) and bool(_schema_writes(func)),
+        scatter_terms=rules_revision >= 9 and func in EXACT_SCATTERS,
     )
     _PLANS.setdefault(rules_revision, {})[id(func)] = plan
     return plan

@@ -475,12 +475,15 @@ def exact_scatter_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.T
     """Which elements of a scatter that adds every machine computes alike, in any order: a flat bool mask over
     ``out``'s row-major elements, or None where the call is not a plain sum of FP64 terms on the FP32 grid.
 
-    ``index_put(self, indices, values, accumulate=True)`` and ``scatter_add(self, dim, index, src)`` (and
-    their in-place forms, whose ``args`` must hold ``self`` as it was before the op) give element ``i`` the
-    sum of ``self[i]`` and every value sent to ``i``; the order in which a machine adds the values sent to
-    one element is its own. The rule is :func:`exact_sum_elements`' (``self[i]`` counted as a term),
-    applied to those terms. Which element each value goes to is found by running the op's own indexing on
-    the element numbers ``0 .. numel - 1``: the same indices, so the same broadcasting and masks."""
+    ``index_put(self, indices, values, accumulate=True)``, ``scatter_add(self, dim, index, src)`` and
+    ``index_add(self, dim, index, source, alpha=1)`` (and their in-place forms) give element ``i`` the sum
+    of ``self[i]`` and every value sent to ``i``; the order in which a machine adds the values sent to one
+    element is its own. The rule is :func:`exact_sum_elements`' (``self[i]`` counted as a term), applied to
+    those terms. Which element each value goes to is found by running the op's own indexing on the element
+    numbers ``0 .. numel - 1``: the same indices, so the same broadcasting and masks.
+
+    ``args``: every argument in schema order (:func:`detrl.core.dispatch.bound_arguments`: ``alpha`` is a
+    keyword), with ``self`` as it was before an in-place form ran."""
     if not args or not isinstance(args[0], torch.Tensor):
         return None
     base = args[0]
@@ -491,6 +494,11 @@ def exact_scatter_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.T
         indices = tuple(slice(None) if i is None else i for i in args[1])
         destination = numbers[indices]
         values = args[2].expand(destination.shape)
+    elif func in _INDEX_ADDS:
+        if len(args) < 5 or args[4] != 1 or not isinstance(args[3], torch.Tensor):
+            return None  # alpha scales the values: not a plain sum of them
+        destination = numbers.index_select(args[1], args[2])
+        values = args[3]
     elif func in _SCATTER_ADDS:
         index, src = args[2], args[3]
         if not isinstance(index, torch.Tensor) or not isinstance(src, torch.Tensor):
@@ -589,7 +597,8 @@ _CONVOLUTION = torch.ops.aten.convolution.default
 _ATEN = torch.ops.aten
 _INDEX_PUTS = frozenset({_ATEN.index_put.default, _ATEN.index_put_.default, _ATEN._index_put_impl_.default})
 _SCATTER_ADDS = frozenset({_ATEN.scatter_add.default, _ATEN.scatter_add_.default})
-_SCATTERS = _INDEX_PUTS | _SCATTER_ADDS
+_INDEX_ADDS = frozenset({_ATEN.index_add.default, _ATEN.index_add_.default})
+_SCATTERS = _INDEX_PUTS | _SCATTER_ADDS | _INDEX_ADDS
 _SUM = torch.ops.aten.sum.default
 _MEAN = torch.ops.aten.mean.default
 _MEAN_DIMS = torch.ops.aten.mean.dim
