@@ -483,11 +483,16 @@ def exact_scatter_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.T
     numbers ``0 .. numel - 1``: the same indices, so the same broadcasting and masks.
 
     ``args``: every argument in schema order (:func:`detrl.core.dispatch.bound_arguments`: ``alpha`` is a
-    keyword), with ``self`` as it was before an in-place form ran."""
-    if not args or not isinstance(args[0], torch.Tensor):
+    keyword), with ``self`` as it was before an in-place form ran.
+
+    As for an embedding's gradient, the extremes are taken over the elements some value reaches (a gather's
+    backward into a vocabulary-sized table reaches a batch's rows), not the whole result; every other
+    element is ``self``'s value alone, the same on every machine."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].numel() == 0:
         return None
     base = args[0]
-    numbers = torch.arange(base.numel(), device=base.device).view(base.shape)
+    wide = torch.int32 if base.numel() < 2**31 else torch.int64  # the element numbers: half the memory
+    numbers = torch.arange(base.numel(), dtype=wide, device=base.device).view(base.shape)
     if func in _INDEX_PUTS:
         if len(args) < 4 or args[3] is not True or not isinstance(args[2], torch.Tensor):
             return None  # without accumulate the values replace: nothing is summed
@@ -507,16 +512,21 @@ def exact_scatter_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.T
         values = src[tuple(slice(0, n) for n in index.shape)]
     else:
         return None
-    if destination.shape != values.shape or not _fp32_grid(base) or not _fp32_grid(values):
+    if destination.shape != values.shape or not _fp32_grid(values):
         return None
-    flat = destination.reshape(-1)
+    seen, slot = torch.unique(destination.reshape(-1).long(), return_inverse=True)
+    own = base.reshape(-1)[seen]
+    if not _fp32_grid(own):
+        return None
+    own = own.abs_()
     magnitude = values.abs().reshape(-1)
-    largest = base.abs().reshape(-1).scatter_reduce(0, flat, magnitude, "amax")
+    largest = own.scatter_reduce(0, slot, magnitude, "amax")
     magnitude = magnitude.masked_fill(magnitude == 0, math.inf)
-    own = base.abs().reshape(-1)
-    smallest = own.masked_fill(own == 0, math.inf).scatter_reduce(0, flat, magnitude, "amin")
-    terms = torch.bincount(flat, minlength=base.numel()).double().add_(1)
-    return _exact_of(largest, smallest, terms)
+    smallest = own.masked_fill(own == 0, math.inf).scatter_reduce(0, slot, magnitude, "amin")
+    terms = torch.bincount(slot, minlength=len(seen)).double().add_(1)
+    exact = torch.ones(base.numel(), dtype=torch.bool, device=base.device)
+    exact[seen] = _exact_of(largest, smallest, terms)
+    return exact
 
 
 def _exact_of(largest: torch.Tensor, smallest: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
