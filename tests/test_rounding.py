@@ -1182,3 +1182,30 @@ def test_scatter_elements_exact_in_every_order_are_found():
     assert exact_scatter_elements(aten.index_add.default, (base, 0, rows, values, 2), base) is None  # alpha
     assert exact_scatter_elements(aten.index_put.default, (base, [rows], values, False), base) is None
     assert exact_scatter_elements(aten.index_put.default, (base, [rows], values + 0.1, True), base) is None
+
+
+def test_a_scatter_into_zeros_gets_the_same_mask_from_the_c_kernel(monkeypatch):
+    """A scatter into zeros is an embedding gradient of one-element rows: where the C kernel is built it
+    takes that pass, and its mask is the torch path's, on values whose spans straddle the rule's bound."""
+    from detrl.core import scale
+
+    if not hasattr(scale._native, "exact_embedding_sums"):
+        pytest.skip("the C kernel is not built")
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(7)
+    base = torch.zeros(300, dtype=torch.float64)
+    index = torch.randint(0, 300, (2000,), generator=g)
+    exponents = torch.randint(-30, 1, (2000,), generator=g).double()
+    values = (torch.randn(2000, generator=g).float().double() * torch.exp2(exponents)).float().double()
+    values[::17] = 0.0
+    for func, args in [
+        (aten.index_add_.default, (base, 0, index, values, 1)),
+        (aten.index_put.default, (base, [index], values, True)),
+        (aten.scatter_add.default, (base, 0, index, values)),
+    ]:
+        native = scale.exact_scatter_elements(func, args, base)
+        with monkeypatch.context() as m:
+            m.setattr(scale, "KERNEL_SUMS", False)
+            torch_path = scale.exact_scatter_elements(func, args, base)
+        assert native is not None and torch.equal(native, torch_path), func
+        assert 0 < int(native.sum()) < 300  # both kinds of element occur
