@@ -521,6 +521,8 @@ class RoundingMode(EagerDispatchMode):
             kind = OpKind.EXACT  # x * x: exact in FP64 (oprules.RULES_REVISION)
         calibrating = self.calibrate is not None and kind in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
         before = snapshot(func, args) if calibrating or plan.scatter_terms else args
+        # a scatter's rule takes its terms: what an in-place form added to, alpha from the keywords
+        terms = tuple(bound_arguments(func, before, kwargs)) if plan.scatter_terms else args
         draw = randomness.handler_for(func, args, kwargs) if plan.random and self.random is not None else None
         if draw is not None:  # drawn from the stream (plain IEEE arithmetic), then rounded as its kind says
             out = draw(self.random, func, args, kwargs)
@@ -546,8 +548,6 @@ class RoundingMode(EagerDispatchMode):
             elif _rounded_output(t):
                 if taus is None:
                     taus = self._call_taus(func, args, kwargs, sum(map(_rounded_output, targets)))
-                # a scatter's terms: what an in-place form added to, alpha from the keywords
-                terms = tuple(bound_arguments(func, before, kwargs)) if plan.scatter_terms else args
                 self._round_logged(func, t, kind, terms, taus[min(rounded, len(taus) - 1)])
                 rounded += 1
         if self.trace is not None:

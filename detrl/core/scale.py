@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from detrl.core.oprules import RULES_REVISION
+from detrl.core.oprules import EXACT_SCATTERS, RULES_REVISION
 
 try:  # the native kernel's unit factors and exact sums (detrl/core/_roundkernel.c); torch's where not built
     from detrl.core import _roundkernel as _native
@@ -365,14 +365,7 @@ def exact_sum_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tenso
         flat = indices.reshape(-1)
         if width == 0 or flat.numel() * width != grad.numel() or rows * width != out.numel():
             return None
-        if (
-            KERNEL_SUMS
-            and hasattr(_native, "exact_embedding_sums")
-            and grad.device.type == "cpu"
-            and grad.dtype == torch.float64
-            and grad.layout == torch.strided
-            and flat.device.type == "cpu"
-        ):
+        if _embedding_kernel_takes(grad) and flat.device.type == "cpu":
             return _exact_embedding_kernel(grad, flat, rows, width)
         if not _fp32_grid(grad):
             return None
@@ -466,7 +459,7 @@ def exact_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | 
     (``oprules.exact_rule`` says which ops a rules revision asks it for)."""
     if func is _CONVOLUTION:
         return exact_product_elements(func, args, out)
-    if func in _SCATTERS:
+    if func in EXACT_SCATTERS:
         return exact_scatter_elements(func, args, out)
     return exact_sum_elements(func, args, out)
 
@@ -517,14 +510,7 @@ def exact_scatter_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.T
         return None
     if destination.shape != values.shape:
         return None
-    if (
-        KERNEL_SUMS
-        and hasattr(_native, "exact_embedding_sums")
-        and base.device.type == "cpu"
-        and values.dtype == torch.float64
-        and values.layout == torch.strided
-        and not base.any()
-    ):
+    if _embedding_kernel_takes(values) and base.device.type == "cpu" and not base.any():
         return _exact_embedding_kernel(values.reshape(-1, 1), destination.reshape(-1), base.numel(), 1)
     if not _fp32_grid(values):
         return None
@@ -576,6 +562,18 @@ def _exact_sums_kernel(x: torch.Tensor, dims: list[int], out_elements: int) -> t
     return mask
 
 
+def _embedding_kernel_takes(terms: torch.Tensor) -> bool:
+    """Whether :func:`_exact_embedding_kernel` can take these terms: it is built (and on), and they are a
+    CPU FP64 strided tensor."""
+    return (
+        KERNEL_SUMS
+        and hasattr(_native, "exact_embedding_sums")
+        and terms.device.type == "cpu"
+        and terms.dtype == torch.float64
+        and terms.layout == torch.strided
+    )
+
+
 def _exact_embedding_kernel(
     grad: torch.Tensor, flat: torch.Tensor, rows: int, width: int
 ) -> torch.Tensor | None:
@@ -619,10 +617,10 @@ _SUM_DIMS = torch.ops.aten.sum.dim_IntList
 _EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 _CONVOLUTION = torch.ops.aten.convolution.default
 _ATEN = torch.ops.aten
+#: oprules.EXACT_SCATTERS by argument layout (exact_scatter_elements)
 _INDEX_PUTS = frozenset({_ATEN.index_put.default, _ATEN.index_put_.default, _ATEN._index_put_impl_.default})
 _SCATTER_ADDS = frozenset({_ATEN.scatter_add.default, _ATEN.scatter_add_.default})
 _INDEX_ADDS = frozenset({_ATEN.index_add.default, _ATEN.index_add_.default})
-_SCATTERS = _INDEX_PUTS | _SCATTER_ADDS | _INDEX_ADDS
 _SUM = torch.ops.aten.sum.default
 _MEAN = torch.ops.aten.mean.default
 _MEAN_DIMS = torch.ops.aten.mean.dim
