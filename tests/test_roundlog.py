@@ -841,6 +841,24 @@ def test_pinned_values_round_trip(tmp_path: Path) -> None:
             c.take(3, 2**40)
 
 
+def test_a_log_that_does_not_fit_the_replays_op_says_what_the_replay_ran(tmp_path: Path) -> None:
+    """An entry past the end of the replay's op is a misfit (RoundLogMisfit, a RoundLogError): the bundle
+    was altered, or the replay runs other ops than the recording (a tensor cached by an earlier run in the
+    same process: Hugging Face's RT-DETR caches its position embeddings across model instances). The
+    replay says which op it ran, so the user can tell."""
+    from detrl.core.rounding import StepRounding
+    from detrl.formats.roundlog import RoundLogMisfit
+
+    path = tmp_path / "log"
+    with RoundLogWriter(path) as w:
+        w.write_step(1, [_pinned_entries()])
+    with RoundLogReader(path) as r, pytest.raises(RoundLogMisfit) as raised:
+        StepRounding(replay=r.cursor(1)).entries(3, 32, "sum")
+    message = str(raised.value)
+    assert "outside the op output's 32 elements" in message
+    assert "this replay's op 3 (sum) has 32: the bundle was altered, or this replay runs other ops" in message
+
+
 def test_pinned_values_are_validated(tmp_path: Path) -> None:
     bad = _pinned_entries()
     bad.pinned_indices = np.array([1, 7, 2**40], dtype=np.int64)  # element 1 also has a direction

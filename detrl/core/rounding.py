@@ -45,7 +45,7 @@ from detrl.core.oprules import (
 )
 from detrl.core.optrace import OpTrace
 from detrl.core.scale import Scale, exact_elements, reduction_scale, scale_spacing, spacing32
-from detrl.formats.roundlog import OpEntries, key32, nearest_with_low16
+from detrl.formats.roundlog import OpEntries, RoundLogMisfit, key32, nearest_with_low16
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
 REPLAY_CHECK_FRACTION = 0.5
@@ -378,13 +378,20 @@ class StepRounding:
         self.seq = 0
         self.op_names: list[str] = []
 
-    def entries(self, seq: int, numel: int) -> OpEntries | None:
-        """The log's entries for op position ``seq`` (an output of ``numel`` elements), if any."""
+    def entries(self, seq: int, numel: int, name: str = "") -> OpEntries | None:
+        """The log's entries for op position ``seq`` (``name``, an output of ``numel`` elements), if any."""
         if self.replay is None:
             return None
         if isinstance(self.replay, dict):
             return self.replay.get(seq)
-        return self.replay.take(seq, numel)
+        try:
+            return self.replay.take(seq, numel)
+        except RoundLogMisfit as e:  # the log's op here is another op: say what this replay ran
+            raise RoundLogMisfit(
+                f"{e}; this replay's op {seq} ({name or 'unnamed'}) has {numel}: the bundle was altered, "
+                "or this replay runs other ops than its recording did (other model code, or state kept from an "
+                "earlier run in this process, such as a cached tensor)"
+            ) from None
 
     def keep(self, anomaly: Anomaly) -> None:
         n = self._kept.get(anomaly.kind, 0)
@@ -721,7 +728,7 @@ class RoundingMode(EagerDispatchMode):
         never for an element every machine computes alike (``exact()``: a flat mask, rules revision 2).
         With ``zeros`` (a reduction from rules revision 7) an unlogged element near a midpoint whose
         check window reaches a value that rounds to zero is the recorder's +0 (:func:`_unlogged_zeros`)."""
-        entries = step.entries(seq, x.numel())
+        entries = step.entries(seq, x.numel(), name)
         # The bundle's thresholds are the trainer's claim: its log is checked against at least the floor
         # an honest calibration cannot go below, so a bundle that lowers its own thresholds gains nothing.
         claimed = max(tau, auditor_floor(scaled is not False))

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_WINDOW_BYTES",
     "OpEntries",
     "RoundLogError",
+    "RoundLogMisfit",
     "RoundLogReader",
     "RoundLogWriter",
     "StepCursor",
@@ -117,6 +118,11 @@ _RICE_CHUNK = 1 << 13
 
 class RoundLogError(ValueError):
     """A rounding log file is malformed, corrupted or unreadable."""
+
+
+class RoundLogMisfit(RoundLogError):
+    """An op's records do not fit the output the reader was given (more entries than it has elements, or
+    an index past its end): the log is of another op sequence than the one being replayed."""
 
 
 # --- order-preserving keys of FP32 values ------------------------------------------------------
@@ -937,6 +943,9 @@ class StepCursor:
     def _err(self, msg: str) -> RoundLogError:
         return self._reader._err(f"{self._where}: {msg}")
 
+    def _misfit(self, msg: str) -> RoundLogMisfit:
+        return RoundLogMisfit(str(self._err(msg)))
+
     def _open(self) -> None:
         """Check the payload's CRC and frame structure, then start the decompressor."""
         seg = self._seg
@@ -1126,7 +1135,7 @@ class StepCursor:
             raise self._err(f"{rec}: {count} entries exceed the limit of {max_entries} per record")
         if numel is not None and count > numel - taken:
             also = f" plus {taken} {before} entries" if taken else ""
-            raise self._err(f"{rec}: {count} entries{also} exceed the op output's {numel} elements")
+            raise self._misfit(f"{rec}: {count} entries{also} exceed the op output's {numel} elements")
         acc = np.zeros(count, np.uint64)
         if self._reader.version == 4:
             self._rice(head, acc)
@@ -1145,7 +1154,7 @@ class StepCursor:
         if last >= _I64_LIMIT:
             raise self._err(f"{rec}: index {last} exceeds 2**63 - 1")
         if numel is not None and last >= numel:
-            raise self._err(f"{rec}: index {last} is outside the op output's {numel} elements")
+            raise self._misfit(f"{rec}: index {last} is outside the op output's {numel} elements")
         return acc.view(np.int64)
 
     def _take_group(self, head: _Head, numel: int | None, max_entries: int) -> OpEntries:
