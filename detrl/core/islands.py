@@ -30,33 +30,44 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 #: The float types narrower than FP64 whose ops an island computes on FP64 twins.
 NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
+#: The twin's dtype of each narrow type: FP64, and complex128 for the complex ones (detrl/core/complexes.py).
+_WIDE = {
+    **dict.fromkeys(NARROW, torch.float64),
+    torch.complex64: torch.complex128,
+    torch.complex32: torch.complex128,
+}
 
 
 class UnroundableResult(ValueError):
-    """A result of an op in a verifiable step that verifiable precision has no rule to round: a sparse
-    tensor, or a complex one (its real and imaginary parts would need rounding and logging as two, and
-    FFTs reorder their sums on every machine). Left unrounded, it would replicate on the emulated profiles
-    and differ on another machine: refused instead, before anything is committed."""
+    """A tensor in a verifiable step that verifiable precision has no rule for: a sparse result, or complex
+    values that an op outside :mod:`detrl.core.complexes` computes (an op there is exact on every machine
+    or written out as real ops; any other might differ between machines, unlogged). Left unrounded, it
+    would replicate on the emulated profiles and differ on another machine: refused instead, before
+    anything is committed."""
 
     def __init__(self, func: Any, t: torch.Tensor, module: str) -> None:
         where = f" in {module}" if module else ""
         name = f"aten.{func.overloadpacket.__name__}"
+        dtype = str(t.dtype).removeprefix("torch.")
         if t.layout != torch.strided:
-            what, fix = (
-                f"a {str(t.layout).removeprefix('torch.')} result",
-                "use dense tensors (nn.Embedding(sparse=False))",
+            message = (
+                f"verifiable precision cannot round a {str(t.layout).removeprefix('torch.')} result of "
+                f"{name}{where}: it rounds dense tensors; use dense tensors (nn.Embedding(sparse=False))"
             )
         else:
-            what, fix = f"a {str(t.dtype).removeprefix('torch.')} result", "compute with real tensors"
-        super().__init__(
-            f"verifiable precision cannot round {what} of {name}{where}: it rounds dense real float tensors; "
-            f"{fix}"
-        )
+            message = (
+                f"verifiable precision has no rule for {name} on {dtype} values{where}: it computes complex "
+                "tensors with the ops detrl/core/complexes.py lists (FFTs, products, polar, ...); compute this "
+                "one with real tensors"
+            )
+        super().__init__(message)
         self.op, self.module = func, module
 
 
 def unroundable(t: Any) -> bool:
-    """Whether ``t`` is a tensor :class:`UnroundableResult` refuses: sparse, or complex."""
+    """Whether ``t`` is a tensor :class:`UnroundableResult` refuses as an op's result: sparse, or complex
+    (unless the op moves complex values: a view or a cast; ops on complex arguments go to
+    :mod:`detrl.core.complexes` before this)."""
     return isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_complex())
 
 
@@ -66,28 +77,43 @@ def refuse_result(func: Any, t: torch.Tensor, module: str = "") -> None:
 
 
 def narrow_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
-    """The float dtype narrower than FP64 that op arguments ``args``/``kwargs`` compute in: a half type if
-    any tensor (or ``dtype=``) is one, else float32 if any is, else None. Called for every op: plain loops."""
-    found = None
+    """The dtype narrower than FP64 that op arguments ``args``/``kwargs`` compute in: a half type (or
+    complex32) if any tensor (or ``dtype=``) is one, else float32 or complex64 if any is; else complex128
+    if any is (no island, but an op for :mod:`detrl.core.complexes`); else None. Called for every op:
+    plain loops."""
+    found, rank = None, 0
     for a in args:
         if isinstance(a, torch.Tensor):
             d = a.dtype
         elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            d = next((t.dtype for t in a if isinstance(t, torch.Tensor) and t.dtype in NARROW), None)
+            d = max((t.dtype for t in a if isinstance(t, torch.Tensor)), key=_rank_of, default=None)
         else:
             continue
-        if d in NARROW:
-            if d is not torch.float32:
+        r = _RANK.get(d, 0)
+        if r > rank:
+            if r == 3:
                 return d
-            found = d
+            found, rank = d, r
     if kwargs:
         for key, v in kwargs.items():
             d = v if key == "dtype" else v.dtype if isinstance(v, torch.Tensor) else None
-            if d in NARROW:
-                if d is not torch.float32:
+            r = _RANK.get(d, 0)
+            if r > rank:
+                if r == 3:
                     return d
-                found = d
+                found, rank = d, r
     return found
+
+
+#: How narrow a dtype is for :func:`narrow_dtype`: 3 half types, 2 the 32-bit ones, 1 complex128.
+_RANK = {
+    torch.float16: 3, torch.bfloat16: 3, torch.complex32: 3, torch.float32: 2, torch.complex64: 2,
+    torch.complex128: 1,
+}  # fmt: skip
+
+
+def _rank_of(d: torch.dtype) -> int:
+    return _RANK.get(d, 0)
 
 
 def widen(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
@@ -98,12 +124,12 @@ def widen(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, tuple[torch
     twins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def wide(a: Any) -> Any:
-        if isinstance(a, torch.Tensor) and a.dtype in NARROW:
-            twin = a.to(torch.float64)
+        if isinstance(a, torch.Tensor) and a.dtype in _WIDE:
+            twin = a.to(_WIDE[a.dtype])
             twins[id(twin)] = (a, twin)
             return twin
-        if isinstance(a, torch.dtype) and a in NARROW:
-            return torch.float64
+        if isinstance(a, torch.dtype) and a in _WIDE:
+            return _WIDE[a]
         return a
 
     return tree_map(wide, args), tree_map(wide, kwargs), twins
@@ -130,7 +156,7 @@ def narrow_back(
     dtypes: list[torch.dtype] | None = None
     k = -1  # position among the floating outputs (what native_dtypes lists)
     for i, t in enumerate(flat):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
             continue
         k += 1
         if id(t) in twins:
@@ -139,7 +165,7 @@ def narrow_back(
             if dtypes is None:
                 dtypes = native_dtypes(func, args, kwargs, out)
             dtype = dtypes[k] if k < len(dtypes) else t.dtype
-            if dtype != t.dtype and dtype.is_floating_point:
+            if dtype != t.dtype and (dtype.is_floating_point or dtype.is_complex):
                 flat[i] = t.to(dtype)
     return tree_unflatten(flat, spec)
 
@@ -177,7 +203,7 @@ def _meta_dtypes(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.d
         result = func(*tree_map(meta, args), **tree_map(meta, kwargs))
     except Exception:  # noqa: BLE001 - no meta kernel: type promotion's rule over the float inputs
         floats = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        floats = [a for a in floats if a.is_floating_point()]
+        floats = [a for a in floats if a.is_floating_point() or a.is_complex()]
         dims = [a for a in floats if a.dim() > 0] or floats
         dtype = dims[0].dtype if dims else torch.float64
         for a in dims[1:]:
@@ -187,4 +213,8 @@ def _meta_dtypes(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.d
 
 
 def _floats(out: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [
+        t
+        for t in tree_flatten(out)[0]
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+    ]

@@ -216,6 +216,26 @@ bool narrow_tensor(const c10::IValue& v) {
   return false;
 }
 
+// A complex tensor argument (or list element), a complex number or a complex dtype=: an op for the Python
+// mode's detrl/core/complexes.py (islands.narrow_dtype sees the tensors and dtypes; a complex number with
+// real tensors gives a complex result, which both refuse).
+bool complex_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+  const auto& args = schema.arguments();
+  auto is_complex = [](const c10::IValue& v) { return v.isTensor() && v.toTensor().defined() && v.toTensor().is_complex(); };
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& v = stack[first + i];
+    if (is_complex(v) || v.isComplexDouble()) return true;
+    if (v.isTensorList() || v.isOptionalTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList())) {
+      for (const auto& e : v.toListRef()) {
+        if (is_complex(e)) return true;
+      }
+    }
+    if (v.isInt() && args[i].name() == "dtype" && c10::isComplexType(static_cast<c10::ScalarType>(v.toInt())))
+      return true;
+  }
+  return false;
+}
+
 // The Python mode's islands.narrow_dtype, as a yes/no: a float32 or half tensor argument, or dtype=.
 bool has_narrow_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
   const auto& args = schema.arguments();
@@ -2121,6 +2141,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   const auto& schema = op.schema();
   const size_t n_args = schema.arguments().size();
   const size_t first = stack->size() - n_args;
+  // a verifiable step's op on complex values: the mode's (a plain step's runs as it is)
+  if (route != PYTHON && step->table->refuses && complex_argument(schema, *stack, first)) route = PYTHON;
   bool rounds = route != KEEP;
   if (route == EXACT_IF_ALPHA_ONE) route = alpha_is_one(schema, *stack, first) ? EXACT : PYTHON;
   if (route == EXACT_IF_SQUARE) route = exponent_is_two(schema, *stack, first) ? EXACT : LOGGED;
@@ -2229,7 +2251,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   }
   for (size_t i = stack->size() - schema.returns().size(); i < stack->size() && step->table->refuses; ++i) {
     const c10::IValue& v = (*stack)[i];
-    if (v.isTensor() && unroundable(v.toTensor())) refuse(e, v.toTensor());
+    // a view of real values as complex ones (view_as_complex) moves them: not refused
+    if (v.isTensor() && unroundable(v.toTensor()) && !(route == KEEP && v.toTensor().is_complex())) refuse(e, v.toTensor());
   }
   if (!rounds) return;
   if (!writes) {

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from detrl.core import decompose, islands, kernel, native, randomness
+from detrl.core import complexes, decompose, islands, kernel, native, randomness
 from detrl.core.composites import COMPOSITES
 from detrl.core.dispatch import EagerDispatchMode, bound_arguments
 from detrl.core.fused import run_split, split_needed
@@ -499,7 +499,9 @@ class RoundingMode(EagerDispatchMode):
         kwargs = kwargs or {}
         self._last.learned = None
         plan = self._plans.get(id(func)) or _plan(func, self._revision)
-        if plan.island and islands.narrow_dtype(args, kwargs):
+        if plan.island and (narrow := islands.narrow_dtype(args, kwargs)) is not None:
+            if narrow is torch.complex128:  # no island: an op on complex values (core/complexes.py)
+                return self._complex(func, args, kwargs)
             return self._island(func, types, args, kwargs)
         if plan.decomposes and decompose.applies(func, args):
             # Only the sums (and log-softmax backward's exp) are machine dependent: they run as ops of the step
@@ -540,7 +542,11 @@ class RoundingMode(EagerDispatchMode):
         if plan.unwritten is not None:
             plan.unwritten(args, out)
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
-            if islands.unroundable(t):  # sparse or complex, a view of one included: no rule rounds it
+            # complex from real arguments: a view or a cast moves values; an exact op with a complex number
+            # among its arguments runs again as one (rare, and out of place: nothing was written)
+            if islands.unroundable(t) and (plan.island or not t.is_complex()):
+                if t.is_complex() and complexes.exact_call(func, kwargs):
+                    return self._complex(func, args, kwargs)
                 raise islands.UnroundableResult(func, t, self.module_path() if self.module_path else "")
         if plan.keep or kind is OpKind.KEEP or (plan.widening and _widens_floats(args)):
             return out
@@ -579,7 +585,36 @@ class RoundingMode(EagerDispatchMode):
         written = written_tensors(func, args, kwargs, None)  # in-place and out= arguments, hidden writes
         return islands.narrow_back(func, args, kwargs, out, twins, written)
 
+    def _complex(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """An op with a complex128 argument: written out as real ops of the step, or computed and rounded
+        part by part where every machine computes it alike, or refused (detrl/core/complexes.py)."""
+        written = complexes.written(func)
+        if written is not None:
+            with self:
+                return written(*args, **kwargs)
+        if not complexes.exact_call(func, kwargs):
+            leaves = tree_flatten((args, kwargs))[0]
+            culprit = next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_complex()), None)
+            if culprit is None:  # a complex dtype= only
+                culprit = torch.empty(0, dtype=torch.complex128)
+            raise islands.UnroundableResult(func, culprit, self.module_path() if self.module_path else "")
+        out = self.profile(func, args, kwargs)
+        targets = [
+            t
+            for t in written_tensors(func, args, kwargs, out, complex_too=True)
+            if t.is_floating_point() or t.is_complex()
+        ]
+        for t in targets:
+            self._round_exact(t)
+        if self.trace is not None:
+            self._trace(func, targets)
+        return out
+
     def _round_exact(self, t: torch.Tensor) -> None:
+        if (
+            t.dtype == torch.complex128
+        ):  # its parts; a lazy conjugate's stored ones (rounding commutes with -)
+            t = torch.view_as_real(t.conj() if t.is_conj() else t)
         if t.dtype != torch.float64 or t.numel() == 0:
             return
         if kernel.applies(t):
@@ -890,7 +925,7 @@ def _plan(func: Any, rules_revision: int) -> _Plan:
         square=func in SQUARES,
         island=not (keep or widening or in_place_view or func.overloadpacket in AS_GIVEN),
         unwritten=UNWRITTEN.get(func),
-        composite=COMPOSITES.get(func),
+        composite=COMPOSITES.get(func) or complexes.COMPOSITES.get(func),
         scatter_terms=rules_revision >= 9 and func in EXACT_SCATTERS,
     )
     _PLANS.setdefault(rules_revision, {})[id(func)] = plan
@@ -1055,8 +1090,11 @@ def _rounded_output(t: torch.Tensor) -> bool:
     return t.dtype == torch.float64 and t.numel() > 0
 
 
-def written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
-    """The tensors an op produced: its mutated arguments if it has any, else its outputs."""
+def written_tensors(
+    func: Any, args: tuple, kwargs: dict, out: Any, complex_too: bool = False
+) -> list[torch.Tensor]:
+    """The tensors an op produced: its mutated arguments if it has any, else its floating outputs (and its
+    complex ones, with ``complex_too``)."""
     written: list[torch.Tensor] = []
     writes = _schema_writes(func)
     if writes:
@@ -1069,8 +1107,12 @@ def written_tensors(func: Any, args: tuple, kwargs: dict, out: Any) -> list[torc
             written.extend(t for t in flat if isinstance(t, torch.Tensor))
         return written
     if isinstance(out, torch.Tensor):
-        outs = [out] if out.is_floating_point() else []
+        outs = [out] if out.is_floating_point() or (complex_too and out.is_complex()) else []
     else:
         flat, _ = tree_flatten(out)
-        outs = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        outs = [
+            t
+            for t in flat
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or (complex_too and t.is_complex()))
+        ]
     return outs + _hidden_writes(func, args) if id(func) in _HIDDEN_WRITES else outs

@@ -157,6 +157,43 @@ class LSTMNet(nn.Module):
         return self.head(self.lstm(self.emb(tokens))[0])
 
 
+class RotaryFourier(nn.Module):
+    """Complex arithmetic as models write it: the rotary embedding of Meta's Llama (frequencies from
+    ``torch.polar``, queries and keys rotated as complex64 numbers), FNet's Fourier mixing (the real part of
+    ``fft2``) and a spectral filter (``rfft`` along the sequence, a learned complex gain held as real pairs,
+    ``irfft`` back)."""
+
+    def __init__(self, width: int = 32, vocab: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.head = (
+            nn.Embedding(vocab, width),
+            nn.Linear(width, 3 * width),
+            nn.Linear(width, vocab),
+        )
+        self.heads, self.norm = heads, nn.LayerNorm(width)
+        # (width,) complex gains, held as real pairs near 1
+        self.gain = nn.Parameter(torch.randn(width, 2) / 4 + torch.tensor([1.0, 0.0]))
+        half = width // heads // 2
+        freqs = 1.0 / 10000 ** (torch.arange(half) / half)
+        self.register_buffer("angles", torch.outer(torch.arange(64.0), freqs), persistent=False)  # (64, half)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, heads, head_width), rotated by position
+        t = x.shape[1]
+        freqs = torch.polar(torch.ones_like(self.angles[:t]), self.angles[:t])  # (T, half) complex
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # (B, T, heads, half)
+        return torch.view_as_real(pairs * freqs[None, :, None, :]).flatten(3).type_as(x)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        h = self.emb(tokens)  # (B, T, width)
+        b, t, w = h.shape
+        q, k, v = (z.view(b, t, self.heads, -1) for z in self.qkv(h).chunk(3, -1))
+        q, k, v = self.rotate(q).transpose(1, 2), self.rotate(k).transpose(1, 2), v.transpose(1, 2)
+        h = h + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, w)
+        h = h + torch.fft.fft2(h).real / t  # mixing over positions and features (B, T, width)
+        spectrum = torch.fft.rfft(h, dim=1) * torch.view_as_complex(self.gain)  # (B, T // 2 + 1, width)
+        return self.head(self.norm(h + torch.fft.irfft(spectrum, n=t, dim=1)))
+
+
 class AutocastCNN(nn.Module):
     """A small CNN whose forward runs under ``torch.autocast(dtype=torch.bfloat16)``."""
 
@@ -314,6 +351,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("transformer_encoder", functools.partial(Encoder, w, v), toks, next_token),
             Specimen("masked_encoder", functools.partial(MaskedEncoder, w, v), toks, next_token),
             Specimen("lstm", functools.partial(LSTMNet, w, v), toks, next_token),
+            Specimen("rotary_fourier", functools.partial(RotaryFourier, w, v), toks, next_token),
             Specimen("autocast_bf16", functools.partial(AutocastCNN, w), imgs, classify),
             Specimen("cnn_batch_norm", functools.partial(BatchNormCNN, w), imgs, classify),
             Specimen("norms_then_means", functools.partial(NormsThenMeans, w), imgs, classify),
@@ -351,8 +389,9 @@ def regressions(size: Size = Size()) -> dict[str, Specimen]:
     """Hugging Face models that an earlier detrl failed on, kept as cases (a slow test replays them): BigBird's
     block-sparse attention (an ``unsqueeze_`` on a float32 mask), SegFormer's segmentation loss over
     channels-last logits, EfficientNet (a weight gradient that cancels before a batch norm), DPT (its
-    residual convolutions' thresholds looked up under a layout) and wav2vec2 with its CTC loss (SpecAugment
-    draws its training masks from NumPy's global RNG, which no step seeded)."""
+    residual convolutions' thresholds looked up under a layout), wav2vec2 with its CTC loss (SpecAugment
+    draws its training masks from NumPy's global RNG, which no step seeded), and FNet and Llama 4 (Fourier
+    mixing and complex rotary embeddings: complex tensors were refused)."""
     w, v = size.width, size.vocab
     toks = functools.partial(tokens, dataclasses.replace(size, seq=16))
     wide = functools.partial(images, dataclasses.replace(size, image=2 * size.image))
@@ -382,6 +421,12 @@ def regressions(size: Size = Size()) -> dict[str, Specimen]:
                      num_conv_pos_embedding_groups=2, feat_extract_norm="group", mask_time_prob=0.2,
                      ctc_loss_reduction="mean", pad_token_id=0), functools.partial(_waveforms, size), _ctc_loss,
                      "Wav2Vec2ForCTC"),
+            Specimen("hf_fnet", _hf("FNetForSequenceClassification", "FNetConfig", vocab_size=v, hidden_size=w,
+                     num_hidden_layers=2, intermediate_size=2 * w, max_position_embeddings=64, num_labels=3),
+                     toks, _cls_loss, "FNetForSequenceClassification"),
+            Specimen("hf_llama4", _hf("Llama4ForCausalLM", "Llama4TextConfig", head_dim=w // 4, num_local_experts=4,
+                     num_experts_per_tok=1, intermediate_size_mlp=2 * w, interleave_moe_layer_step=1,
+                     attention_chunk_size=4, **_decoder(size)), toks, lm_loss, "Llama4ForCausalLM"),
         ]
     }  # fmt: skip
 

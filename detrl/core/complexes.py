@@ -1,0 +1,368 @@
+"""Complex tensors in a verifiable step: each value a pair of real ones, rounded and logged as such.
+
+Verifiable precision rounds real FP64 results to the FP32 grid. A complex128 value is two FP64 numbers
+(``torch.view_as_real``), and a complex64 one two FP32 numbers, so complex tensors fit the same scheme:
+complex64 is a narrow type (an island, :mod:`detrl.core.islands`, computed on complex128 twins), and a
+complex128 result is on the grid when both its parts are. Models use them for rotary position embeddings
+(``torch.polar`` and ``view_as_complex``, as Meta's Llama and Hugging Face's Llama 4 write them) and for
+Fourier mixing (FNet, Autoformer, spectral convolutions).
+
+The rounding mode sends every op with a complex argument here (:func:`dispatch`), and each falls in one
+of three groups:
+
+- **Exact** (:data:`EXACT`): ops that move or copy values (``clone``, ``cat``, ``copy_``, casts,
+  conjugation), and the arithmetic whose FP64 result is the same on every machine: ``+`` and ``-`` are
+  one IEEE operation per part; a product's parts are ``ac - bd`` and ``ad + bc``, whose four products of
+  FP32-grid values are exact in FP64, so with or without a fused multiply-add each part is the one
+  correctly rounded FP64 value. Their results are rounded to the FP32 grid with nothing to log.
+- **Written out** (:data:`WRITTEN`, and :data:`COMPOSITES` for ops whose arguments are real): ops whose
+  FP64 result differs between machines, as real ops of the step, each computed under the hardware
+  profile, rounded and logged by its own rule. A matrix product is one real product of block matrices
+  (``[a_re | a_im] @ [[b_re, b_im], [-b_im, b_re]]``: each output is one sum of ``2K`` exact products). An
+  FFT is a discrete Fourier transform as one such product with a twiddle matrix, whose cosines and sines
+  are ops of the step too. That is ``O(n^2)`` work along each transformed dimension where an FFT does
+  ``O(n log n)``, and the price of a transform that every machine computes alike: an FFT's butterflies
+  sum in a different order on every library. Division, absolute value, sign, ``exp`` and sums follow
+  their definitions.
+- **Refused**: anything else (``UnroundableResult`` names the op): its FP64 result might differ between
+  machines, and no rule here says how.
+
+Views (``view_as_real``, ``view_as_complex``, ``real``, slicing) never reach this module: they move
+nothing. The conjugate bit that ``conj()`` sets is resolved (an exact negation) before a written-out op
+reads a tensor's parts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+#: The complex dtypes, and the narrow ones an island widens to complex128.
+DTYPES = frozenset({torch.complex32, torch.complex64, torch.complex128})
+NARROW = frozenset({torch.complex32, torch.complex64})
+
+
+def _overloads(*packets: Any) -> frozenset[Any]:
+    return frozenset(getattr(p, name) for p in packets for name in p.overloads())
+
+
+#: Ops whose complex results every machine computes alike (see the module docstring): rounded exactly.
+EXACT = _overloads(
+    aten.add, aten.add_, aten.sub, aten.sub_, aten.rsub, aten.mul, aten.mul_, aten.neg, aten.neg_,
+    aten.conj_physical, aten.conj_physical_, aten._conj_physical, aten.resolve_conj, aten.resolve_neg,
+    aten.clone, aten.copy_, aten._to_copy, aten.cat, aten.stack, aten.new_zeros, aten.new_empty,
+    aten.new_empty_strided, aten.new_full, aten.zeros_like, aten.empty_like, aten.ones_like, aten.full_like,
+    aten.zeros, aten.empty, aten.full, aten.fill_, aten.zero_, aten.slice_backward, aten.select_backward,
+    aten.index_select, aten.index, aten.gather, aten.masked_fill, aten.masked_fill_, aten.where,
+    aten.constant_pad_nd, aten.repeat, aten.flip, aten.roll, aten.eq, aten.ne, aten.isnan, aten.isfinite,
+    aten.empty_strided, aten.lift_fresh, aten.lift_fresh_copy, aten._unsafe_view, aten.contiguous,
+)  # fmt: skip
+
+
+def exact_call(func: Any, kwargs: dict) -> bool:
+    """Whether ``func`` with ``kwargs`` is in :data:`EXACT` as called: ``add``/``sub`` only with ``alpha``
+    1 (``a + alpha * b`` rounds twice)."""
+    return func in EXACT and kwargs.get("alpha", 1) == 1
+
+
+# ----------------------------------------------------------------------------------------------- parts
+def parts(x: Any) -> tuple[Any, Any]:
+    """``(real, imaginary)`` of a tensor or number: views of a complex tensor's parts (its conjugate bit
+    resolved first), ``(x, None)`` for a real one."""
+    if isinstance(x, torch.Tensor):
+        if not x.is_complex():
+            return x, None
+        pair = torch.view_as_real(x.resolve_conj())
+        return pair[..., 0], pair[..., 1]
+    if isinstance(x, complex):
+        return x.real, x.imag
+    return x, None
+
+
+def assemble(re: torch.Tensor, im: torch.Tensor | None) -> torch.Tensor:
+    """The complex tensor of parts ``re`` and ``im`` (None: zero), broadcast to one shape."""
+    if im is None:
+        im = torch.zeros_like(re)
+    shape = torch.broadcast_shapes(re.shape, im.shape)
+    return torch.view_as_complex(torch.stack([re.expand(shape), im.expand(shape)], -1))
+
+
+def _is_real(x: Any) -> bool:
+    return not (isinstance(x, complex) or (isinstance(x, torch.Tensor) and x.is_complex()))
+
+
+# ------------------------------------------------------------------------------------- ops written out
+def polar(abs: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's names
+    """``abs * (cos(angle) + i sin(angle))``."""
+    return assemble(abs * torch.cos(angle), abs * torch.sin(angle))
+
+
+def complex_(real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
+    """``torch.complex(real, imag)``."""
+    return assemble(real, imag)
+
+
+def div(a: Any, b: Any, rounding_mode: str | None = None) -> torch.Tensor:
+    """``a / b``: by a real ``b`` part by part; by a complex one, ``a * conj(b) / |b|^2``."""
+    if rounding_mode is not None:
+        raise TypeError("div with a rounding mode takes real tensors")
+    ar, ai = parts(a)
+    br, bi = parts(b)
+    if bi is None:
+        return assemble(ar / br, None if ai is None else ai / br)
+    norm = br * br + bi * bi
+    if ai is None:
+        return assemble(ar * br / norm, -(ar * bi) / norm)
+    return assemble((ar * br + ai * bi) / norm, (ai * br - ar * bi) / norm)
+
+
+def reciprocal(z: torch.Tensor) -> torch.Tensor:
+    """``1 / z``."""
+    return div(1.0, z)
+
+
+def abs_(z: torch.Tensor) -> torch.Tensor:
+    """``|z| = sqrt(re^2 + im^2)``: squares exact in FP64, the sum and the root correctly rounded."""
+    re, im = parts(z)
+    return torch.sqrt(re * re + im * im)
+
+
+def sgn(z: torch.Tensor) -> torch.Tensor:
+    """``z / |z|``, 0 where ``z`` is 0."""
+    re, im = parts(z)
+    size = torch.sqrt(re * re + im * im)
+    safe = torch.where(size == 0, torch.ones_like(size), size)
+    zero = size == 0
+    return assemble(torch.where(zero, 0.0, re / safe), torch.where(zero, 0.0, im / safe))
+
+
+def exp(z: torch.Tensor) -> torch.Tensor:
+    """``exp(re) * (cos(im) + i sin(im))``."""
+    re, im = parts(z)
+    size = torch.exp(re)
+    return assemble(size * torch.cos(im), size * torch.sin(im))
+
+
+def _real_dims(z: torch.Tensor, dim: Any) -> list[int]:
+    dims = range(z.dim()) if dim is None or (isinstance(dim, (list, tuple)) and not dim) else dim
+    return [d % z.dim() for d in ([dims] if isinstance(dims, int) else dims)]
+
+
+def sum_(z: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
+    """The sum of each part (over ``dim``; all dims when None or empty)."""
+    pair = torch.view_as_real(z.resolve_conj())
+    total = pair.sum(_real_dims(z, dim), keepdim=keepdim)
+    return torch.view_as_complex(total.contiguous())
+
+
+def mean(z: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
+    """The mean of each part (over ``dim``; all dims when None or empty)."""
+    pair = torch.view_as_real(z.resolve_conj())
+    return torch.view_as_complex(pair.mean(_real_dims(z, dim), keepdim=keepdim).contiguous())
+
+
+def _product(a: Any, b: Any, matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``a @ b`` of complex (or one real) batched matrices ``(..., M, K) @ (..., K, N)``: one real product
+    ``[a_re | a_im] @ [[b_re, b_im], [-b_im, b_re]]`` of shape ``(..., M, 2N)``, each output one sum of
+    ``2K`` exact products; with a real operand, one product with the other's parts side by side."""
+    ar, ai = parts(a)
+    br, bi = parts(b)
+    n = b.shape[-1]
+    if ai is None:  # real a: a @ [b_re | b_im]
+        out = matmul(ar, torch.cat([br, bi], -1))
+    elif bi is None:  # real b: [a_re; a_im] stacked on rows
+        m = a.shape[-2]
+        out = matmul(torch.cat([ar, ai], -2), br)
+        return assemble(out[..., :m, :], out[..., m:, :])
+    else:
+        left = torch.cat([ar, ai], -1)
+        right = torch.cat([torch.cat([br, bi], -1), torch.cat([-bi, br], -1)], -2)
+        out = matmul(left, right)
+    return assemble(out[..., :n], out[..., n:])
+
+
+def mm(a: Any, b: Any) -> torch.Tensor:
+    """``torch.mm`` with a complex operand."""
+    return _product(a, b, torch.mm)
+
+
+def bmm(a: Any, b: Any) -> torch.Tensor:
+    """``torch.bmm`` with a complex operand."""
+    return _product(a, b, torch.bmm)
+
+
+# ------------------------------------------------------------------------------------ Fourier transforms
+def _twiddles(n: int, m: int, sign: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sign * sin)`` of ``2 pi j k / n`` for ``j < n``, ``k < m``: ``(n, m)`` each, on the FP32 grid.
+
+    The angle of ``r = j k mod n`` is folded to ``min(r, n - r)`` (in ``[0, pi]``) so that it rounds to
+    FP32 with a small error, and the quarter turns take their exact values (``cos(pi / 2)`` in floating
+    point is ``6e-17``, not 0): the DFT of a real constant has an imaginary part of exactly 0."""
+    j = torch.arange(n, device=like.device).unsqueeze(1)
+    k = torch.arange(m, device=like.device).unsqueeze(0)
+    r = (j * k) % n
+    folded = torch.minimum(r, n - r)
+    angle = folded.to(like.dtype) * (2 * math.pi / n)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    sin = torch.where(r > n - r, -sin, sin)  # sin(2 pi - x) = -sin(x)
+    quarter = (4 * r) % n == 0  # r = 0, n/4, n/2, 3n/4: cos and sin are -1, 0 or 1
+    turn = (4 * r) // n
+    exact_cos = torch.tensor([1.0, 0.0, -1.0, 0.0], dtype=like.dtype, device=like.device)[turn.clamp(max=3)]
+    exact_sin = torch.tensor([0.0, 1.0, 0.0, -1.0], dtype=like.dtype, device=like.device)[turn.clamp(max=3)]
+    cos = torch.where(quarter, exact_cos, cos)
+    sin = torch.where(quarter, exact_sin, sin)
+    return cos, sin * sign
+
+
+def _last(x: torch.Tensor | None, d: int) -> torch.Tensor | None:
+    return None if x is None else x.movedim(d, -1)
+
+
+def _along(
+    re: torch.Tensor, im: torch.Tensor | None, d: int, fn: Callable
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply ``fn(re, im) -> (re, im)`` along dim ``d`` (moved last and back)."""
+    out_re, out_im = fn(_last(re, d), _last(im, d))
+    return out_re.movedim(-1, d), out_im.movedim(-1, d)
+
+
+def _dft(re: torch.Tensor, im: torch.Tensor | None, m: int, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs ``k < m`` of ``sum_j x_j exp(sign * 2 pi i j k / n)`` along the last dim (length ``n``) of
+    ``x = re + i im`` (``im`` None: real): one real product with ``[[cos, sin], [-sin, cos]]``."""
+    n = re.shape[-1]
+    cos, sin = _twiddles(n, m, sign, re)
+    if im is None:
+        out = _rows_times(re, torch.cat([cos, sin], -1))
+    else:
+        twiddles = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)
+        out = _rows_times(torch.cat([re, im], -1), twiddles)
+    return out[..., :m], out[..., m:]
+
+
+def _rows_times(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``x @ matrix`` for ``x: (..., K)`` and ``matrix: (K, N)``, as one ``mm`` (the op the rounding rules
+    know; ``torch.matmul`` called inside the mode reaches it as itself)."""
+    return torch.mm(x.reshape(-1, x.shape[-1]), matrix).reshape(*x.shape[:-1], matrix.shape[-1])
+
+
+def _inverse_real(re: torch.Tensor, im: torch.Tensor, n: int) -> torch.Tensor:
+    """The real inverse DFT of length ``n`` (unnormalised) of the onesided spectrum ``re + i im`` (last dim,
+    its first ``n // 2 + 1`` terms read): ``sum_k w_k (re_k cos - im_k sin)``, ``w_k`` 2 for the terms that
+    stand for a conjugate pair and 1 for ``k = 0`` and, for even ``n``, ``k = n / 2`` (whose imaginary
+    parts are ignored, as torch ignores them)."""
+    m = n // 2 + 1
+    re, im = re[..., :m], im[..., :m]
+    if re.shape[-1] < m:  # a shorter spectrum: the missing terms are 0
+        pad = m - re.shape[-1]
+        re, im = torch.nn.functional.pad(re, (0, pad)), torch.nn.functional.pad(im, (0, pad))
+    weight = torch.full((m,), 2.0, dtype=re.dtype, device=re.device)
+    weight[0] = 1.0
+    if n % 2 == 0:
+        weight[-1] = 1.0
+    cos, sin = _twiddles(n, m, 1.0, re)  # (n: j, m: k)
+    cos_t, sin_t = (cos * weight).transpose(0, 1), (sin * weight).transpose(0, 1)  # (m: k, n: j)
+    return _rows_times(torch.cat([re, im], -1), torch.cat([cos_t, -sin_t], 0))
+
+
+def _normalise(re: torch.Tensor, im: torch.Tensor | None, normalization: int, n: int) -> Any:
+    """torch's ``normalization``: 0 none, 1 by ``1/sqrt(n)``, 2 by ``1/n``."""
+    if normalization == 0:
+        return re, im
+    scale = 1.0 / math.sqrt(n) if normalization == 1 else 1.0 / n
+    return re * scale, None if im is None else im * scale
+
+
+def fft_r2c(x: torch.Tensor, dim: list[int], normalization: int, onesided: bool) -> torch.Tensor:
+    """``aten._fft_r2c``: the forward DFT of real ``x`` over ``dim`` (the last of them onesided: outputs
+    ``k <= n // 2``)."""
+    dims = [d % x.dim() for d in dim]
+    last = dims[-1]
+    n = x.shape[last]
+    re, im = _along(x, None, last, lambda r, i: _dft(r, i, n // 2 + 1 if onesided else n, -1.0))
+    for d in dims[:-1]:
+        re, im = _along(re, im, d, lambda r, i: _dft(r, i, r.shape[-1], -1.0))
+    re, im = _normalise(re, im, normalization, math.prod(x.shape[d] for d in dims))
+    return assemble(re, im)
+
+
+def fft_c2c(z: torch.Tensor, dim: list[int], normalization: int, forward: bool) -> torch.Tensor:
+    """``aten._fft_c2c``: the DFT (``forward``) or its unnormalised inverse of complex ``z`` over ``dim``."""
+    re, im = parts(z)
+    sign = -1.0 if forward else 1.0
+    dims = [d % z.dim() for d in dim]
+    for d in dims:
+        re, im = _along(re, im, d, lambda r, i: _dft(r, i, r.shape[-1], sign))
+    re, im = _normalise(re, im, normalization, math.prod(z.shape[d] for d in dims))
+    return assemble(re, im)
+
+
+def fft_c2r(z: torch.Tensor, dim: list[int], normalization: int, last_dim_size: int) -> torch.Tensor:
+    """``aten._fft_c2r``: the inverse DFT over ``dim`` of a spectrum onesided along the last of them,
+    real, ``last_dim_size`` long there."""
+    re, im = parts(z)
+    dims = [d % z.dim() for d in dim]
+    for d in dims[:-1]:
+        re, im = _along(re, im, d, lambda r, i: _dft(r, i, r.shape[-1], 1.0))
+    last = dims[-1]
+    out = _inverse_real(re.movedim(last, -1), im.movedim(last, -1), last_dim_size).movedim(-1, last)
+    sizes = [last_dim_size if d == last else z.shape[d] for d in dims]
+    out, _ = _normalise(out, None, normalization, math.prod(sizes))
+    return out
+
+
+#: Ops whose arguments are real and whose result is complex: always written out (the rounding mode's
+#: composites, :mod:`detrl.core.composites`).
+COMPOSITES: dict[Any, Callable[..., torch.Tensor]] = {
+    aten.polar.default: polar,
+    aten.complex.default: complex_,
+    aten._fft_r2c.default: fft_r2c,
+}
+
+#: Ops written out when an argument is complex (with real ones, they are the usual real op).
+WRITTEN: dict[Any, Callable[..., torch.Tensor]] = {
+    aten._fft_c2c.default: fft_c2c,
+    aten._fft_c2r.default: fft_c2r,
+    aten.div.Tensor: div,
+    aten.div.Scalar: div,
+    aten.div.Tensor_mode: div,
+    aten.reciprocal.default: reciprocal,
+    aten.abs.default: abs_,
+    aten.sgn.default: sgn,
+    aten.exp.default: exp,
+    aten.sum.default: sum_,
+    aten.sum.dim_IntList: sum_,
+    aten.mean.default: mean,
+    aten.mean.dim: mean,
+    aten.mm.default: mm,
+    aten.bmm.default: bmm,
+}
+
+#: In-place forms: the out-of-place op written out, copied into ``self``.
+IN_PLACE: dict[Any, Any] = {
+    aten.div_.Tensor: aten.div.Tensor,
+    aten.div_.Scalar: aten.div.Scalar,
+    aten.reciprocal_.default: aten.reciprocal.default,
+    aten.sgn_.default: aten.sgn.default,
+    aten.exp_.default: aten.exp.default,
+}
+
+
+def written(func: Any) -> Callable[..., torch.Tensor] | None:
+    """What ``func`` runs as when an argument is complex (None: it is exact, or refused)."""
+    found = WRITTEN.get(func)
+    if found is not None:
+        return found
+    out_of_place = IN_PLACE.get(func)
+    if out_of_place is None:
+        return None
+    fn = WRITTEN[out_of_place]
+
+    def in_place(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.copy_(fn(self, *args, **kwargs))
+
+    return in_place
