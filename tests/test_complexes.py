@@ -59,6 +59,10 @@ def test_written_out_ffts_give_torchs_transforms(shape: list[int], norm: int, da
     [
         ("polar", lambda a, b, z, w: complexes.polar(a.abs(), b), lambda a, b, z, w: torch.polar(a.abs(), b)),
         ("complex", lambda a, b, z, w: complexes.complex_(a, b), lambda a, b, z, w: torch.complex(a, b)),
+        ("multiply", lambda a, b, z, w: complexes.mul(z, w), lambda a, b, z, w: z * w),
+        ("multiply by real", lambda a, b, z, w: complexes.mul(z, b), lambda a, b, z, w: z * b),
+        ("real multiplied", lambda a, b, z, w: complexes.mul(a, w), lambda a, b, z, w: a * w),
+        ("multiply by a number", lambda a, b, z, w: complexes.mul(a, 0.5j), lambda a, b, z, w: a * 0.5j),
         ("divide", lambda a, b, z, w: complexes.div(z, w), lambda a, b, z, w: z / w),
         ("divide by real", lambda a, b, z, w: complexes.div(z, b), lambda a, b, z, w: z / b),
         ("real divided", lambda a, b, z, w: complexes.div(a, w), lambda a, b, z, w: a / w),
@@ -130,3 +134,28 @@ def test_a_model_rotating_and_mixing_by_complex_numbers_replays(tmp_path) -> Non
     rep = zoo.replay(specimen, tmp_path / "run", "emulated:atomic", steps=2)
     assert rep.totals.unlogged_near == 0 and rep.totals.refused == 0
     assert all(torch.equal(v, want[k]) for k, v in rep.model.named_parameters())
+
+
+@pytest.mark.parametrize("route", [True, False])
+def test_real_tensors_times_a_complex_number_record_on_the_route_and_in_the_mode(
+    tmp_path, route: bool
+) -> None:
+    """``x * 0.5j`` has a complex result from a real tensor: no complex tensor among its arguments, so the
+    mode sees it only by its result, and runs it again as a written-out product; the native route hands
+    it over for the complex number. Both write the same bundle."""
+    from detrl.core import native
+    from detrl.formats import bundle
+
+    def record(where: str) -> bytes:
+        session = Session(
+            tmp_path / where, mode="record", sources=Sources(), planned_steps=1, checkpoint_every=0
+        )
+        with native.switched(route if where == "first" else not route), session:
+            model = session.init(lambda: torch.nn.Linear(8, 8))
+            x = _real(3, 8)
+            with session.step(batch=(x,)):
+                z = torch.ops.aten.mul.Scalar(model(x), 0.5j) + torch.polar(torch.ones(8), torch.arange(8.0))
+                torch.view_as_real(z).square().sum().backward()
+        return (tmp_path / where / bundle.COMMITMENTS).read_bytes()
+
+    assert record("first") == record("second")

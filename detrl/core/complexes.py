@@ -11,10 +11,8 @@ The rounding mode sends every op with a complex argument here (:func:`dispatch`)
 of three groups:
 
 - **Exact** (:data:`EXACT`): ops that move or copy values (``clone``, ``cat``, ``copy_``, casts,
-  conjugation), and the arithmetic whose FP64 result is the same on every machine: ``+`` and ``-`` are
-  one IEEE operation per part; a product's parts are ``ac - bd`` and ``ad + bc``, whose four products of
-  FP32-grid values are exact in FP64, so with or without a fused multiply-add each part is the one
-  correctly rounded FP64 value. Their results are rounded to the FP32 grid with nothing to log.
+  conjugation), and ``+`` and ``-``, one IEEE operation per part, whose FP64 result is the same on every
+  machine. Their results are rounded to the FP32 grid with nothing to log.
 - **Written out** (:data:`WRITTEN`, and :data:`COMPOSITES` for ops whose arguments are real): ops whose
   FP64 result differs between machines, as real ops of the step, each computed under the hardware
   profile, rounded and logged by its own rule. A matrix product is one real product of block matrices
@@ -22,8 +20,11 @@ of three groups:
   FFT is a discrete Fourier transform as one such product with a twiddle matrix, whose cosines and sines
   are ops of the step too. That is ``O(n^2)`` work along each transformed dimension where an FFT does
   ``O(n log n)``, and the price of a transform that every machine computes alike: an FFT's butterflies
-  sum in a different order on every library. Division, absolute value, sign, ``exp`` and sums follow
-  their definitions.
+  sum in a different order on every library. A product's parts are ``ac - bd`` and ``ad + bc``: four
+  products and two sums of the step, each rounded, as a float32 complex product without fused
+  multiply-adds computes them (a machine that fuses would round ``ac - bd`` once where another rounds
+  three times, unless every operand is on the FP32 grid: a Python complex constant is not). Division,
+  absolute value, sign, ``exp`` and sums follow their definitions.
 - **Refused**: anything else (``UnroundableResult`` names the op): its FP64 result might differ between
   machines, and no rule here says how.
 
@@ -53,7 +54,7 @@ def _overloads(*packets: Any) -> frozenset[Any]:
 
 #: Ops whose complex results every machine computes alike (see the module docstring): rounded exactly.
 EXACT = _overloads(
-    aten.add, aten.add_, aten.sub, aten.sub_, aten.rsub, aten.mul, aten.mul_, aten.neg, aten.neg_,
+    aten.add, aten.add_, aten.sub, aten.sub_, aten.rsub, aten.neg, aten.neg_,
     aten.conj_physical, aten.conj_physical_, aten._conj_physical, aten.resolve_conj, aten.resolve_neg,
     aten.clone, aten.copy_, aten._to_copy, aten.cat, aten.stack, aten.new_zeros, aten.new_empty,
     aten.new_empty_strided, aten.new_full, aten.zeros_like, aten.empty_like, aten.ones_like, aten.full_like,
@@ -105,6 +106,17 @@ def polar(abs: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:  # noqa: A002
 def complex_(real: torch.Tensor, imag: torch.Tensor) -> torch.Tensor:
     """``torch.complex(real, imag)``."""
     return assemble(real, imag)
+
+
+def mul(a: Any, b: Any) -> torch.Tensor:
+    """``a * b``: ``(ac - bd) + i (ad + bc)``, or part by part where one factor is real."""
+    ar, ai = parts(a)
+    br, bi = parts(b)
+    if ai is None:
+        return assemble(ar * br, ar * bi)
+    if bi is None:
+        return assemble(ar * br, ai * br)
+    return assemble(ar * br - ai * bi, ar * bi + ai * br)
 
 
 def div(a: Any, b: Any, rounding_mode: str | None = None) -> torch.Tensor:
@@ -327,6 +339,8 @@ COMPOSITES: dict[Any, Callable[..., torch.Tensor]] = {
 WRITTEN: dict[Any, Callable[..., torch.Tensor]] = {
     aten._fft_c2c.default: fft_c2c,
     aten._fft_c2r.default: fft_c2r,
+    aten.mul.Tensor: mul,
+    aten.mul.Scalar: mul,
     aten.div.Tensor: div,
     aten.div.Scalar: div,
     aten.div.Tensor_mode: div,
@@ -344,6 +358,8 @@ WRITTEN: dict[Any, Callable[..., torch.Tensor]] = {
 
 #: In-place forms: the out-of-place op written out, copied into ``self``.
 IN_PLACE: dict[Any, Any] = {
+    aten.mul_.Tensor: aten.mul.Tensor,
+    aten.mul_.Scalar: aten.mul.Scalar,
     aten.div_.Tensor: aten.div.Tensor,
     aten.div_.Scalar: aten.div.Scalar,
     aten.reciprocal_.default: aten.reciprocal.default,

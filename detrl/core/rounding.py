@@ -542,10 +542,10 @@ class RoundingMode(EagerDispatchMode):
         if plan.unwritten is not None:
             plan.unwritten(args, out)
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
-            # complex from real arguments: a view or a cast moves values; an exact op with a complex number
-            # among its arguments runs again as one (rare, and out of place: nothing was written)
+            # complex from real arguments: a view or a cast moves values; an op with a complex number among
+            # its arguments runs again as complexes.py says (rare, and out of place: nothing was written)
             if islands.unroundable(t) and (plan.island or not t.is_complex()):
-                if t.is_complex() and complexes.exact_call(func, kwargs):
+                if t.is_complex() and (complexes.exact_call(func, kwargs) or complexes.written(func)):
                     return self._complex(func, args, kwargs)
                 raise islands.UnroundableResult(func, t, self.module_path() if self.module_path else "")
         if plan.keep or kind is OpKind.KEEP or (plan.widening and _widens_floats(args)):
