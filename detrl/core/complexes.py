@@ -17,10 +17,11 @@ of three groups:
   FP64 result differs between machines, as real ops of the step, each computed under the hardware
   profile, rounded and logged by its own rule. A matrix product is one real product of block matrices
   (``[a_re | a_im] @ [[b_re, b_im], [-b_im, b_re]]``: each output is one sum of ``2K`` exact products). An
-  FFT is a discrete Fourier transform as one such product with a twiddle matrix, whose cosines and sines
-  are ops of the step too. That is ``O(n^2)`` work along each transformed dimension where an FFT does
-  ``O(n log n)``, and the price of a transform that every machine computes alike: an FFT's butterflies
-  sum in a different order on every library. A product's parts are ``ac - bd`` and ``ad + bc``: four
+  FFT library orders its butterflies its own way, so a transform is written out too: radix-2 butterflies
+  while the length is even, each a product by a twiddle and a sum of two terms, every one an op of the
+  step that every machine computes alike (``O(n log n)``, nothing to log); an odd length left over is a
+  discrete Fourier transform as one real product with a table of twiddles (``O(n^2)`` along it, its sums
+  logged where near). The twiddles' cosines and sines are ops of the step too. A product's parts are ``ac - bd`` and ``ad + bc``: four
   products and two sums of the step, each rounded, as a float32 complex product without fused
   multiply-adds computes them (a machine that fuses would round ``ac - bd`` once where another rounds
   three times, unless every operand is on the FP32 grid: a Python complex constant is not). Division,
@@ -209,23 +210,28 @@ def bmm(a: Any, b: Any) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ Fourier transforms
-def _twiddles(n: int, m: int, sign: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sign * sin)`` of ``2 pi j k / n`` for ``j < n``, ``k < m``: ``(n, m)`` each, on the FP32 grid.
+#: The most twiddles one product's table holds (FP64 entries): longer transforms take their outputs in blocks.
+TABLE_ENTRIES = 1 << 22
+
+
+def _twiddles(
+    n: int, j: torch.Tensor, k: torch.Tensor, sign: float, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sign * sin)`` of ``2 pi j k / n`` for the integer tensors ``j`` and ``k`` (broadcast), on the
+    FP32 grid: ops of the step, rounded and logged.
 
     The angle of ``r = j k mod n`` is folded to ``min(r, n - r)`` (in ``[0, pi]``) so that it rounds to
     FP32 with a small error, and the quarter turns take their exact values (``cos(pi / 2)`` in floating
-    point is ``6e-17``, not 0): the DFT of a real constant has an imaginary part of exactly 0."""
-    j = torch.arange(n, device=like.device).unsqueeze(1)
-    k = torch.arange(m, device=like.device).unsqueeze(0)
+    point is ``6e-17``, not 0): the transform of a real constant has an imaginary part of exactly 0."""
     r = (j * k) % n
     folded = torch.minimum(r, n - r)
     angle = folded.to(like.dtype) * (2 * math.pi / n)
     cos, sin = torch.cos(angle), torch.sin(angle)
     sin = torch.where(r > n - r, -sin, sin)  # sin(2 pi - x) = -sin(x)
     quarter = (4 * r) % n == 0  # r = 0, n/4, n/2, 3n/4: cos and sin are -1, 0 or 1
-    turn = (4 * r) // n
-    exact_cos = torch.tensor([1.0, 0.0, -1.0, 0.0], dtype=like.dtype, device=like.device)[turn.clamp(max=3)]
-    exact_sin = torch.tensor([0.0, 1.0, 0.0, -1.0], dtype=like.dtype, device=like.device)[turn.clamp(max=3)]
+    turn = ((4 * r) // n).clamp(max=3)
+    exact_cos = torch.tensor([1.0, 0.0, -1.0, 0.0], dtype=like.dtype, device=like.device)[turn]
+    exact_sin = torch.tensor([0.0, 1.0, 0.0, -1.0], dtype=like.dtype, device=like.device)[turn]
     cos = torch.where(quarter, exact_cos, cos)
     sin = torch.where(quarter, exact_sin, sin)
     return cos, sin * sign
@@ -243,17 +249,52 @@ def _along(
     return out_re.movedim(-1, d), out_im.movedim(-1, d)
 
 
-def _dft(re: torch.Tensor, im: torch.Tensor | None, m: int, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Outputs ``k < m`` of ``sum_j x_j exp(sign * 2 pi i j k / n)`` along the last dim (length ``n``) of
-    ``x = re + i im`` (``im`` None: real): one real product with ``[[cos, sin], [-sin, cos]]``."""
+def _transform(re: torch.Tensor, im: torch.Tensor | None, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``X_k = sum_j x_j exp(sign * 2 pi i j k / n)`` for every ``k < n`` along the last dim (length ``n``)
+    of ``x = re + i im`` (``im`` None: real).
+
+    An even length splits in two (radix 2, decimation in time): the transforms of the even and odd terms,
+    ``E`` and ``O``, give ``X_k = E_k + w^k O_k`` and ``X_{k + n/2} = E_k - w^k O_k`` with
+    ``w = exp(sign * 2 pi i / n)``: products and sums of two terms, ops of the step that every machine
+    computes alike (nothing to log), ``O(n log n)`` in all. A length of 1 is itself; what is left of
+    another odd length is one product (:func:`_product_dft`), whose sums are logged where near."""
     n = re.shape[-1]
-    cos, sin = _twiddles(n, m, sign, re)
-    if im is None:
-        out = _rows_times(re, torch.cat([cos, sin], -1))
-    else:
-        twiddles = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)
-        out = _rows_times(torch.cat([re, im], -1), twiddles)
-    return out[..., :m], out[..., m:]
+    if n == 1:
+        return re, torch.zeros_like(re) if im is None else im
+    if n % 2:
+        return _product_dft(re, im, sign)
+    even_re, even_im = _transform(re[..., 0::2], None if im is None else im[..., 0::2], sign)
+    odd_re, odd_im = _transform(re[..., 1::2], None if im is None else im[..., 1::2], sign)
+    k = torch.arange(n // 2, device=re.device)
+    cos, sin = _twiddles(n, torch.ones_like(k), k, sign, re)  # w^k, (n/2,)
+    turned_re, turned_im = cos * odd_re - sin * odd_im, cos * odd_im + sin * odd_re
+    return (
+        torch.cat([even_re + turned_re, even_re - turned_re], -1),
+        torch.cat([even_im + turned_im, even_im - turned_im], -1),
+    )
+
+
+def _product_dft(re: torch.Tensor, im: torch.Tensor | None, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_transform` as one real product with ``[[cos, sin], [-sin, cos]]`` (``[cos | sin]`` for a real
+    ``x``): each output is one sum, rounded and logged by the product's rule. Outputs are taken in blocks
+    whose tables hold at most :data:`TABLE_ENTRIES` twiddles."""
+    n = re.shape[-1]
+    j = torch.arange(n, device=re.device).unsqueeze(1)
+    width = max(1, TABLE_ENTRIES // (4 * n))
+    blocks_re, blocks_im = [], []
+    for start in range(0, n, width):
+        k = torch.arange(start, min(n, start + width), device=re.device).unsqueeze(0)
+        cos, sin = _twiddles(n, j, k, sign, re)  # (n, block)
+        if im is None:
+            out = _rows_times(re, torch.cat([cos, sin], -1))
+        else:
+            table = torch.cat([torch.cat([cos, sin], -1), torch.cat([-sin, cos], -1)], -2)
+            out = _rows_times(torch.cat([re, im], -1), table)
+        blocks_re.append(out[..., : k.shape[1]])
+        blocks_im.append(out[..., k.shape[1] :])
+    if len(blocks_re) == 1:
+        return blocks_re[0], blocks_im[0]
+    return torch.cat(blocks_re, -1), torch.cat(blocks_im, -1)
 
 
 def _rows_times(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
@@ -262,23 +303,16 @@ def _rows_times(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     return torch.mm(x.reshape(-1, x.shape[-1]), matrix).reshape(*x.shape[:-1], matrix.shape[-1])
 
 
-def _inverse_real(re: torch.Tensor, im: torch.Tensor, n: int) -> torch.Tensor:
-    """The real inverse DFT of length ``n`` (unnormalised) of the onesided spectrum ``re + i im`` (last dim,
-    its first ``n // 2 + 1`` terms read): ``sum_k w_k (re_k cos - im_k sin)``, ``w_k`` 2 for the terms that
-    stand for a conjugate pair and 1 for ``k = 0`` and, for even ``n``, ``k = n / 2`` (whose imaginary
-    parts are ignored, as torch ignores them)."""
+def _hermitian(re: torch.Tensor, im: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full spectrum of length ``n`` of a real signal from its first ``n // 2 + 1`` terms (last dim):
+    ``X_{n-k} = conj(X_k)``. (The imaginary parts of ``X_0`` and, for even ``n``, ``X_{n/2}`` then reach
+    only the imaginary part of the inverse, and torch ignores them too.)"""
     m = n // 2 + 1
-    re, im = re[..., :m], im[..., :m]
-    if re.shape[-1] < m:  # a shorter spectrum: the missing terms are 0
-        pad = m - re.shape[-1]
-        re, im = torch.nn.functional.pad(re, (0, pad)), torch.nn.functional.pad(im, (0, pad))
-    weight = torch.full((m,), 2.0, dtype=re.dtype, device=re.device)
-    weight[0] = 1.0
-    if n % 2 == 0:
-        weight[-1] = 1.0
-    cos, sin = _twiddles(n, m, 1.0, re)  # (n: j, m: k)
-    cos_t, sin_t = (cos * weight).transpose(0, 1), (sin * weight).transpose(0, 1)  # (m: k, n: j)
-    return _rows_times(torch.cat([re, im], -1), torch.cat([cos_t, -sin_t], 0))
+    mirrored = slice(1, n - m + 1)
+    return (
+        torch.cat([re[..., :m], re[..., mirrored].flip(-1)], -1),
+        torch.cat([im[..., :m], -im[..., mirrored].flip(-1)], -1),
+    )
 
 
 def _normalise(re: torch.Tensor, im: torch.Tensor | None, normalization: int, n: int) -> Any:
@@ -290,38 +324,45 @@ def _normalise(re: torch.Tensor, im: torch.Tensor | None, normalization: int, n:
 
 
 def fft_r2c(x: torch.Tensor, dim: list[int], normalization: int, onesided: bool) -> torch.Tensor:
-    """``aten._fft_r2c``: the forward DFT of real ``x`` over ``dim`` (the last of them onesided: outputs
-    ``k <= n // 2``)."""
+    """``aten._fft_r2c``: the forward transform of real ``x`` over ``dim`` (the last of them onesided:
+    outputs ``k <= n // 2``)."""
     dims = [d % x.dim() for d in dim]
     last = dims[-1]
     n = x.shape[last]
-    re, im = _along(x, None, last, lambda r, i: _dft(r, i, n // 2 + 1 if onesided else n, -1.0))
+    re, im = _along(x, None, last, lambda r, i: _transform(r, i, -1.0))
+    if onesided:
+        re, im = re.narrow(last, 0, n // 2 + 1), im.narrow(last, 0, n // 2 + 1)
     for d in dims[:-1]:
-        re, im = _along(re, im, d, lambda r, i: _dft(r, i, r.shape[-1], -1.0))
+        re, im = _along(re, im, d, lambda r, i: _transform(r, i, -1.0))
     re, im = _normalise(re, im, normalization, math.prod(x.shape[d] for d in dims))
     return assemble(re, im)
 
 
 def fft_c2c(z: torch.Tensor, dim: list[int], normalization: int, forward: bool) -> torch.Tensor:
-    """``aten._fft_c2c``: the DFT (``forward``) or its unnormalised inverse of complex ``z`` over ``dim``."""
+    """``aten._fft_c2c``: the transform (``forward``) or its unnormalised inverse of complex ``z`` over
+    ``dim``."""
     re, im = parts(z)
     sign = -1.0 if forward else 1.0
     dims = [d % z.dim() for d in dim]
     for d in dims:
-        re, im = _along(re, im, d, lambda r, i: _dft(r, i, r.shape[-1], sign))
+        re, im = _along(re, im, d, lambda r, i: _transform(r, i, sign))
     re, im = _normalise(re, im, normalization, math.prod(z.shape[d] for d in dims))
     return assemble(re, im)
 
 
 def fft_c2r(z: torch.Tensor, dim: list[int], normalization: int, last_dim_size: int) -> torch.Tensor:
-    """``aten._fft_c2r``: the inverse DFT over ``dim`` of a spectrum onesided along the last of them,
-    real, ``last_dim_size`` long there."""
+    """``aten._fft_c2r``: the inverse transform over ``dim`` of a spectrum onesided along the last of them
+    (its first ``last_dim_size // 2 + 1`` terms read): real, ``last_dim_size`` long there."""
     re, im = parts(z)
     dims = [d % z.dim() for d in dim]
     for d in dims[:-1]:
-        re, im = _along(re, im, d, lambda r, i: _dft(r, i, r.shape[-1], 1.0))
+        re, im = _along(re, im, d, lambda r, i: _transform(r, i, 1.0))
     last = dims[-1]
-    out = _inverse_real(re.movedim(last, -1), im.movedim(last, -1), last_dim_size).movedim(-1, last)
+
+    def inverse(r: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _transform(*_hermitian(r, i, last_dim_size), 1.0)
+
+    out, _ = _along(re, im, last, inverse)  # the real part: the inverse of a Hermitian spectrum
     sizes = [last_dim_size if d == last else z.shape[d] for d in dims]
     out, _ = _normalise(out, None, normalization, math.prod(sizes))
     return out
