@@ -84,16 +84,17 @@ def narrow_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     found, rank = None, 0
     for a in args:
         if isinstance(a, torch.Tensor):
-            d = a.dtype
-        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
-            d = max((t.dtype for t in a if isinstance(t, torch.Tensor)), key=_rank_of, default=None)
-        else:
-            continue
-        r = _RANK.get(d, 0)
-        if r > rank:
-            if r == 3:
-                return d
-            found, rank = d, r
+            r = _RANK.get(a.dtype, 0)
+            if r > rank:
+                if r == 3:
+                    return a.dtype
+                found, rank = a.dtype, r
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):  # cat, stack, _foreach_*
+            for t in a:
+                if isinstance(t, torch.Tensor) and _RANK.get(t.dtype, 0) > rank:
+                    found, rank = t.dtype, _RANK[t.dtype]
+                    if rank == 3:
+                        return found
     if kwargs:
         for key, v in kwargs.items():
             d = v if key == "dtype" else v.dtype if isinstance(v, torch.Tensor) else None
@@ -110,10 +111,6 @@ _RANK = {
     torch.float16: 3, torch.bfloat16: 3, torch.complex32: 3, torch.float32: 2, torch.complex64: 2,
     torch.complex128: 1,
 }  # fmt: skip
-
-
-def _rank_of(d: torch.dtype) -> int:
-    return _RANK.get(d, 0)
 
 
 def widen(args: tuple, kwargs: dict) -> tuple[tuple, dict, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
