@@ -36,6 +36,7 @@ reads a tensor's parts.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -253,25 +254,49 @@ def _transform(re: torch.Tensor, im: torch.Tensor | None, sign: float) -> tuple[
     """``X_k = sum_j x_j exp(sign * 2 pi i j k / n)`` for every ``k < n`` along the last dim (length ``n``)
     of ``x = re + i im`` (``im`` None: real).
 
-    An even length splits in two (radix 2, decimation in time): the transforms of the even and odd terms,
-    ``E`` and ``O``, give ``X_k = E_k + w^k O_k`` and ``X_{k + n/2} = E_k - w^k O_k`` with
-    ``w = exp(sign * 2 pi i / n)``: products and sums of two terms, ops of the step that every machine
-    computes alike (nothing to log), ``O(n log n)`` in all. A length of 1 is itself; what is left of
-    another odd length is one product (:func:`_product_dft`), whose sums are logged where near."""
+    Radix 2, decimation in time, one level at a time: with ``n = 2^s * m`` (``m`` odd), the ``2^s``
+    interleaved subsequences ``x[p::2^s]`` (in bit-reversed order of ``p``: the leaves of splitting into
+    even and odd terms ``s`` times) are transformed first, each of length ``m`` (as one product,
+    :func:`_product_dft`, whose sums are logged where near; nothing for ``m = 1``). Then each level joins
+    neighbouring pairs, the transforms ``E`` and ``O`` of a sequence's even and odd terms:
+    ``X_k = E_k + w^k O_k`` and ``X_{k + L} = E_k - w^k O_k``, ``w = exp(sign * 2 pi i / 2L)``. Those are
+    products and sums of two terms, ops of the step that every machine computes alike (nothing to log),
+    about a dozen ops a level for the whole batch: ``O(n log n)`` work in ``s`` levels."""
     n = re.shape[-1]
-    if n == 1:
-        return re, torch.zeros_like(re) if im is None else im
-    if n % 2:
-        return _product_dft(re, im, sign)
-    even_re, even_im = _transform(re[..., 0::2], None if im is None else im[..., 0::2], sign)
-    odd_re, odd_im = _transform(re[..., 1::2], None if im is None else im[..., 1::2], sign)
-    k = torch.arange(n // 2, device=re.device)
-    cos, sin = _twiddles(n, torch.ones_like(k), k, sign, re)  # w^k, (n/2,)
-    turned_re, turned_im = cos * odd_re - sin * odd_im, cos * odd_im + sin * odd_re
-    return (
-        torch.cat([even_re + turned_re, even_re - turned_re], -1),
-        torch.cat([even_im + turned_im, even_im - turned_im], -1),
-    )
+    lead = re.shape[:-1]
+    groups = n & -n  # 2^s, the largest power of two dividing n
+    length = n // groups  # m
+    order = torch.tensor(_bit_reversed(groups), device=re.device)
+
+    def leaves(x: torch.Tensor) -> torch.Tensor:  # (..., n) -> (..., 2^s, m): row p is x[rev(p)::2^s]
+        return x.reshape(*lead, length, groups).transpose(-1, -2).index_select(-2, order)
+
+    re, im = leaves(re), None if im is None else leaves(im)
+    if length > 1:
+        re, im = _product_dft(re, im, sign)
+    elif im is None:
+        im = torch.zeros_like(re)
+    if groups > 1:
+        one, k = torch.ones(1, dtype=torch.long, device=re.device), torch.arange(n // 2, device=re.device)
+        cos_n, sin_n = _twiddles(n, one, k, sign, re)  # w_n^k for k < n/2
+    while groups > 1:
+        groups //= 2
+        pairs_re, pairs_im = re.reshape(*lead, groups, 2, length), im.reshape(*lead, groups, 2, length)
+        stride = n // (2 * length)  # w_{2L}^k = w_n^(k n / 2L)
+        cos, sin = cos_n[::stride], sin_n[::stride]  # (L,)
+        (even_re, odd_re), (even_im, odd_im) = pairs_re.unbind(-2), pairs_im.unbind(-2)
+        turned_re, turned_im = cos * odd_re - sin * odd_im, cos * odd_im + sin * odd_re
+        re = torch.cat([even_re + turned_re, even_re - turned_re], -1)  # (..., groups, 2L)
+        im = torch.cat([even_im + turned_im, even_im - turned_im], -1)
+        length *= 2
+    return re.reshape(*lead, n), im.reshape(*lead, n)
+
+
+@functools.cache
+def _bit_reversed(size: int) -> tuple[int, ...]:
+    """The permutation of ``range(size)`` (a power of two) that reverses each index's bits."""
+    bits = size.bit_length() - 1
+    return tuple(int(format(i, f"0{bits}b")[::-1], 2) if bits else 0 for i in range(size))
 
 
 def _product_dft(re: torch.Tensor, im: torch.Tensor | None, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
