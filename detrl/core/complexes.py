@@ -7,25 +7,28 @@ complex128 result is on the grid when both its parts are. Models use them for ro
 (``torch.polar`` and ``view_as_complex``, as Meta's Llama and Hugging Face's Llama 4 write them) and for
 Fourier mixing (FNet, Autoformer, spectral convolutions).
 
-The rounding mode sends every op with a complex argument here (:func:`dispatch`), and each falls in one
-of three groups:
+The rounding mode sends every op with a complex argument here (``RoundingMode._complex``; the native
+route hands such ops to the mode), and each falls in one of three groups:
 
 - **Exact** (:data:`EXACT`): ops that move or copy values (``clone``, ``cat``, ``copy_``, casts,
   conjugation), and ``+`` and ``-``, one IEEE operation per part, whose FP64 result is the same on every
   machine. Their results are rounded to the FP32 grid with nothing to log.
 - **Written out** (:data:`WRITTEN`, and :data:`COMPOSITES` for ops whose arguments are real): ops whose
   FP64 result differs between machines, as real ops of the step, each computed under the hardware
-  profile, rounded and logged by its own rule. A matrix product is one real product of block matrices
-  (``[a_re | a_im] @ [[b_re, b_im], [-b_im, b_re]]``: each output is one sum of ``2K`` exact products). An
-  FFT library orders its butterflies its own way, so a transform is written out too: radix-2 butterflies
-  while the length is even, each a product by a twiddle and a sum of two terms, every one an op of the
-  step that every machine computes alike (``O(n log n)``, nothing to log); an odd length left over is a
-  discrete Fourier transform as one real product with a table of twiddles (``O(n^2)`` along it, its sums
-  logged where near). The twiddles' cosines and sines are ops of the step too. A product's parts are ``ac - bd`` and ``ad + bc``: four
-  products and two sums of the step, each rounded, as a float32 complex product without fused
-  multiply-adds computes them (a machine that fuses would round ``ac - bd`` once where another rounds
-  three times, unless every operand is on the FP32 grid: a Python complex constant is not). Division,
-  absolute value, sign, ``exp`` and sums follow their definitions.
+  profile, rounded and logged by its own rule.
+
+  - A matrix product is one real product of block matrices
+    (``[a_re | a_im] @ [[b_re, b_im], [-b_im, b_re]]``: each output is one sum of ``2K`` exact products).
+  - An FFT library orders its butterflies its own way, so a transform is written out too: radix-2
+    butterflies while the length is even, each a product by a twiddle and a sum of two terms, every one
+    an op of the step that every machine computes alike (``O(n log n)``, nothing to log); an odd length
+    left over is a discrete Fourier transform as one real product with a table of twiddles (``O(n^2)``
+    along it, its sums logged where near). The twiddles' cosines and sines are ops of the step too.
+  - A product's parts are ``ac - bd`` and ``ad + bc``: four products and two sums of the step, each
+    rounded, as a float32 complex product without fused multiply-adds computes them (a machine that
+    fuses would round ``ac - bd`` once where another rounds three times, unless every operand is on the
+    FP32 grid: a Python complex constant is not).
+  - Division, absolute value, sign, ``exp`` and sums follow their definitions.
 - **Refused**: anything else (``UnroundableResult`` names the op): its FP64 result might differ between
   machines, and no rule here says how.
 
@@ -44,10 +47,6 @@ from typing import Any
 import torch
 
 aten = torch.ops.aten
-
-#: The complex dtypes, and the narrow ones an island widens to complex128.
-DTYPES = frozenset({torch.complex32, torch.complex64, torch.complex128})
-NARROW = frozenset({torch.complex32, torch.complex64})
 
 
 def _overloads(*packets: Any) -> frozenset[Any]:
@@ -93,10 +92,6 @@ def assemble(re: torch.Tensor, im: torch.Tensor | None) -> torch.Tensor:
         im = torch.zeros_like(re)
     shape = torch.broadcast_shapes(re.shape, im.shape)
     return torch.view_as_complex(torch.stack([re.expand(shape), im.expand(shape)], -1))
-
-
-def _is_real(x: Any) -> bool:
-    return not (isinstance(x, complex) or (isinstance(x, torch.Tensor) and x.is_complex()))
 
 
 # ------------------------------------------------------------------------------------- ops written out
