@@ -145,8 +145,8 @@ def sgn(z: torch.Tensor) -> torch.Tensor:
     """``z / |z|``, 0 where ``z`` is 0."""
     re, im = parts(z)
     size = torch.sqrt(re * re + im * im)
-    safe = torch.where(size == 0, torch.ones_like(size), size)
     zero = size == 0
+    safe = torch.where(zero, torch.ones_like(size), size)
     return assemble(torch.where(zero, 0.0, re / safe), torch.where(zero, 0.0, im / safe))
 
 

@@ -203,48 +203,47 @@ bool narrow(c10::ScalarType t) {
   return t == c10::ScalarType::Float || t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16;
 }
 
-bool narrow_tensor(const c10::IValue& v) {
+// A tensor argument, or a tensor in a list argument, whose dtype `kind` accepts.
+bool tensor_of(const c10::IValue& v, bool (*kind)(c10::ScalarType)) {
   if (v.isTensor()) {
     const auto& t = v.toTensor();
-    return t.defined() && narrow(t.scalar_type());
+    return t.defined() && kind(t.scalar_type());
   }
   if (v.isTensorList() || v.isOptionalTensorList() || v.isList()) {
     for (const auto& e : v.toListRef()) {
-      if (e.isTensor() && e.toTensor().defined() && narrow(e.toTensor().scalar_type())) return true;
+      if (e.isTensor() && e.toTensor().defined() && kind(e.toTensor().scalar_type())) return true;
     }
   }
   return false;
 }
 
-// A complex tensor argument (or list element), a complex number or a complex dtype=: an op for the Python
-// mode's detrl/core/complexes.py (islands.narrow_dtype sees the tensors and dtypes; a complex number with
-// real tensors gives a complex result, which both refuse).
-bool complex_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+// An argument of a dtype `kind` accepts: a tensor, a tensor in a list, or dtype=.
+bool argument_of(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first,
+                 bool (*kind)(c10::ScalarType)) {
   const auto& args = schema.arguments();
-  auto is_complex = [](const c10::IValue& v) { return v.isTensor() && v.toTensor().defined() && v.toTensor().is_complex(); };
   for (size_t i = 0; i < args.size(); ++i) {
     const auto& v = stack[first + i];
-    if (is_complex(v) || v.isComplexDouble()) return true;
-    if (v.isTensorList() || v.isOptionalTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList())) {
-      for (const auto& e : v.toListRef()) {
-        if (is_complex(e)) return true;
-      }
-    }
-    if (v.isInt() && args[i].name() == "dtype" && c10::isComplexType(static_cast<c10::ScalarType>(v.toInt())))
-      return true;
+    if (tensor_of(v, kind)) return true;
+    if (v.isInt() && args[i].name() == "dtype" && kind(static_cast<c10::ScalarType>(v.toInt()))) return true;
   }
   return false;
+}
+
+bool complex_type(c10::ScalarType t) { return c10::isComplexType(t); }
+
+// A complex tensor argument (or list element), a complex number or a complex dtype=: an op for the Python
+// mode's detrl/core/complexes.py (islands.narrow_dtype sees the tensors and dtypes; a complex number with
+// real tensors gives a complex result, which the mode computes again as complexes.py says).
+bool complex_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+  for (size_t i = first; i < stack.size(); ++i) {
+    if (stack[i].isComplexDouble()) return true;
+  }
+  return argument_of(schema, stack, first, complex_type);
 }
 
 // The Python mode's islands.narrow_dtype, as a yes/no: a float32 or half tensor argument, or dtype=.
 bool has_narrow_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
-  const auto& args = schema.arguments();
-  for (size_t i = 0; i < args.size(); ++i) {
-    const auto& v = stack[first + i];
-    if (narrow_tensor(v)) return true;
-    if (v.isInt() && args[i].name() == "dtype" && narrow(static_cast<c10::ScalarType>(v.toInt()))) return true;
-  }
-  return false;
+  return argument_of(schema, stack, first, narrow);
 }
 
 // A number float32 holds exactly (a float32 kernel converts its numbers to float32 first; the FP64 twin

@@ -599,21 +599,16 @@ class RoundingMode(EagerDispatchMode):
                 culprit = torch.empty(0, dtype=torch.complex128)
             raise islands.UnroundableResult(func, culprit, self.module_path() if self.module_path else "")
         out = self.profile(func, args, kwargs)
-        targets = [
-            t
-            for t in written_tensors(func, args, kwargs, out, complex_too=True)
-            if t.is_floating_point() or t.is_complex()
-        ]
-        for t in targets:
+        targets = written_tensors(func, args, kwargs, out, complex_too=True)
+        for t in targets:  # _round_exact leaves all but FP64 and complex128 as they are
             self._round_exact(t)
         if self.trace is not None:
             self._trace(func, targets)
         return out
 
     def _round_exact(self, t: torch.Tensor) -> None:
-        if (
-            t.dtype == torch.complex128
-        ):  # its parts; a lazy conjugate's stored ones (rounding commutes with -)
+        # a complex result's parts: a lazy conjugate's stored ones (rounding commutes with negation)
+        if t.dtype == torch.complex128:
             t = torch.view_as_real(t.conj() if t.is_conj() else t)
         if t.dtype != torch.float64 or t.numel() == 0:
             return
