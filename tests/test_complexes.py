@@ -85,6 +85,43 @@ def test_written_out_ffts_give_torchs_transforms(shape: list[int], norm: int, da
             lambda a, b, z, w: complexes.bmm(z[None], w.mT[None]),
             lambda a, b, z, w: z[None] @ w.mT[None],
         ),
+        ("mv", lambda a, b, z, w: complexes.mv(z, w[0]), lambda a, b, z, w: z @ w[0]),
+        ("dot", lambda a, b, z, w: complexes.dot(z[0], w[1]), lambda a, b, z, w: torch.dot(z[0], w[1])),
+        ("vdot", lambda a, b, z, w: complexes.vdot(z[0], w[1]), lambda a, b, z, w: torch.vdot(z[0], w[1])),
+        (
+            "addmm",
+            lambda a, b, z, w: complexes.addmm(z[0, :4], w, z.mT),
+            lambda a, b, z, w: torch.addmm(z[0, :4], w, z.mT),
+        ),
+        (
+            "addmm, real bias, beta and alpha",
+            lambda a, b, z, w: complexes.addmm(a[:, 0], w, z.mT, beta=0.5, alpha=2),
+            lambda a, b, z, w: torch.addmm(a[:, 0].to(w.dtype), w, z.mT, beta=0.5, alpha=2),
+        ),
+        (
+            "addmv, beta 0 reads no NaN",
+            lambda a, b, z, w: complexes.addmv(z[:, 0] * torch.nan, z, w[0], beta=0),
+            lambda a, b, z, w: torch.addmv(z[:, 0] * torch.nan, z, w[0], beta=0),
+        ),
+        (
+            "baddbmm",
+            lambda a, b, z, w: complexes.baddbmm(z[None, :, :4], z[None], w.mT[None], alpha=-1),
+            lambda a, b, z, w: torch.baddbmm(z[None, :, :4], z[None], w.mT[None], alpha=-1),
+        ),
+        (
+            "addbmm",
+            lambda a, b, z, w: complexes.addbmm(z[:, :4], torch.stack([z, w]), torch.stack([w.mT, z.mT])),
+            lambda a, b, z, w: torch.addbmm(z[:, :4], torch.stack([z, w]), torch.stack([w.mT, z.mT])),
+        ),
+        ("angle", lambda a, b, z, w: complexes.angle(z), lambda a, b, z, w: z.angle()),
+        ("log", lambda a, b, z, w: complexes.log(z), lambda a, b, z, w: z.log()),
+        (
+            "vector norms",
+            lambda a, b, z, w: torch.stack([complexes.vector_norm(z, o, [1]) for o in (2, 1, 3, torch.inf)]),
+            lambda a, b, z, w: torch.stack(
+                [torch.linalg.vector_norm(z, o, [1]) for o in (2, 1, 3, torch.inf)]
+            ),
+        ),
     ],
 )
 def test_written_out_ops_give_torchs_complex_results(name: str, written, want) -> None:  # noqa: ANN001
@@ -169,3 +206,189 @@ def test_real_tensors_times_a_complex_number_record_on_the_route_and_in_the_mode
         return (tmp_path / where / bundle.COMMITMENTS).read_bytes()
 
     assert record("first") == record("second")
+
+
+# ----------------------------------------------------------------------------------- complex parameters
+class _Gains(torch.nn.Module):
+    """A linear layer, then a learned complex gain per frequency (a ``cfloat`` parameter, as Fourier neural
+    operators declare their weights) between ``rfft`` and ``irfft``; ``built`` keeps the gain as built."""
+
+    built: torch.Tensor | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.gain = torch.nn.Parameter(torch.randn(5, dtype=torch.cfloat) / 2 + 1)  # (8 // 2 + 1,)
+        _Gains.built = self.gain.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 8) -> (B, 8)
+        return torch.fft.irfft(torch.fft.rfft(self.fc(x)) * self.gain, n=8)
+
+
+def _train_gains(session: Session, steps: int, stop_after: int | None = None) -> torch.nn.Module:
+    """SGD with momentum and weight decay (``add_(..., alpha=-lr)`` on complex tensors) on a fixed set."""
+    model = session.init(_Gains)
+    opt = session.track(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3))
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(4))
+    loader = session.loader((x, x.roll(1, 1)), batch_size=16, steps=steps)
+    session.restore()
+    for batch in loader:
+        with session.step():
+            torch.nn.functional.mse_loss(model(batch.x), batch.y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if session.step_index == stop_after:
+            session.stop_requested = True
+            break
+    return model
+
+
+@pytest.mark.parametrize(
+    "precision, dtype",
+    [("fp32", torch.complex64), ("fp64", torch.complex128), ("verifiable", torch.complex128)],
+)
+def test_complex_parameters_keep_their_imaginary_parts_at_init(precision: str, dtype: torch.dtype) -> None:
+    """``Session.init`` puts weights on the FP32 grid: a complex one becomes complex64 (``Module.to(float32)``
+    would drop its imaginary part), then the precision's complex dtype."""
+    session = Session(None, mode="off", precision=precision, sources=Sources())
+    with session:
+        model = session.init(_Gains)
+    assert model.gain.dtype == dtype and model.fc.weight.dtype == session.precision.dtype
+    assert _Gains.built is not None and _Gains.built.imag.abs().min() > 0
+    assert torch.equal(model.gain.detach(), _Gains.built.to(dtype))
+
+
+def test_sgd_on_complex_weights_records_replays_and_resumes(tmp_path) -> None:
+    """SGD's ``p.add_(g, alpha=-lr)``, momentum and weight decay on complex weights are written out step by
+    step, as for real ones: the weights stay on the FP32 grid, the run replays under a reordering profile to
+    the same weights, its checkpoints hold the complex state (as real pairs), and a run stopped and resumed
+    from one writes the uninterrupted run's commitments and log."""
+    from detrl.formats import bundle
+
+    steps = 4
+    with Session(tmp_path / "whole", sources=Sources(seed=0), planned_steps=steps, checkpoint_every=1) as s:
+        model = _train_gains(s, steps)
+    parts = torch.view_as_real(model.gain.detach())
+    assert model.gain.dtype == torch.complex128 and torch.equal(parts.float().double(), parts)
+    assert not torch.equal(model.gain.detach(), _Gains.built.to(torch.complex128))  # it trained
+    with Session(tmp_path / "whole", mode="replay", hardware="emulated:atomic") as r:
+        replayed = _train_gains(r, steps)
+    assert r.totals.unlogged_near == 0 and r.totals.refused == 0
+    assert torch.equal(replayed.gain, model.gain) and torch.equal(replayed.fc.weight, model.fc.weight)
+
+    with Session(tmp_path / "resumed", sources=Sources(seed=0), planned_steps=steps, checkpoint_every=1) as s:
+        _train_gains(s, steps, stop_after=2)
+    with Session(tmp_path / "resumed", mode="record", resume=True, planned_steps=steps) as s:
+        _train_gains(s, steps)
+    for name in (bundle.COMMITMENTS, bundle.ROUNDLOG):
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes(), name
+
+
+def test_checkpoints_store_complex_tensors_as_real_pairs_and_check_the_list() -> None:
+    """safetensors has no complex128: a checkpoint stores a complex tensor as its real view and lists its
+    name in the metadata. A list that names a missing tensor, or one that is not real pairs, is refused."""
+    import json
+
+    from safetensors.torch import save
+
+    from detrl.formats.bundle import COMPLEX_KEY, BundleError, Caps, decode_checkpoint, encode_checkpoint
+
+    tensors = {"a": _complex(3, 2), "b": _complex(4).to(torch.complex64), "c": _real(5)}
+    got, meta = decode_checkpoint(encode_checkpoint(tensors, {"step": 1}), "ckpt", Caps())
+    assert meta == {"step": 1}
+    assert all(got[k].dtype == t.dtype and torch.equal(got[k], t) for k, t in tensors.items())
+    assert encode_checkpoint({"c": _real(5)}, {"step": 1}) == save(
+        {"c": _real(5)}, metadata={"detrl": '{"step":1}'}
+    )  # a real checkpoint is what it was
+
+    def bad(names: object, stored: dict[str, torch.Tensor]) -> str:
+        data = save(stored, metadata={"detrl": json.dumps({"step": 1, COMPLEX_KEY: names})})
+        with pytest.raises(BundleError) as e:
+            decode_checkpoint(data, "ckpt", Caps())
+        return str(e.value)
+
+    assert "not a list of tensor names" in bad("a", {"a": _real(3, 2)})
+    assert "'z' is named complex" in bad(["z"], {"a": _real(3, 2)})
+    assert "'a' is named complex" in bad(["a"], {"a": _real(3, 3)})
+    assert "'a' is named complex" in bad(["a"], {"a": torch.zeros(3, 2, dtype=torch.int64)})
+    assert "'a' is named complex" in bad(["a", "a"], {"a": _real(3, 2)})
+
+
+def test_complex_weights_export_as_complex64_and_load_back(tmp_path) -> None:
+    """``export_safetensors`` writes a complex weight as complex64 (its values on the FP32 grid), and
+    ``model.init_from`` loads it back into a fresh model; a real tensor for a complex weight is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from detrl.supervised.weights import export_safetensors, load_init
+
+    with Session(tmp_path / "run", sources=Sources(seed=0), planned_steps=2, checkpoint_every=1) as s:
+        model = _train_gains(s, 2)
+    export_safetensors(tmp_path / "run", tmp_path / "w.safetensors")
+    exported = load_file(tmp_path / "w.safetensors")
+    assert exported["gain"].dtype == torch.complex64
+    assert torch.equal(exported["gain"].to(torch.complex128), model.gain.detach())
+    fresh = _Gains()
+    load_init(fresh, tmp_path / "w.safetensors")
+    assert torch.equal(fresh.gain.detach(), exported["gain"])
+    real = torch.view_as_real(exported["gain"])[..., 0].contiguous()
+    save_file({**exported, "gain": real}, tmp_path / "r.st")
+    with pytest.raises(ValueError, match=r"gain has dtype torch.float32, the model's torch.complex64"):
+        load_init(_Gains(), tmp_path / "r.st")
+
+
+def test_a_bitflip_on_a_complex_weight_moves_its_real_part_one_float() -> None:
+    from detrl.core.sources import Sources as Switchboard
+
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.randn(3, 4, dtype=torch.cfloat))
+    before = module.w.detach().clone()
+    where = Switchboard(bitflip=True).apply_bitflip(module)
+    changed = (module.w.detach() != before).nonzero()
+    assert where is not None and len(changed) == 1
+    i = tuple(changed[0])
+    assert where == f"w[{int(i[0]) * 4 + int(i[1])}]"
+    assert module.w[i].imag == before[i].imag
+    assert module.w[i].real == torch.nextafter(before[i].real, torch.tensor(float("inf")))
+
+
+class _ComplexValued(torch.nn.Module):
+    """A complex-valued network: ``nn.Linear`` layers with complex weights (``addmm``), a modReLU (a learned
+    bias on the magnitude, the phase kept), and the magnitude and phase (``angle``) as features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(16, 16, dtype=torch.cfloat)
+        self.l2 = torch.nn.Linear(16, 4, dtype=torch.cfloat)
+        self.bias = torch.nn.Parameter(torch.zeros(16))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 16) -> (B, 3)
+        z = self.l1(torch.fft.fft(x))  # (B, 16) complex
+        size = z.abs()
+        z = self.l2(torch.relu(size + self.bias) * (z / (size + 1e-6)))  # (B, 4)
+        return self.head(torch.cat([z.abs().log1p(), z.angle()], -1))
+
+
+def test_a_complex_valued_network_replays(tmp_path) -> None:
+    """Complex weights in ``nn.Linear`` (``addmm`` and its backward's products on complex values),
+    magnitudes and phases: recorded, then replayed under a reordering profile to the same weights."""
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(5))
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+
+    def run(session: Session) -> torch.nn.Module:
+        with session:
+            model = session.init(_ComplexValued)
+            opt = session.track(torch.optim.AdamW(model.parameters(), lr=1e-2))
+            for _ in range(3):
+                with session.step(batch=(x, y)):
+                    torch.nn.functional.cross_entropy(model(session.precision.cast(x)), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        return model
+
+    model = run(Session(tmp_path / "run", sources=Sources(), planned_steps=3, checkpoint_every=0))
+    assert model.l1.weight.dtype == torch.complex128
+    replay = Session(tmp_path / "run", mode="replay", hardware="emulated:atomic")
+    replayed = run(replay)
+    assert replay.totals.unlogged_near == 0 and replay.totals.refused == 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), replayed.parameters()))

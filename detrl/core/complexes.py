@@ -28,7 +28,8 @@ route hands such ops to the mode), and each falls in one of three groups:
     rounded, as a float32 complex product without fused multiply-adds computes them (a machine that
     fuses would round ``ac - bd`` once where another rounds three times, unless every operand is on the
     FP32 grid: a Python complex constant is not).
-  - Division, absolute value, sign, ``exp`` and sums follow their definitions.
+  - Division, absolute value, sign, ``exp``, ``log``, ``angle``, vector norms and sums follow their
+    definitions; ``addmm`` and its kin are the product, scaled and summed op by op.
 - **Refused**: anything else (``UnroundableResult`` names the op): its FP64 result might differ between
   machines, and no rule here says how.
 
@@ -203,6 +204,76 @@ def mm(a: Any, b: Any) -> torch.Tensor:
 def bmm(a: Any, b: Any) -> torch.Tensor:
     """``torch.bmm`` with a complex operand."""
     return _product(a, b, torch.bmm)
+
+
+def mv(a: Any, v: Any) -> torch.Tensor:
+    """``a @ v`` of a matrix and a vector: the product of ``a`` and one column."""
+    return mm(a, v[:, None])[:, 0]
+
+
+def dot(a: Any, b: Any) -> torch.Tensor:
+    """``sum(a * b)`` of two vectors: the product of one row and one column."""
+    return mm(a[None, :], b[:, None])[0, 0]
+
+
+def vdot(a: Any, b: Any) -> torch.Tensor:
+    """``sum(conj(a) * b)``."""
+    return dot(a.conj() if isinstance(a, torch.Tensor) and a.is_complex() else a, b)
+
+
+def _plus(self: Any, product: torch.Tensor, beta: Any, alpha: Any) -> torch.Tensor:
+    """``beta * self + alpha * product``, each scaling its own product (none where the factor is 1), then
+    one sum. With ``beta`` 0, ``self`` is not read (its NaNs do not propagate), as torch defines it."""
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product
+    return (self if beta == 1 else self * beta) + product
+
+
+def addmm(self: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    """``beta * self + alpha * (a @ b)``: a linear layer with complex weights (``F.linear`` with a bias)."""
+    return _plus(self, mm(a, b), beta, alpha)
+
+
+def addmv(self: Any, a: Any, v: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    """``beta * self + alpha * (a @ v)``."""
+    return _plus(self, mv(a, v), beta, alpha)
+
+
+def baddbmm(self: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    """``beta * self + alpha * (a @ b)`` of batches of matrices."""
+    return _plus(self, bmm(a, b), beta, alpha)
+
+
+def addbmm(self: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    """``beta * self + alpha * sum over the batch of (a @ b)``."""
+    return _plus(self, sum_(bmm(a, b), [0]), beta, alpha)
+
+
+def angle(z: torch.Tensor) -> torch.Tensor:
+    """The argument of ``z``, ``atan2(im, re)`` (a real op of the step, logged as elementwise)."""
+    re, im = parts(z)
+    return torch.atan2(im, re)
+
+
+def log(z: torch.Tensor) -> torch.Tensor:
+    """The principal logarithm, ``log |z| + i angle(z)``."""
+    return assemble(torch.log(abs_(z)), angle(z))
+
+
+def vector_norm(
+    z: torch.Tensor,
+    ord: Any = 2,
+    dim: Any = None,
+    keepdim: bool = False,
+    *,
+    dtype: Any = None,  # noqa: A002
+) -> torch.Tensor:
+    """``torch.linalg.vector_norm`` of complex values: the norm of their absolute values, whatever the order."""
+    if dtype is not None:  # a complex dtype= names the result's real dtype by its width
+        dtype = torch.float64 if dtype in (torch.complex128, torch.float64) else torch.float32
+    return torch.linalg.vector_norm(abs_(z), ord, dim, keepdim, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------ Fourier transforms
@@ -415,6 +486,16 @@ WRITTEN: dict[Any, Callable[..., torch.Tensor]] = {
     aten.mean.dim: mean,
     aten.mm.default: mm,
     aten.bmm.default: bmm,
+    aten.mv.default: mv,
+    aten.dot.default: dot,
+    aten.vdot.default: vdot,
+    aten.addmm.default: addmm,
+    aten.addmv.default: addmv,
+    aten.baddbmm.default: baddbmm,
+    aten.addbmm.default: addbmm,
+    aten.angle.default: angle,
+    aten.log.default: log,
+    aten.linalg_vector_norm.default: vector_norm,
 }
 
 #: In-place forms: the out-of-place op written out, copied into ``self``.
@@ -426,6 +507,11 @@ IN_PLACE: dict[Any, Any] = {
     aten.reciprocal_.default: aten.reciprocal.default,
     aten.sgn_.default: aten.sgn.default,
     aten.exp_.default: aten.exp.default,
+    aten.log_.default: aten.log.default,
+    aten.addmm_.default: aten.addmm.default,
+    aten.addmv_.default: aten.addmv.default,
+    aten.baddbmm_.default: aten.baddbmm.default,
+    aten.addbmm_.default: aten.addbmm.default,
 }
 
 

@@ -629,15 +629,14 @@ class Session:
         with self.sources.global_torch_rng("init"):
             model = build()
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if t.is_complex() or t.layout != torch.strided:  # .to(float32) would drop the imaginary part
-                kind = "complex" if t.is_complex() else str(t.layout).removeprefix("torch.")
+            if t.layout != torch.strided:
                 raise ValueError(
-                    f"Session.init: {name} is a {kind} tensor; a run commits and rounds dense real float "
-                    "tensors: hold it as two real ones (torch.view_as_real) or densify it"
+                    f"Session.init: {name} is a {str(t.layout).removeprefix('torch.')} tensor; a run commits "
+                    "and rounds dense tensors: densify it"
                 )
-        model = model.to(torch.float32)  # weights start on the FP32 grid whatever the precision
+        model = _cast_floats(model, torch.float32)  # weights start on the FP32 grid whatever the precision
         self.sources.apply_bitflip(model)
-        model = model.to(device=self.device, dtype=self.precision.dtype)
+        model = _cast_floats(model.to(device=self.device), self.precision.dtype)
         self.model = model
         self._commit(0, bytes(32))
         if self.mode == "replay" and self.bundle is not None and self.bundle.steps == 0:
@@ -1060,6 +1059,19 @@ def _module_on_stack(model: torch.nn.Module | None) -> str:
         frame = frame.f_back
     node = torch._C._current_autograd_node()
     return f"(backward of {node.name()})" if node is not None else ""
+
+
+def _cast_floats(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)``, except that complex parameters and buffers become the complex dtype of ``dtype``'s
+    width (``Module.to`` would drop their imaginary parts): complex64 for float32, complex128 for float64."""
+    wide = torch.complex128 if dtype == torch.float64 else torch.complex64
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_complex():
+            return t.to(wide)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    return model._apply(cast)
 
 
 def _load_state_tensors(

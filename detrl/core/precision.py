@@ -41,9 +41,15 @@ class Precision:
         return self.kind == "verifiable"
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
-        """Floating input data to this precision; verifiable data is put on the FP32 grid first."""
-        if not t.is_floating_point():
+        """Floating input data to this precision; verifiable data is put on the FP32 grid first. Complex data
+        goes to the complex dtype of the same width (complex64 or complex128), integers stay as they are."""
+        if t.is_complex():
+            narrow, wide = torch.complex64, torch.complex128
+        elif t.is_floating_point():
+            narrow, wide = torch.float32, torch.float64
+        else:
             return t
         if self.kind == "verifiable":
-            return t.to(torch.float32).to(torch.float64)
-        return t if t.dtype == self.dtype else t.to(self.dtype)
+            return t.to(narrow).to(wide)
+        target = narrow if self.kind == "fp32" else wide
+        return t if t.dtype == target else t.to(target)

@@ -592,6 +592,9 @@ class RoundingMode(EagerDispatchMode):
         if written is not None:
             with self:
                 return written(*args, **kwargs)
+        if split_needed(func, kwargs):  # a + alpha * b, addcmul, lerp (SGD's update): step by step, as reals
+            with self:
+                return run_split(func, args, kwargs)
         if not complexes.exact_call(func, kwargs):
             leaves = tree_flatten((args, kwargs))[0]
             culprit = next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_complex()), None)

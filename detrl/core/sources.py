@@ -154,22 +154,22 @@ class Sources:
     def apply_bitflip(self, module: torch.nn.Module) -> str | None:
         """Move one weight of the first layer to its next float (``nextafter``), if bitflip is on.
 
-        The first layer's weight is the first floating parameter with two or more dimensions in registration
+        The first layer's weight is the first floating (or complex) parameter with two or more dimensions in registration
         order (Summers & Dinneen 2021 flip a first-layer weight; a bias or a batch-norm scale would also do,
         but a weight is what the protocol names). The element is drawn from the ``bitflip`` stream. Returns
         ``"name[index]"`` of the changed element, or None when the switch is off.
         """
         if not self.bitflip:
             return None
-        floating = [(n, p) for n, p in module.named_parameters() if p.is_floating_point()]
+        floating = [(n, p) for n, p in module.named_parameters() if p.is_floating_point() or p.is_complex()]
         weights = [(n, p) for n, p in floating if p.dim() >= 2] or floating
         if not weights:
             return None
         name, p = weights[0]
         i = int(torch.randint(p.numel(), (1,), generator=self.torch("bitflip")))
-        with torch.no_grad():
-            flat = p.view(-1)
-            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf"), dtype=p.dtype))
+        with torch.no_grad():  # of a complex weight, element i's real part (a view of every other real)
+            flat = torch.view_as_real(p).view(-1)[::2] if p.is_complex() else p.view(-1)
+            flat[i] = torch.nextafter(flat[i], torch.tensor(float("inf"), dtype=flat.dtype))
         return f"{name}[{i}]"
 
     # ------------------------------------------------------------------ state

@@ -228,11 +228,21 @@ def merkle_root(leaves: list[tuple[bytes, bytes]]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
+#: The checkpoint metadata's list of the tensors stored as real pairs (complex tensors).
+COMPLEX_KEY = "complex"
+
+
 def encode_checkpoint(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> bytes:
     """The safetensors bytes of a checkpoint (deterministic: sorted keys, canonical metadata JSON)."""
     from safetensors.torch import save
 
     clean = {k: v.detach().cpu().contiguous() for k, v in sorted(tensors.items())}
+    # safetensors has no complex128: a complex tensor is stored as its real view (a trailing axis of 2,
+    # real and imaginary parts), and the metadata names it (``COMPLEX_KEY``; absent when there is none).
+    complex_names = [k for k, v in clean.items() if v.is_complex()]
+    if complex_names:
+        clean.update({k: torch.view_as_real(clean[k]).contiguous() for k in complex_names})
+        meta = {**meta, COMPLEX_KEY: complex_names}
     return save(clean, metadata={"detrl": json.dumps(meta, sort_keys=True, separators=(",", ":"))})
 
 
@@ -263,6 +273,14 @@ def decode_checkpoint(data: bytes, rel: str, caps: Caps) -> tuple[dict[str, torc
     except (SafetensorError, ValueError, RuntimeError, TypeError, OverflowError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise BundleError(f"{rel}: not a valid safetensors checkpoint ({msg[:200]})") from None
+    complex_names = meta.pop(COMPLEX_KEY, [])
+    if not isinstance(complex_names, list) or not all(isinstance(k, str) for k in complex_names):
+        raise BundleError(f"{rel}: bad detrl metadata ({COMPLEX_KEY} is not a list of tensor names)")
+    for k in complex_names:
+        t = tensors.get(k)
+        if t is None or t.dtype not in (torch.float32, torch.float64) or t.dim() == 0 or t.shape[-1] != 2:
+            raise BundleError(f"{rel}: {k[:80]!r} is named complex but is not a float tensor of real pairs")
+        tensors[k] = torch.view_as_complex(t.clone())  # its own storage: aligned for the pairs
     return tensors, meta
 
 

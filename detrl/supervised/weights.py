@@ -54,7 +54,8 @@ def load_init(model: nn.Module, path: str | Path) -> None:
     translate other layouts with an ``adapt_state_dict(tensors)`` method, as :class:`~.models.GPT2` does for
     Hugging Face's). Every parameter must be present with the model's shape; buffers are optional. Floating
     tensors of any precision are cast to the parameter's dtype (FP32 at build time: a run starts on the FP32
-    grid). Any mismatch is one ``ValueError`` line naming the file and the first offending key.
+    grid); so are complex ones to the parameter's complex dtype. Any mismatch (of shape, or of kind: floating,
+    complex, integer) is one ``ValueError`` line naming the file and the first offending key.
     """
     tensors = read_safetensors(path)
     adapt = getattr(model, "adapt_state_dict", None)
@@ -79,7 +80,7 @@ def load_init(model: nn.Module, path: str | Path) -> None:
                     f"model.init_from: {path}: {name} has shape {tuple(t.shape)}, the model's is "
                     f"{tuple(target.shape)}"
                 )
-            if t.is_floating_point() != target.is_floating_point():
+            if (t.is_floating_point(), t.is_complex()) != (target.is_floating_point(), target.is_complex()):
                 raise ValueError(
                     f"model.init_from: {path}: {name} has dtype {t.dtype}, the model's {target.dtype}"
                 )
@@ -111,7 +112,11 @@ def export_safetensors(run_dir: str | Path, path: str | Path) -> int:
     for key, t in tensors.items():
         for prefix in ("param.", "buffer."):
             if key.startswith(prefix):
-                out[key[len(prefix) :]] = (t.to(torch.float32) if t.is_floating_point() else t).contiguous()
+                # FP32 grid values in FP32 (complex64: safetensors has no complex128); integers as they are
+                narrow = (
+                    torch.complex64 if t.is_complex() else torch.float32 if t.is_floating_point() else t.dtype
+                )
+                out[key[len(prefix) :]] = t.to(narrow).contiguous()
     if not out:
         raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: no model tensors")
     meta = {

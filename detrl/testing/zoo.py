@@ -194,6 +194,35 @@ class RotaryFourier(nn.Module):
         return self.head(self.norm(h + torch.fft.irfft(spectrum, n=t, dim=1)))
 
 
+class SpectralOperator(nn.Module):
+    """A Fourier neural operator as neuraloperator writes one: each spectral layer holds ``torch.cfloat``
+    weights (a complex parameter), keeps the lowest ``modes`` frequencies of an ``rfft``, mixes their channels
+    with an ``einsum`` into a complex64 ``zeros`` spectrum, and goes back with ``irfft``; a pointwise
+    convolution runs beside it. Each row of features is a signal of ``points`` samples."""
+
+    def __init__(self, width: int = 32, classes: int = 5, modes: int = 4) -> None:
+        super().__init__()
+        c = max(4, width // 4)
+        self.modes, self.lift, self.head = modes, nn.Conv1d(1, c, 1), nn.Linear(c, classes)
+        self.spectral = nn.ParameterList(
+            nn.Parameter(torch.rand(c, c, modes, dtype=torch.cfloat) / (c * c)) for _ in range(2)
+        )  # (in, out, modes) each
+        self.pointwise = nn.ModuleList(nn.Conv1d(c, c, 1) for _ in range(2))
+
+    def spectral_conv(self, h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # (B, c, points)
+        points = h.shape[-1]
+        spectrum = torch.fft.rfft(h)  # (B, c, points // 2 + 1) complex
+        out = torch.zeros(*spectrum.shape, dtype=torch.cfloat, device=h.device)
+        out[..., : self.modes] = torch.einsum("bix,iox->box", spectrum[..., : self.modes], weights)
+        return torch.fft.irfft(out, n=points)  # float32: a narrow result, cast back to h's dtype below
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, points) -> (B, classes)
+        h = self.lift(x[:, None, :])  # (B, c, points)
+        for weights, pointwise in zip(self.spectral, self.pointwise):
+            h = F.gelu(self.spectral_conv(h, weights).type_as(h) + pointwise(h))
+        return self.head(h.mean(-1))
+
+
 class AutocastCNN(nn.Module):
     """A small CNN whose forward runs under ``torch.autocast(dtype=torch.bfloat16)``."""
 
@@ -352,6 +381,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("masked_encoder", functools.partial(MaskedEncoder, w, v), toks, next_token),
             Specimen("lstm", functools.partial(LSTMNet, w, v), toks, next_token),
             Specimen("rotary_fourier", functools.partial(RotaryFourier, w, v), toks, next_token),
+            Specimen("spectral_operator", functools.partial(SpectralOperator, w), feats, classify),
             Specimen("autocast_bf16", functools.partial(AutocastCNN, w), imgs, classify),
             Specimen("cnn_batch_norm", functools.partial(BatchNormCNN, w), imgs, classify),
             Specimen("norms_then_means", functools.partial(NormsThenMeans, w), imgs, classify),
@@ -481,8 +511,7 @@ def train(session: Session, specimen: Specimen, steps: int) -> Session:
         model = session.init(specimen.build)
         model.train()
         opt = session.track(torch.optim.AdamW(model.parameters(), lr=3e-3))
-        dtype = session.precision.dtype  # float inputs in the run's precision, as Session.loader gives them
-        batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in specimen.batch())
+        batch = tuple(map(session.precision.cast, specimen.batch()))  # as Session.loader gives them
         for _ in range(steps):
             if session.stop_requested:  # a replay at the end of what its bundle holds
                 break
