@@ -955,6 +955,31 @@ def test_sparse_and_complex_results_are_refused_in_one_line(tmp_path, route: boo
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("route", [True, False])
+def test_a_zero_tensor_gradient_is_made_of_memory_inside_a_step(tmp_path, route: bool) -> None:
+    """``torch.sgn``'s backward on real values returns ``_efficientzerotensor``: a tensor of zeros with no memory,
+    which the rounding read at address 0 and crashed the process (on the native route and in the mode). Inside
+    a step it is ``torch.zeros``: the step records, and both paths write the same bundle."""
+    from detrl.core import native
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+    from detrl.formats import bundle
+
+    def record(where: str) -> bytes:
+        session = Session(tmp_path / where, sources=Sources(), planned_steps=1, checkpoint_every=0)
+        with native.switched(route if where == "first" else not route), session:
+            model = session.init(lambda: torch.nn.Linear(4, 4))
+            opt = session.track(torch.optim.SGD(model.parameters(), lr=0.1))
+            with session.step(batch=()):
+                h = model(torch.ones(2, 4, dtype=torch.float64))
+                (torch.sgn(h) * h).sum().backward()  # sgn's own gradient: a zero tensor
+                opt.step()
+        assert model.weight.grad is not None and not model.weight.grad._is_zerotensor()
+        return (tmp_path / where / bundle.COMMITMENTS).read_bytes()
+
+    assert record("first") == record("second")
+
+
 def test_a_sparse_parameter_is_refused_at_init(tmp_path) -> None:
     """A run commits and rounds dense tensors: a sparse parameter is refused by ``Session.init``, naming it.
     (Complex parameters are held as complex64 or complex128: tests/test_complexes.py.)"""

@@ -7,6 +7,10 @@ and logged by its own rule), so that the model that calls it records and replays
 ``_grouped_mm`` is the one so far: the mixture-of-experts layers of Hugging Face's Mixtral, Qwen2-MoE and
 their kin call it (``torch.nn.functional.grouped_mm``) for every expert's tokens at once, and its backward
 calls it again. Its CPU kernel takes float32 and half types only.
+
+``_efficientzerotensor`` is here for a kindred reason: its result is a "zero tensor" that holds no memory
+(autograd makes one for a gradient known to be zero: ``torch.sgn``'s backward on real values), which the
+rounding, like every kernel reading its data, cannot read. Inside a step it is ``torch.zeros``.
 """
 
 from __future__ import annotations
@@ -80,6 +84,13 @@ def grouped_mm(
 
 
 #: The ops written out here, by overload: what the rounding mode runs in their place.
-COMPOSITES: dict[Any, Callable[..., torch.Tensor]] = {}
+def zeros(
+    size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None
+) -> Any:
+    """``aten._efficientzerotensor`` as ``torch.zeros``: the same values, in memory."""
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device, pin_memory=bool(pin_memory))
+
+
+COMPOSITES: dict[Any, Callable[..., torch.Tensor]] = {aten._efficientzerotensor.default: zeros}
 if hasattr(aten, "_grouped_mm"):  # torch 2.8+
     COMPOSITES[aten._grouped_mm.default] = grouped_mm

@@ -359,14 +359,17 @@ bool unroundable(const at::Tensor& t) { return t.defined() && (t.layout() != c10
   throw std::logic_error("detrl.core.islands.refuse_result returned");
 }
 
-// A defined, strided FP64 CPU tensor that is no lazy conjugate or negation.
+// A defined, strided FP64 CPU tensor that is no lazy conjugate or negation, with memory to read (a "zero
+// tensor" has none; inside a step none is made: composites.zeros).
 bool plain_double(const at::Tensor& t) {
-  return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.layout() == c10::kStrided && plain_cpu(t);
+  return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.layout() == c10::kStrided && plain_cpu(t) &&
+         !t._is_zerotensor();
 }
 
-// An output the mode rounds: a non-empty FP64 tensor (other dtypes and empty ones it leaves as they are).
+// An output the mode rounds: a non-empty FP64 tensor (other dtypes and empty ones it leaves as they are), with
+// memory to read.
 bool rounded_output(const at::Tensor& t) {
-  return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.numel() > 0;
+  return t.defined() && t.scalar_type() == c10::ScalarType::Double && t.numel() > 0 && !t._is_zerotensor();
 }
 
 // Vector builds of the loops over an output, as in the C kernel: each element is computed exactly as the

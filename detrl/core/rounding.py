@@ -613,7 +613,7 @@ class RoundingMode(EagerDispatchMode):
         # a complex result's parts: a lazy conjugate's stored ones (rounding commutes with negation)
         if t.dtype == torch.complex128:
             t = torch.view_as_real(t.conj() if t.is_conj() else t)
-        if t.dtype != torch.float64 or t.numel() == 0:
+        if t.dtype != torch.float64 or t.numel() == 0 or t._is_zerotensor():  # zeros, with no memory to write
             return
         if kernel.applies(t):
             kernel.round_(t)
@@ -1084,8 +1084,8 @@ def snapshot(func: Any, args: tuple) -> tuple:
 
 def _rounded_output(t: torch.Tensor) -> bool:
     """Whether ``t`` is a rounded output of a logged op, one with a threshold (:func:`output_key` counts
-    them): float64 with an element, as the native route's ``rounded_output``."""
-    return t.dtype == torch.float64 and t.numel() > 0
+    them): float64 with an element, and memory (no "zero tensor"), as the native route's ``rounded_output``."""
+    return t.dtype == torch.float64 and t.numel() > 0 and not t._is_zerotensor()
 
 
 def written_tensors(
