@@ -956,6 +956,33 @@ def test_sparse_and_complex_results_are_refused_in_one_line(tmp_path, route: boo
 
 
 @pytest.mark.parametrize("route", [True, False])
+def test_printing_tensors_inside_a_step_works_and_changes_nothing(tmp_path, route: bool) -> None:
+    """``print(loss)`` inside a step: torch formats a tensor with the dispatch modes set aside, and on the
+    native route that was an internal assert in torch (the Python key reached with no mode). Its ops run as
+    they do without a mode, outside the step's ops: the bundle is the one a step without the print writes."""
+    from detrl.core import native
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+    from detrl.formats import bundle
+
+    def record(where: str, show: bool) -> bytes:
+        session = Session(tmp_path / where, sources=Sources(), planned_steps=1, checkpoint_every=0)
+        with native.switched(route), session:
+            model = session.init(lambda: torch.nn.Linear(4, 4))
+            with session.step(batch=()):
+                h = model(torch.ones(2, 4, dtype=torch.float64))
+                loss = h.square().sum()
+                if show:
+                    assert "tensor(" in f"{h} {loss!r}" and f"{loss:.3f}" == f"{loss.item():.3f}"
+                loss.backward()
+        return b"".join(
+            (tmp_path / where / name).read_bytes() for name in (bundle.COMMITMENTS, bundle.ROUNDLOG)
+        )
+
+    assert record("printed", True) == record("quiet", False)
+
+
+@pytest.mark.parametrize("route", [True, False])
 def test_a_zero_tensor_gradient_is_made_of_memory_inside_a_step(tmp_path, route: bool) -> None:
     """``torch.sgn``'s backward on real values returns ``_efficientzerotensor``: a tensor of zeros with no memory,
     which the rounding read at address 0 and crashed the process (on the native route and in the mode). Inside

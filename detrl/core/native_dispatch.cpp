@@ -2129,6 +2129,13 @@ bool decomposed(Step* step, int route, const c10::FunctionSchema& schema, torch:
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   Step* step = current;
+  if (c10::impl::TorchDispatchModeTLS::stack_len() == 0) {
+    // No mode on the stack: code inside the step set them aside (torch's tensor printing does, with
+    // _disable_current_modes), and its ops run as they would under the Python mode alone: natively. (The
+    // Python key with no mode and no subclass argument is an internal assert in torch.)
+    c10::impl::ExcludeDispatchKeyGuard inside(kOurs);
+    return op.redispatchBoxed(keys & kBelowOurs, stack);
+  }
   if (step == nullptr) {
     // Our key from a step on another thread (autograd's device threads inherit its dispatch keys, not its
     // table): the mode does it all. Anything else that carries the key is not ours: pass it on.
