@@ -392,3 +392,65 @@ def test_a_complex_valued_network_replays(tmp_path) -> None:
     replayed = run(replay)
     assert replay.totals.unlogged_near == 0 and replay.totals.refused == 0
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), replayed.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("name", "written", "want"),
+    [
+        ("sum of a 0-d tensor", lambda z: complexes.sum_(z[0, 0]), lambda z: z[0, 0].sum()),
+        ("mean of a 0-d tensor", lambda z: complexes.mean(z[0, 0], []), lambda z: z[0, 0].mean([])),
+        ("cumsum", lambda z: complexes.WRITTEN[aten.cumsum.default](z, 1), lambda z: z.cumsum(1)),
+        ("trace", lambda z: complexes.WRITTEN[aten.trace.default](z[:, :4]), lambda z: z[:, :4].trace()),
+        (
+            "index_add with a real source",
+            lambda z: complexes.WRITTEN[aten.index_add.default](
+                z, 0, torch.tensor([1, 1]), z.real[:2], alpha=2
+            ),
+            lambda z: z.index_add(0, torch.tensor([1, 1]), z.real[:2].to(z.dtype), alpha=2),
+        ),
+        (
+            "scatter_add",
+            lambda z: complexes.WRITTEN[aten.scatter_add.default](
+                z, 1, torch.zeros(4, 6, dtype=torch.long), z
+            ),
+            lambda z: z.scatter_add(1, torch.zeros(4, 6, dtype=torch.long), z),
+        ),
+        (
+            "index_put, accumulating",
+            lambda z: complexes.WRITTEN[aten.index_put.default](z, [torch.tensor([0, 0, 2])], z[:3], True),
+            lambda z: z.index_put([torch.tensor([0, 0, 2])], z[:3], accumulate=True),
+        ),
+        (
+            "addr",
+            lambda z: complexes.addr(z[:, :4], z[:, 0], z[0, :4], beta=2),
+            lambda z: torch.addr(z[:, :4], z[:, 0], z[0, :4], beta=2),
+        ),
+        (
+            "integer powers",
+            lambda z: torch.stack([complexes.pow_(z, n) for n in (0, 1, 2, 3, 5, -1, -2, 2.0)]),
+            lambda z: torch.stack([z**n for n in (0, 1, 2, 3, 5, -1, -2, 2.0)]),
+        ),
+    ],
+)
+def test_ops_taken_part_by_part_give_torchs_complex_results(name: str, written, want) -> None:  # noqa: ANN001
+    z = _complex(4, 6, seed=8)
+    _same(written(z), want(z))
+
+
+def test_a_power_with_no_rule_is_refused_in_one_line_and_integer_powers_record(tmp_path) -> None:
+    """``z ** 2`` (and every integer power) is a fixed sequence of written products; ``z ** 0.5`` has no rule
+    and is refused, naming the op, as an op with no rule at all is."""
+    from detrl.core.islands import UnroundableResult
+
+    session = Session(tmp_path / "run", sources=Sources(), planned_steps=2, checkpoint_every=0)
+    with session:
+        model = session.init(lambda: torch.nn.Linear(4, 8))
+        with session.step(batch=()):
+            z = torch.view_as_complex(model(torch.ones(3, 4, dtype=torch.float64)).view(3, 4, 2))
+            parts = torch.view_as_real((z**2 + z**-1).cumsum(1))
+            assert torch.equal(parts, parts.float().double())  # on the FP32 grid
+            parts.sum().backward()
+        refused = pytest.raises(UnroundableResult, match=r"no rule for aten\.pow on complex128 values")
+        with refused, session.step(batch=()):
+            z = torch.view_as_complex(model(torch.ones(3, 4, dtype=torch.float64)).view(3, 4, 2))
+            z**0.5

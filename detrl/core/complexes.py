@@ -50,8 +50,17 @@ import torch
 aten = torch.ops.aten
 
 
-def _overloads(*packets: Any) -> frozenset[Any]:
-    return frozenset(getattr(p, name) for p in packets for name in p.overloads())
+def _overloads(*items: Any) -> frozenset[Any]:
+    """Every overload of each packet, and each overload given as one."""
+    found: set[Any] = set()
+    for p in items:
+        found.update([p] if isinstance(p, torch._ops.OpOverload) else (getattr(p, n) for n in p.overloads()))
+    return frozenset(found)
+
+
+def _packets(*names: str) -> list[Any]:
+    """The aten packets of ``names`` that this torch has (some are newer than torch 2.4)."""
+    return [getattr(aten, n) for n in names if hasattr(aten, n)]
 
 
 #: Ops whose complex results every machine computes alike (see the module docstring): rounded exactly.
@@ -64,13 +73,34 @@ EXACT = _overloads(
     aten.index_select, aten.index, aten.gather, aten.masked_fill, aten.masked_fill_, aten.where,
     aten.constant_pad_nd, aten.repeat, aten.flip, aten.roll, aten.eq, aten.ne, aten.isnan, aten.isfinite,
     aten.empty_strided, aten.lift_fresh, aten.lift_fresh_copy, aten._unsafe_view, aten.contiguous,
+    *_packets(
+        "scalar_tensor", "eye", "fill", "empty_permuted", "narrow_copy", "view_copy", "rot90", "block_diag",
+        "diagonal_scatter", "as_strided_scatter", "select_scatter", "slice_scatter", "index_fill", "index_fill_",
+        "_chunk_cat", "_unsafe_masked_index", "nonzero", "nonzero_static", "isinf", "all", "any",
+        "count_nonzero", "logical_not", "logical_and", "logical_or", "logical_xor", "equal", "masked_scatter",
+        "masked_scatter_", "index_copy", "index_copy_", "tril", "triu", "diag_embed", "unfold_copy",
+        "index_put", "index_put_", "_index_put_impl_", "put", "put_",
+    ),
+    aten.scatter.src, aten.scatter.value, aten.scatter_.src, aten.scatter_.value,
 )  # fmt: skip
 
+#: EXACT ops that add what they put when ``accumulate`` is true (argument 3): the sums are written out then.
+_ACCUMULATING = _overloads(*_packets("index_put", "index_put_", "_index_put_impl_", "put", "put_"))
 
-def exact_call(func: Any, kwargs: dict) -> bool:
-    """Whether ``func`` with ``kwargs`` is in :data:`EXACT` as called: ``add``/``sub`` only with ``alpha``
-    1 (``a + alpha * b`` rounds twice)."""
-    return func in EXACT and kwargs.get("alpha", 1) == 1
+
+def _accumulates(func: Any, args: tuple, kwargs: dict) -> bool:
+    return func in _ACCUMULATING and bool(kwargs.get("accumulate", args[3] if len(args) > 3 else False))
+
+
+def exact_call(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` called with ``args`` and ``kwargs`` is in :data:`EXACT`: ``add``/``sub`` only with
+    ``alpha`` 1 (``a + alpha * b`` rounds twice), index puts only without ``accumulate``."""
+    return func in EXACT and kwargs.get("alpha", 1) == 1 and not _accumulates(func, args, kwargs)
+
+
+class NoRule(Exception):
+    """Raised by a written-out op for a call it has no rule for (a complex ``alpha``, a fractional power):
+    the rounding mode refuses the op, as for an op with no rule at all."""
 
 
 # ----------------------------------------------------------------------------------------------- parts
@@ -164,16 +194,77 @@ def _real_dims(z: torch.Tensor, dim: Any) -> list[int]:
 
 
 def sum_(z: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
-    """The sum of each part (over ``dim``; all dims when None or empty)."""
+    """The sum of each part (over ``dim``; all dims when None or empty; a 0-d ``z`` is its own sum)."""
     pair = torch.view_as_real(z.resolve_conj())
+    if z.dim() == 0:  # (an empty dim list would sum the pair's own axis)
+        return torch.view_as_complex(pair.clone())
     total = pair.sum(_real_dims(z, dim), keepdim=keepdim)
     return torch.view_as_complex(total.contiguous())
 
 
 def mean(z: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
-    """The mean of each part (over ``dim``; all dims when None or empty)."""
+    """The mean of each part (over ``dim``; all dims when None or empty; a 0-d ``z`` is its own mean)."""
     pair = torch.view_as_real(z.resolve_conj())
+    if z.dim() == 0:
+        return torch.view_as_complex(pair.clone())
     return torch.view_as_complex(pair.mean(_real_dims(z, dim), keepdim=keepdim).contiguous())
+
+
+def _part(x: Any, k: int) -> Any:
+    """Part ``k`` (0 real, 1 imaginary) of one argument of a partwise op: a complex tensor's, a real float
+    tensor's (its imaginary part is zeros), a complex dtype's real dtype; anything else as it is."""
+    if isinstance(x, torch.Tensor) and x.is_complex():
+        return parts(x)[k]
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x if k == 0 else torch.zeros_like(x)
+    if isinstance(x, torch.dtype) and x.is_complex:
+        return x.to_real()
+    if isinstance(x, complex):
+        raise NoRule
+    return x
+
+
+def partwise(func: Any) -> Callable[..., torch.Tensor]:
+    """``func`` on the real parts, then on the imaginary parts, each a real op of the step with its own rule:
+    for ops linear in every float argument at once (cumulative sums, traces, adding at indices), whose parts
+    do not mix. A complex number among the arguments (``alpha``) would mix them: no rule."""
+
+    def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        leaves, spec = tree_flatten((args, kwargs))
+        halves = []
+        for k in (0, 1):
+            part_args, part_kwargs = tree_unflatten([_part(x, k) for x in leaves], spec)
+            halves.append(func(*part_args, **part_kwargs))
+        return assemble(halves[0], halves[1])
+
+    return run
+
+
+def _index_put_impl(
+    self: torch.Tensor, indices: Any, values: Any, accumulate: bool = False, unsafe: bool = False
+) -> torch.Tensor:
+    """``_index_put_impl_`` (behind ``index_put_(..., accumulate=True)``): ``index_put`` part by part."""
+    return self.copy_(partwise(aten.index_put.default)(self, indices, values, accumulate))
+
+
+def pow_(z: Any, exponent: Any) -> torch.Tensor:
+    """``z ** n`` for an integer ``n``: products by squaring, highest bit first (a fixed sequence of written
+    products); ``1 / z ** -n`` for a negative one. Another exponent: no rule."""
+    if isinstance(z, torch.Tensor) and not z.is_complex() or isinstance(exponent, torch.Tensor):
+        raise NoRule  # a complex exponent, or a tensor of them
+    if isinstance(exponent, complex) or float(exponent) != int(exponent):
+        raise NoRule
+    n = int(exponent)
+    if n == 0:
+        return torch.ones_like(z)
+    result = z
+    for bit in bin(abs(n))[3:]:
+        result = mul(result, result)
+        if bit == "1":
+            result = mul(result, z)
+    return reciprocal(result) if n < 0 else result
 
 
 def _product(a: Any, b: Any, matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -249,6 +340,11 @@ def baddbmm(self: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> torc
 def addbmm(self: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
     """``beta * self + alpha * sum over the batch of (a @ b)``."""
     return _plus(self, sum_(bmm(a, b), [0]), beta, alpha)
+
+
+def addr(self: Any, v: Any, w: Any, *, beta: Any = 1, alpha: Any = 1) -> torch.Tensor:
+    """``beta * self + alpha * outer(v, w)``: the product of a column and a row."""
+    return _plus(self, mm(v[:, None], w[None, :]), beta, alpha)
 
 
 def angle(z: torch.Tensor) -> torch.Tensor:
@@ -496,6 +592,32 @@ WRITTEN: dict[Any, Callable[..., torch.Tensor]] = {
     aten.angle.default: angle,
     aten.log.default: log,
     aten.linalg_vector_norm.default: vector_norm,
+    aten.pow.Tensor_Scalar: pow_,
+    aten.cumsum.default: partwise(aten.cumsum.default),
+    aten.trace.default: partwise(aten.trace.default),
+    aten.index_add.default: partwise(aten.index_add.default),
+    aten.scatter_add.default: partwise(aten.scatter_add.default),
+    aten.index_put.default: partwise(aten.index_put.default),  # with accumulate (without: EXACT)
+    aten.put.default: partwise(aten.put.default),
+    aten._index_put_impl_.default: _index_put_impl,
+    aten.addr.default: addr,
+    **{
+        op: partwise(op)
+        for op in _overloads(
+            *_packets(
+                "reflection_pad1d_backward",
+                "reflection_pad2d_backward",
+                "reflection_pad3d_backward",
+                "replication_pad1d_backward",
+                "replication_pad2d_backward",
+                "replication_pad3d_backward",
+                "unfold_backward",
+                "masked_scatter_backward",
+                "_unsafe_masked_index_put_accumulate",
+            )
+        )
+        if op._overloadname == "default"
+    },  # backward ops that add gradients where a forward copied values: linear, part by part
 }
 
 #: In-place forms: the out-of-place op written out, copied into ``self``.
@@ -512,6 +634,12 @@ IN_PLACE: dict[Any, Any] = {
     aten.addmv_.default: aten.addmv.default,
     aten.baddbmm_.default: aten.baddbmm.default,
     aten.addbmm_.default: aten.addbmm.default,
+    aten.pow_.Scalar: aten.pow.Tensor_Scalar,
+    aten.cumsum_.default: aten.cumsum.default,
+    aten.index_add_.default: aten.index_add.default,
+    aten.scatter_add_.default: aten.scatter_add.default,
+    aten.index_put_.default: aten.index_put.default,
+    aten.put_.default: aten.put.default,
 }
 
 

@@ -545,7 +545,7 @@ class RoundingMode(EagerDispatchMode):
             # complex from real arguments: a view or a cast moves values; an op with a complex number among
             # its arguments runs again as complexes.py says (rare, and out of place: nothing was written)
             if islands.unroundable(t) and (plan.island or not t.is_complex()):
-                if t.is_complex() and (complexes.exact_call(func, kwargs) or complexes.written(func)):
+                if t.is_complex() and (complexes.exact_call(func, args, kwargs) or complexes.written(func)):
                     return self._complex(func, args, kwargs)
                 raise islands.UnroundableResult(func, t, self.module_path() if self.module_path else "")
         if plan.keep or kind is OpKind.KEEP or (plan.widening and _widens_floats(args)):
@@ -588,14 +588,21 @@ class RoundingMode(EagerDispatchMode):
     def _complex(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """An op with a complex128 argument: written out as real ops of the step, or computed and rounded
         part by part where every machine computes it alike, or refused (detrl/core/complexes.py)."""
-        written = complexes.written(func)
+        written = None if complexes.exact_call(func, args, kwargs) else complexes.written(func)
         if written is not None:
-            with self:
-                return written(*args, **kwargs)
-        if split_needed(func, kwargs):  # a + alpha * b, addcmul, lerp (SGD's update): step by step, as reals
+            try:
+                with self:
+                    return written(*args, **kwargs)
+            except (
+                complexes.NoRule
+            ):  # this call has none (a fractional power, a complex alpha): refused below
+                pass
+        elif split_needed(
+            func, kwargs
+        ):  # a + alpha * b, addcmul, lerp (SGD's update): step by step, as reals
             with self:
                 return run_split(func, args, kwargs)
-        if not complexes.exact_call(func, kwargs):
+        if not complexes.exact_call(func, args, kwargs):
             leaves = tree_flatten((args, kwargs))[0]
             culprit = next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_complex()), None)
             if culprit is None:  # a complex dtype= only
