@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
 
@@ -230,8 +231,6 @@ def partwise(func: Any) -> Callable[..., torch.Tensor]:
     do not mix. A complex number among the arguments (``alpha``) would mix them: no rule."""
 
     def run(*args: Any, **kwargs: Any) -> torch.Tensor:
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
         leaves, spec = tree_flatten((args, kwargs))
         halves = []
         for k in (0, 1):
