@@ -359,11 +359,11 @@ def log(z: torch.Tensor) -> torch.Tensor:
 
 def vector_norm(
     z: torch.Tensor,
-    ord: Any = 2,
+    ord: Any = 2,  # noqa: A002 - torch's name
     dim: Any = None,
     keepdim: bool = False,
     *,
-    dtype: Any = None,  # noqa: A002
+    dtype: Any = None,
 ) -> torch.Tensor:
     """``torch.linalg.vector_norm`` of complex values: the norm of their absolute values, whatever the order."""
     if dtype is not None:  # a complex dtype= names the result's real dtype by its width

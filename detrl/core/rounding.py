@@ -590,16 +590,11 @@ class RoundingMode(EagerDispatchMode):
         part by part where every machine computes it alike, or refused (detrl/core/complexes.py)."""
         written = None if complexes.exact_call(func, args, kwargs) else complexes.written(func)
         if written is not None:
-            try:
-                with self:
-                    return written(*args, **kwargs)
-            except (
-                complexes.NoRule
-            ):  # this call has none (a fractional power, a complex alpha): refused below
-                pass
-        elif split_needed(
-            func, kwargs
-        ):  # a + alpha * b, addcmul, lerp (SGD's update): step by step, as reals
+            # refused below where this call has no rule (a fractional power, a complex alpha)
+            with contextlib.suppress(complexes.NoRule), self:
+                return written(*args, **kwargs)
+        elif split_needed(func, kwargs):
+            # a + alpha * b, addcmul, lerp (SGD's update): step by step, as for real tensors
             with self:
                 return run_split(func, args, kwargs)
         if not complexes.exact_call(func, args, kwargs):
