@@ -42,7 +42,7 @@ from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
 from detrl.core.oprules import RULES_REVISION
 from detrl.core.portable import portable_kernels
-from detrl.core.precision import Precision
+from detrl.core.precision import Precision, at_width
 from detrl.core.randomness import StreamRandomMode
 from detrl.core.rounding import (
     TAU_FLOOR,
@@ -1064,14 +1064,7 @@ def _module_on_stack(model: torch.nn.Module | None) -> str:
 def _cast_floats(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model.to(dtype)``, except that complex parameters and buffers become the complex dtype of ``dtype``'s
     width (``Module.to`` would drop their imaginary parts): complex64 for float32, complex128 for float64."""
-    wide = torch.complex128 if dtype == torch.float64 else torch.complex64
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        if t.is_complex():
-            return t.to(wide)
-        return t.to(dtype) if t.is_floating_point() else t
-
-    return model._apply(cast)
+    return model._apply(lambda t: t.to(at_width(t, dtype)))
 
 
 def _load_state_tensors(

@@ -9,6 +9,14 @@ import torch
 KINDS = ("fp32", "fp64", "verifiable")
 
 
+def at_width(t: torch.Tensor, real: torch.dtype) -> torch.dtype:
+    """``t``'s kind at the width of ``real`` (float32 or float64): that dtype for a floating tensor, complex64
+    or complex128 for a complex one, and ``t``'s own dtype for any other."""
+    if t.is_complex():
+        return torch.complex128 if real == torch.float64 else torch.complex64
+    return real if t.is_floating_point() else t.dtype
+
+
 @dataclasses.dataclass(frozen=True)
 class Precision:
     """How a run computes. ``kind`` is ``"fp32"``, ``"fp64"`` or ``"verifiable"``."""
@@ -43,13 +51,9 @@ class Precision:
     def cast(self, t: torch.Tensor) -> torch.Tensor:
         """Floating input data to this precision; verifiable data is put on the FP32 grid first. Complex data
         goes to the complex dtype of the same width (complex64 or complex128), integers stay as they are."""
-        if t.is_complex():
-            narrow, wide = torch.complex64, torch.complex128
-        elif t.is_floating_point():
-            narrow, wide = torch.float32, torch.float64
-        else:
+        if not (t.is_floating_point() or t.is_complex()):
             return t
         if self.kind == "verifiable":
-            return t.to(narrow).to(wide)
-        target = narrow if self.kind == "fp32" else wide
+            return t.to(at_width(t, torch.float32)).to(at_width(t, torch.float64))
+        target = at_width(t, self.dtype)
         return t if t.dtype == target else t.to(target)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from detrl.core.precision import at_width
 from detrl.formats import bundle as bundle_mod
 
 
@@ -113,10 +114,7 @@ def export_safetensors(run_dir: str | Path, path: str | Path) -> int:
         for prefix in ("param.", "buffer."):
             if key.startswith(prefix):
                 # FP32 grid values in FP32 (complex64: safetensors has no complex128); integers as they are
-                narrow = (
-                    torch.complex64 if t.is_complex() else torch.float32 if t.is_floating_point() else t.dtype
-                )
-                out[key[len(prefix) :]] = t.to(narrow).contiguous()
+                out[key[len(prefix) :]] = t.to(at_width(t, torch.float32)).contiguous()
     if not out:
         raise bundle_mod.BundleError(f"{bundle_mod.checkpoint_name(step)}: no model tensors")
     meta = {
