@@ -187,7 +187,7 @@ def td_loss(q_taken: torch.Tensor, td_target: torch.Tensor, kind: str) -> torch.
 def td_loss_grad(q_taken: torch.Tensor, td_target: torch.Tensor, kind: str) -> torch.Tensor:
     """:func:`td_loss`'s gradient by ``q_taken`` (batch,): the loss's backward op, as ``loss.backward()``
     calls it (from a gradient of one, with the mean reduction, torch's enum 1)."""
-    one = torch.ones((), dtype=q_taken.dtype)
+    one = torch.ones((), dtype=q_taken.dtype, device=q_taken.device)  # beside the loss, as autograd's seed
     if kind == "huber":
         return torch.ops.aten.smooth_l1_loss_backward(one, q_taken, td_target, 1, 1.0)
     return torch.ops.aten.mse_loss_backward(one, q_taken, td_target, 1)
@@ -207,8 +207,9 @@ def greedy_policy(
 ) -> Callable[[np.ndarray], int]:
     """The greedy action ``argmax_a Q(obs, a)`` of one observation ``obs`` (*obs_shape), through ``as_input``.
     An :class:`MLPQNetwork` acts through one call of :func:`mlp_native`, which dispatches the ops of the
-    Python forward below, so a verifiable step rounds and logs the same ops either way."""
-    native = mlp_native() if isinstance(q, MLPQNetwork) else None
+    Python forward below, so a verifiable step rounds and logs the same ops either way. The native call is
+    for CPU tensors (where it is held to the Python path's bits); a network on a GPU acts in Python."""
+    native = mlp_native() if isinstance(q, MLPQNetwork) and q.flat_parameters()[0].is_cpu else None
     if native is not None:
         params, act = q.flat_parameters(), native.act
         return lambda obs: act(params, as_input(obs[None]))
@@ -268,17 +269,21 @@ def td_update(
 
     ``batch``: obs and next_obs (batch, *obs_shape), actions (batch,) int64, rewards and terminated
     (batch,). ``a``: the agent config (gamma, double_dqn, loss, max_grad_norm). ``as_input`` turns
-    observations into network input and ``cast`` a float tensor into the run's precision.
+    observations into network input, on the networks' device (the batch's other columns follow them there),
+    and ``cast`` a float tensor into the run's precision.
     ``shortcuts``: reach the same bits through fewer ops: an :class:`MLPQNetwork`'s gradients through its
     written backward pass instead of autograd (see :meth:`MLPQNetwork.write_gradients`), and gradient
     clipping through list ops. Without them: autograd and per-tensor clipping, the ops a verifiable step
     dispatched at op-sequence revision 1 (see :data:`OPS_REVISION`).
     ``native``: with the shortcuts, an MLP's update (up to the optimizer step) is one call of
-    :func:`mlp_native`, which dispatches the same ops in the same order without a Python call per op.
+    :func:`mlp_native`, which dispatches the same ops in the same order without a Python call per op (on
+    CPU tensors only, as :func:`greedy_policy`).
     """
     obs_b, next_b = as_input(batch.obs), as_input(batch.next_obs)
-    rewards = cast(torch.from_numpy(batch.rewards))  # (batch,)
-    not_done = cast(1.0 - torch.from_numpy(batch.terminated))  # (batch,)
+    device = obs_b.device  # as_input put the observations beside the networks: the rest of the batch too
+    rewards = cast(torch.from_numpy(batch.rewards).to(device))  # (batch,)
+    not_done = cast(1.0 - torch.from_numpy(batch.terminated).to(device))  # (batch,)
+    native = native and device.type == "cpu"  # the native update takes CPU tensors (see greedy_policy)
     if shortcuts and native and isinstance(q, MLPQNetwork) and mlp_native() is not None:
         loss_value, q_taken = mlp_native().td_update(
             q.flat_parameters(), target.flat_parameters(), obs_b, next_b, torch.from_numpy(batch.actions),
@@ -294,7 +299,7 @@ def td_update(
         else:
             next_value = next_q.max(dim=1).values
         td_target = rewards + a.gamma * next_value * not_done  # (batch,)
-    actions = torch.from_numpy(batch.actions)[:, None]  # (batch, 1)
+    actions = torch.from_numpy(batch.actions).to(device)[:, None]  # (batch, 1)
     if shortcuts and isinstance(q, MLPQNetwork):  # by hand: the loss's derivative, gather's, then the MLP's
         with torch.no_grad():
             q_all, inputs = q.forward_keeping_inputs(obs_b)  # (batch, n_actions), each layer's input
@@ -348,11 +353,13 @@ def run(
     # entry where the list ops (foreach) are logged; bundles of op-sequence revision 2 replay with the
     # list ops they recorded.
     list_ops = not precision.is_verifiable or session.ops_revision < 3
+    device = session.device  # where Session.init put the networks: observations from numpy go there
     if precision.is_verifiable:
         if list_ops:
             optimizer = ListAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
-        else:
-            optimizer = LoopAdam(q.parameters(), mlp_native(), lr=a.learning_rate, eps=a.adam_eps)
+        else:  # LoopAdam's native step is for CPU tensors: a GPU run needs no extension built
+            native = mlp_native() if device.type == "cpu" else None
+            optimizer = LoopAdam(q.parameters(), native, lr=a.learning_rate, eps=a.adam_eps)
     else:
         optimizer = LeanAdam(q.parameters(), lr=a.learning_rate, eps=a.adam_eps)
     session.track(optimizer)
@@ -373,7 +380,7 @@ def run(
     total = cfg.train.steps
 
     def as_input(x: np.ndarray) -> torch.Tensor:  # observations as network input, in the run's precision
-        t = torch.from_numpy(x)
+        t = torch.from_numpy(x).to(device)  # on the CPU: the same tensor, no copy
         return precision.cast(t) if t.is_floating_point() else t
 
     greedy = greedy_policy(q, as_input)
@@ -456,15 +463,16 @@ def run(
         "steps_per_second": (session.step_index - start) / max(seconds, 1e-9),
     }
     if session.mode != "replay" and cfg.eval.episodes:
-        result["eval_returns"] = evaluate(cfg, q, precision)
+        result["eval_returns"] = evaluate(cfg, q, as_input)
         if writer is not None:
             writer.add_scalar("eval/mean_return", float(np.mean(result["eval_returns"])), total)
     env.close()
     return result
 
 
-def evaluate(cfg: Config, q: torch.nn.Module, precision: Any) -> list[float]:
-    """Greedy episodes (``cfg.eval``) on a fresh env whose streams are seeded apart from training's."""
+def evaluate(cfg: Config, q: torch.nn.Module, as_input: Callable[[np.ndarray], torch.Tensor]) -> list[float]:
+    """Greedy episodes (``cfg.eval``) on a fresh env whose streams are seeded apart from training's;
+    ``as_input`` turns observations into network input (on the network's device, in the run's precision)."""
     ev = cfg.eval
     env_sources = Sources(seed=ev.seed)  # the eval env's own sticky/noop streams; episode seeds are explicit
     env = make_env(cfg, env_sources)
@@ -477,10 +485,7 @@ def evaluate(cfg: Config, q: torch.nn.Module, precision: Any) -> list[float]:
                 action = int(rng.integers(env.action_space.n))
             else:
                 with torch.no_grad():
-                    x = torch.from_numpy(obs)
-                    action = int(
-                        q(precision.cast(x)[None] if x.is_floating_point() else x[None]).argmax(dim=1)[0]
-                    )
+                    action = int(q(as_input(obs[None])).argmax(dim=1)[0])
             obs, _, terminated, truncated, info = env.step(action)
             if "episode" in info:
                 returns.append(float(info["episode"]["r"]))

@@ -37,7 +37,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
-from detrl.core import calibrate, native
+from detrl.core import calibrate, native, portable
 from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
 from detrl.core.oprules import RULES_REVISION
@@ -298,7 +298,7 @@ class Session:
         config: the task's config, stored in the manifest so ``detrl audit`` can rebuild the run.
         planned_steps: the steps the run means to take (a run that ends before is ``stopped``, resumable).
         data_fingerprint: SHA-256 hex of the training data, stored in the manifest and checked on replay.
-        device: torch device for model and data.
+        device: torch device for model and data (default: ``cuda`` on the ``cuda`` profile, else ``cpu``).
         track_modules: name module paths in rounding anomalies (default: when replaying).
         calibration_steps: with ``thresholds="calibrate"``, measure thresholds during this many first steps
             (a DQN's first update comes after thousands of acting-only steps; its ops must be calibrated).
@@ -349,7 +349,7 @@ class Session:
         config: dict[str, Any] | None = None,
         planned_steps: int | None = None,
         data_fingerprint: str | None = None,
-        device: str | torch.device = "cpu",
+        device: str | torch.device | None = None,
         track_modules: bool | None = None,
         calibration_steps: int = 1,
         route_random_ops: bool = True,
@@ -378,7 +378,8 @@ class Session:
         self.dir = Path(run_dir) if run_dir is not None else None
         self.profile = hardware if isinstance(hardware, Profile) else get_profile(hardware)
         self.hardware = self.profile.name
-        self.device = torch.device(device)
+        # The ``cuda`` profile is a real GPU: a recording made there, or a replay on it, computes on it.
+        self.device = torch.device(device if device is not None else self.profile.device)
         self.checkpoint_every = int(checkpoint_every)
         self.task = task
         self.config = None if config is None else dict(config)
@@ -786,6 +787,10 @@ class Session:
             # Innermost first: random ops are drawn from their stream before a profile sees them.
             if not self.precision.is_verifiable and self.hardware != "native":
                 modes.enter_context(HardwareMode(self.profile))
+            if self.precision.is_verifiable and portable.off_cpu(self.device):
+                modes.enter_context(
+                    portable.cpu_op_sequence()
+                )  # a CPU's aten ops where a composite picks by device
             if self.precision.is_verifiable:
                 cursor = self.bundle.log_cursor(step) if self.bundle is not None else None
                 rounding = StepRounding(replay=cursor if self.mode == "replay" else None)
@@ -1087,7 +1092,19 @@ def _load_state_tensors(
             pname, _, key = rest.rpartition(".")
             if not i.isdigit() or int(i) >= len(optimizers) or pname not in params:
                 raise BundleError(f"checkpoint tensor {name!r} is not model or optimizer state")
-            optimizers[int(i)].state[params[pname]][key] = t.clone()
+            opt, param = optimizers[int(i)], params[pname]
+            opt.state[param][key] = t.to(_state_device(opt, param, key), copy=True)
+
+
+def _state_device(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str) -> torch.device:
+    """Where torch keeps ``optimizer``'s state ``key`` of ``param``: beside the parameter, except the step
+    count of a group that is neither fused nor capturable, which stays on the CPU (as torch's own
+    ``load_state_dict`` places it)."""
+    if key == "step":
+        group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+        if not (group.get("fused") or group.get("capturable")):
+            return torch.device("cpu")
+    return param.device
 
 
 def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -3,12 +3,14 @@
 ``setup.py`` compiles each extension against the torch installed in the target environment. A checkout
 that was not installed that way, or a torch upgraded since, gets the extension built here once with
 ``torch.utils.cpp_extension`` (cached by torch under ``~/.cache/torch_extensions``). Where that fails too
-(no C++ compiler, no ninja), the caller takes its Python path, which gives the same bits.
+(no C++ compiler, no ninja), or ``DETRL_BUILD_EXTENSIONS=0`` is set (a machine where a minute's build is
+not worth it), the caller takes its Python path, which gives the same bits.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +31,8 @@ def load(prebuilt: str, source: Path, purpose: str) -> ModuleType | None:
             return module
     except ImportError:
         pass
+    if os.environ.get("DETRL_BUILD_EXTENSIONS", "1") == "0":
+        return None
     from torch.utils import cpp_extension
 
     print(

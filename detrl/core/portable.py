@@ -1,8 +1,8 @@
 """One op sequence on every device: the kernel choices a verifiable step pins.
 
 The rounding log is keyed by op position within a step, so recorder and replayer must dispatch the same aten
-ops in the same order. Two composite torch functions choose a fused kernel by device, dtype and flags
-*above* the dispatch modes, where detrl cannot see the choice:
+ops in the same order. Composite torch functions choose a fused kernel by device, dtype and flags *above*
+the dispatch modes, where detrl cannot see the choice. On every device (:class:`portable_kernels`):
 
 * ``F.scaled_dot_product_attention`` becomes ``_scaled_dot_product_flash_attention_for_cpu`` on a CPU, a
   flash, memory-efficient or cuDNN kernel on CUDA, or the math decomposition. Inside a verifiable step it is
@@ -13,11 +13,35 @@ ops in the same order. Two composite torch functions choose a fused kernel by de
   ``no_grad`` (``_native_multi_head_attention``, ``_transformer_encoder_layer_fwd``): one fused op on some
   devices and configurations, not on others. Inside a verifiable step the fast path is off, so they run
   their plain Python forward, which calls SDPA, which is math as above.
+
+Off the CPU, in a verifiable step (:class:`cpu_op_sequence`), where the op sequence must be the one a CPU
+recording holds:
+
+* ``F.dropout`` is ``native_dropout`` on CUDA, but ``empty_like``, ``bernoulli_``, ``div_`` and ``mul`` on
+  a CPU (whose noise is rounded to FP32 before it scales: other bits too). Off the CPU it dispatches the
+  CPU's ops (:func:`detrl.core.cpu_composites.dropout_as_on_cpu`), its mask drawn from the ``dropout`` stream either way.
+* ``F.batch_norm`` (``nn.BatchNorm*d``, ``nn.InstanceNorm*d``) becomes ``cudnn_batch_norm`` while cuDNN is
+  on: an op the rounding mode neither decomposes nor knows the writes of, and that a CPU never runs. cuDNN
+  is off: batch norm is ``native_batch_norm`` on every device. (A convolution is ``convolution`` either
+  way; without cuDNN, CUDA computes it with torch's own kernels.)
+* ``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their one-step cells are ``_cudnn_rnn`` with cuDNN, and without
+  it per-step input products and fused cells (``_thnn_fused_lstm_cell``); a CPU projects the sequence once
+  and dispatches each cell's parts. They run the CPU's composition in Python (:mod:`detrl.core.cpu_composites`).
+
+And kernel properties: CUDA divides by a CPU scalar (a Python number) as a product with its reciprocal,
+which can differ from IEEE division in the last bit, and computes ``arange`` with a fractional step (and its
+kin) otherwise than a CPU. :func:`compute` gives such a division its divisor as a tensor on the dividend's
+device (:func:`ieee_division`), which CUDA divides by exactly, and makes such a factory on the host.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.overrides import TorchFunctionMode
+
+from detrl.core import cpu_composites
 
 #: SDPA's backend switches: (read, write) pairs of torch's global flags, math last. torch's own
 #: ``sdpa_kernel`` context looks each one up by name and builds backend lists on every entry (about 20 µs,
@@ -49,3 +73,105 @@ class portable_kernels:  # noqa: N801 - used as a context manager, like torch's 
         for (_, set_), on in zip(_SDPA_SWITCHES, enabled):
             set_(on)
         torch.backends.mha.set_fastpath_enabled(fast)
+
+
+aten = torch.ops.aten
+
+#: Division by argument 1, and the overload that takes it as a tensor (``.Scalar`` ones take a number).
+_DIVISIONS = {
+    aten.div.Tensor: aten.div.Tensor,
+    aten.div_.Tensor: aten.div_.Tensor,
+    aten.div.Scalar: aten.div.Tensor,
+    aten.div_.Scalar: aten.div_.Tensor,
+    aten.div.Tensor_mode: aten.div.Tensor_mode,
+    aten.div_.Tensor_mode: aten.div_.Tensor_mode,
+    aten.div.Scalar_mode: aten.div.Tensor_mode,
+    aten.div_.Scalar_mode: aten.div_.Tensor_mode,
+}
+
+
+#: Factories whose CUDA kernels give other bits than a CPU's (an ``arange`` with a fractional step differed in
+#: 216 of 1,000 elements on an H100; ``linspace`` and ``logspace`` use the same kind of formula): off the CPU
+#: they are computed on the host and moved.
+_HOST_FACTORIES = frozenset(
+    {
+        aten.arange.default,
+        aten.arange.start,
+        aten.arange.start_step,
+        aten.linspace.default,
+        aten.logspace.default,
+    }
+)
+
+
+def compute(profile: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    """``profile(func, args, kwargs)``, with the bits a CPU computes where a device's kernel differs from it
+    in ways IEEE 754 does not allow: a factory of :data:`_HOST_FACTORIES` made on the host and moved, a
+    division by a scalar given its divisor as a tensor (:func:`ieee_division`)."""
+    if func in _HOST_FACTORIES:
+        device = kwargs.get("device")
+        if device is not None and off_cpu(torch.device(device)):
+            return profile(func, args, {**kwargs, "device": torch.device("cpu")}).to(device)
+        return profile(func, args, kwargs)
+    return profile(*ieee_division(func, args), kwargs)
+
+
+def ieee_division(func: Any, args: tuple) -> tuple[Any, tuple]:
+    """``(func, args)``, or for a division of an FP64 tensor off the CPU by a CPU scalar, the division by
+    that value as a 0-dim FP64 tensor on the dividend's device (the same result dtype: FP64 either way),
+    which the device divides by exactly rather than multiplying by its rounded reciprocal."""
+    tensor_overload = _DIVISIONS.get(func)
+    if tensor_overload is None or len(args) < 2:
+        return func, args
+    x, divisor = args[0], args[1]
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float64 or not off_cpu(x.device):
+        return func, args
+    if isinstance(divisor, torch.Tensor):
+        if divisor.dim() != 0 or divisor.device.type != "cpu" or divisor.is_complex():
+            return func, args
+        value = divisor.item()
+    elif isinstance(divisor, (int, float)) and not isinstance(divisor, bool):
+        value = divisor
+    else:
+        return func, args
+    on_device = torch.tensor(value, dtype=torch.float64, device=x.device)  # exact: an FP64 scalar is a double
+    return tensor_overload, (x, on_device, *args[2:])
+
+
+def off_cpu(device: torch.device) -> bool:
+    """Whether ``device`` writes composites out otherwise than a CPU: where :class:`cpu_op_sequence` is
+    entered and applies (tests also make it true of the CPU, to run the CPU compositions end to end)."""
+    return device.type != "cpu"
+
+
+class _AsOnCpu(TorchFunctionMode):
+    """A torch-function mode with one job: the composites that a device writes out otherwise than a CPU
+    (dropout, recurrent layers and cells) dispatch the CPU's aten ops on that device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        as_on_cpu = cpu_composites.as_on_cpu(func, args, kwargs)
+        x = args[0] if args else kwargs.get("input")
+        if as_on_cpu is not None and isinstance(x, torch.Tensor) and off_cpu(x.device):
+            return as_on_cpu(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class cpu_op_sequence:  # noqa: N801 - a context manager, like portable_kernels
+    """Within: a verifiable step off the CPU dispatches the aten ops a CPU would where a composite chooses
+    by device: dropout and recurrent layers as on a CPU, and cuDNN off (see the module doc). Restored on
+    exit."""
+
+    __slots__ = ("_cudnn", "_mode")
+
+    def __enter__(self) -> None:
+        self._cudnn = torch._C._get_cudnn_enabled()
+        torch._C._set_cudnn_enabled(False)
+        self._mode = _AsOnCpu()
+        self._mode.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._mode.__exit__(*exc)
+        finally:
+            torch._C._set_cudnn_enabled(self._cudnn)

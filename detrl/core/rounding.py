@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from detrl.core import complexes, decompose, islands, kernel, native, randomness
+from detrl.core import complexes, decompose, islands, kernel, native, portable, randomness
 from detrl.core.composites import COMPOSITES
 from detrl.core.dispatch import EagerDispatchMode, bound_arguments
 from detrl.core.fused import run_split, split_needed
@@ -537,8 +537,8 @@ class RoundingMode(EagerDispatchMode):
             out = draw(self.random, func, args, kwargs)
         elif split:
             out = run_split(func, args, kwargs)
-        else:
-            out = self.profile(func, args, kwargs)
+        else:  # off the CPU: IEEE division, and factories as a CPU computes them (core/portable.py)
+            out = portable.compute(self.profile, func, args, kwargs)
         if plan.unwritten is not None:
             plan.unwritten(args, out)
         for t in (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ():
@@ -1029,8 +1029,8 @@ def _midpoint_distance(x: torch.Tensor, t: torch.Tensor) -> float:
     """How many ``t`` FP64 scalar ``x`` lies from the nearest FP32 rounding midpoint (the two around its
     own FP32 rounding; each midpoint of FP32 neighbours is exact in FP64)."""
     r = x.to(torch.float32).reshape(1)
-    up = torch.nextafter(r, torch.tensor([math.inf])).double()
-    down = torch.nextafter(r, torch.tensor([-math.inf])).double()
+    up = torch.nextafter(r, torch.tensor([math.inf], device=r.device)).double()  # on x's device (CUDA too)
+    down = torch.nextafter(r, torch.tensor([-math.inf], device=r.device)).double()
     rd = r.double()
     d = torch.minimum((x - (rd + up) / 2).abs(), (x - (rd + down) / 2).abs())
     return float(d / t.clamp(min=1e-300))

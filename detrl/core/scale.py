@@ -227,9 +227,9 @@ def _sample_channel_scale(args: tuple, out: torch.Tensor) -> Scale | None:
     flat = out.reshape(n * c, -1)
     amax = finite_amax(flat, 1).squeeze(1)
     row = _power_of_two(amax).mul_(2.0**-23).clamp_(min=2.0**-149)
-    return Scale(
-        outer=n * c, channels=1, inner=flat.shape[1], col=torch.ones(1, dtype=torch.float64), row=row
-    )
+    # col on row's device: Scale.dense multiplies them and Scale.at indexes col with the entries' indices
+    col = torch.ones(1, dtype=torch.float64, device=row.device)
+    return Scale(outer=n * c, channels=1, inner=flat.shape[1], col=col, row=row)
 
 
 def _conv_terms_scale(args: tuple, out: torch.Tensor) -> Scale | None:
@@ -298,9 +298,8 @@ def _conv_terms_scale(args: tuple, out: torch.Tensor) -> Scale | None:
     else:
         return None
     rows = rows.clamp_(min=2.0**-149)
-    return Scale(
-        outer=rows.numel(), channels=1, inner=inner, col=torch.ones(1, dtype=torch.float64), row=rows
-    )
+    col = torch.ones(1, dtype=torch.float64, device=rows.device)  # rows' device (see _sample_channel_scale)
+    return Scale(outer=rows.numel(), channels=1, inner=inner, col=col, row=rows)
 
 
 def _channel_spacing(x: torch.Tensor) -> torch.Tensor:
@@ -450,7 +449,9 @@ def _quantum(t: torch.Tensor) -> float:
     field = (bits >> 52) & 0x7FF  # biased exponent: 0 for a subnormal, which has no implicit bit
     mantissa = (bits & ((1 << 52) - 1)) | torch.where(field > 0, 1 << 52, 0)
     exponent = torch.where(field > 0, field - 1075, -1074)  # value = mantissa * 2**exponent
-    lowest = torch.log2((mantissa & -mantissa).double()).long()  # a power of two: log2 is exact
+    # the lowest set bit, a power of two 2**k: frexp's exponent k + 1, exact on every device (CUDA's log2 of
+    # a power of two can miss k by an ulp, and .long() truncates k - ulp to k - 1)
+    lowest = torch.frexp((mantissa & -mantissa).double())[1].long() - 1
     return math.ldexp(1.0, int((exponent + lowest).min()))
 
 
@@ -534,7 +535,9 @@ def _exact_of(largest: torch.Tensor, smallest: torch.Tensor, terms: torch.Tensor
     (inf: none) and its number of terms (broadcast against them): a bool tensor of their shape."""
     # frexp exponents e: |x| in [2**(e - 1), 2**e); a term's FP32 quantum is 2**(e - 24) at least
     spread = torch.frexp(largest)[1] - torch.frexp(smallest.clamp(max=1e308))[1]
-    exact = spread.double().add_(torch.log2(terms.clamp(min=1)).ceil_()) <= 29
+    # ceil(log2(n)) of the counts n >= 1, exactly: frexp's exponent of n - 1 (0 for n = 1). CUDA's log2 of a
+    # power of two can miss the integer it is, and ceil or a cast then moves it a whole binade.
+    exact = spread.double().add_(torch.frexp(terms.clamp(min=1) - 1)[1]) <= 29
     exact |= torch.isinf(smallest)  # no nonzero term: the sum is zero
     exact &= torch.isfinite(largest)
     return exact

@@ -209,14 +209,18 @@ def augment(x: torch.Tensor, mode: str, padding: int, generator: torch.Generator
     if mode == "none":
         return x
     n, _, h, w = x.shape
+    # The draws come from the stream's CPU generator (the same numbers whatever the device); the crops and
+    # flips run where the batch is (the Session's device).
+    dev = x.device
     padded = F.pad(x, (padding, padding, padding, padding))
-    oy = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
-    ox = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
-    rows = (oy[:, None] + torch.arange(h))[:, :, None]  # (N, H, 1)
-    cols = (ox[:, None] + torch.arange(w))[:, None, :]  # (N, 1, W)
-    out = padded[torch.arange(n)[:, None, None], :, rows, cols].permute(0, 3, 1, 2)  # (N, C, H, W)
+    oy = torch.randint(0, 2 * padding + 1, (n,), generator=generator).to(dev)
+    ox = torch.randint(0, 2 * padding + 1, (n,), generator=generator).to(dev)
+    rows = (oy[:, None] + torch.arange(h, device=dev))[:, :, None]  # (N, H, 1)
+    cols = (ox[:, None] + torch.arange(w, device=dev))[:, None, :]  # (N, 1, W)
+    images = torch.arange(n, device=dev)[:, None, None]  # (N, 1, 1)
+    out = padded[images, :, rows, cols].permute(0, 3, 1, 2)  # (N, C, H, W)
     if mode == "crop_flip":
-        flip = torch.randint(0, 2, (n,), generator=generator).bool()
+        flip = torch.randint(0, 2, (n,), generator=generator).bool().to(dev)
         out = torch.where(flip[:, None, None, None], out.flip(-1), out)
     return out.contiguous()
 

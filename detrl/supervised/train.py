@@ -266,24 +266,26 @@ def cycle_ends(steps: int, cycles: int) -> list[int]:
 
 
 def predict(cfg: RunConfig, model: torch.nn.Module, x: torch.Tensor, tta: bool = False) -> torch.Tensor:
-    """Test logits ``(N, classes)`` (``(N, T, vocab)`` for text) as float64, the model in eval mode (restored
-    afterwards).
+    """Test logits ``(N, classes)`` (``(N, T, vocab)`` for text) as float64 on the CPU, the model in eval mode
+    (restored afterwards).
 
     ``tta``: the log of the mean softmax over :func:`data.tta_views` (so argmax, cross-entropy and
     correlations read it as logits). Outside any step: nothing here is committed or logged.
     """
-    dtype = next(model.parameters()).dtype
-    if x.is_floating_point():  # images; token ids stay integers
-        x = x.to(dtype)
+    param = next(model.parameters())
+    dtype = param.dtype
+    # The test set is on the CPU (the data loaders'), the model where the Session put it (a GPU, say).
+    # Images are cast to the model's dtype; token ids stay integers.
+    x = x.to(param.device, dtype) if x.is_floating_point() else x.to(param.device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             if not tta:
-                return model(x).double()
+                return model(x).double().cpu()  # the callers read it with numpy (a no-op on the CPU)
             views = datasets.tta_views(x, cfg.data.augment, cfg.data.crop_padding)
             probs = torch.stack([model(v.to(dtype)).double().softmax(-1) for v in views]).mean(0)
-            return probs.log()
+            return probs.log().cpu()
     finally:
         model.train(was_training)
 

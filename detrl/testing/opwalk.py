@@ -42,7 +42,7 @@ class WalkProfile(Profile):
 
     def __init__(self, base: str | Profile = "native") -> None:
         self.base = get_profile(base) if isinstance(base, str) else base
-        super().__init__(self.base.name, f"{self.base.description} (op walk)")
+        super().__init__(self.base.name, f"{self.base.description} (op walk)", self.base.device)
         self.deterministic = self.base.deterministic
         self.escapes: list[str] = []
         self.ops = 0

@@ -129,10 +129,13 @@ class Profile:
     """A hardware profile; the base class is the native one (every op runs unchanged)."""
 
     deterministic: bool = True
+    #: where a Session on this profile keeps model and data (the emulated profiles run on any device)
+    device: str = "cpu"
 
-    def __init__(self, name: str, description: str) -> None:
+    def __init__(self, name: str, description: str, device: str = "cpu") -> None:
         self.name = name
         self.description = description
+        self.device = device
 
     def __call__(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
         """Compute aten op ``func(*args, **kwargs)`` under this profile; returns what ``func`` returns."""
@@ -298,7 +301,7 @@ def get_profile(name: str, seed: int | None = None) -> Profile:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("hardware profile 'cuda' needs a CUDA device, but no CUDA device is available")
-        return Profile("cuda", "plain torch kernels on a CUDA device")
+        return Profile("cuda", "plain torch kernels on a CUDA device", device="cuda")
     factories = _make_profiles(seed)
     if name not in factories:
         raise ValueError(f"unknown hardware profile {name!r}; known: {', '.join(_EMULATED_NAMES)}, cuda")
