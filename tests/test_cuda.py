@@ -16,6 +16,7 @@ from detrl.apps.audit import audit
 from detrl.core.engine import Session
 from detrl.run import sessions, tasks
 from detrl.run.config import load
+from detrl.testing import zoo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -74,3 +75,15 @@ def test_a_dqn_crosses_both_ways(tmp_path: Path) -> None:
         record(cfg, tmp_path / recorder)
         for hardware in auditors:
             replicated(tmp_path / recorder, hardware)
+
+
+@pytest.mark.parametrize("name", [n for n, s in zoo.SPECIMENS.items() if zoo.available(s)])
+def test_every_zoo_model_crosses_between_cpu_and_gpu(tmp_path: Path, name: str) -> None:
+    """Hugging Face GPT-2, Llama (eager and SDPA), Qwen2, Mistral, Mixtral, BERT, ViT, T5, torch's
+    TransformerEncoder, an LSTM, batch norm, float32 and bf16 islands, complex weights: recorded on each
+    side, replayed on the other (raises Divergence if a commitment differs)."""
+    specimen = zoo.SPECIMENS[name]
+    zoo.record(specimen, tmp_path / "cpu", steps=2)
+    zoo.replay(specimen, tmp_path / "cpu", "cuda", steps=2)
+    zoo.record(specimen, tmp_path / "gpu", steps=2, hardware="cuda")
+    zoo.replay(specimen, tmp_path / "gpu", "native", steps=2)

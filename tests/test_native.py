@@ -60,6 +60,13 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.addcdiv_.default) is Route.SPLIT_ADDCDIV
     assert route(aten._to_copy.default) is Route.CAST
     assert route(aten.sigmoid.default) is Route.LOGGED
+    # the norms' root natively is the IEEE one (rules revision 10); a bundle of an older revision took torch's
+    assert route(aten.native_batch_norm.default) is Route.DECOMPOSED_BATCH_NORM
+    assert route(aten.native_layer_norm.default, rules_revision=9) is Route.PYTHON
+    assert (
+        route(aten.native_layer_norm_backward.default, rules_revision=9)
+        is Route.DECOMPOSED_LAYER_NORM_BACKWARD
+    )
     assert route(aten.sum.dim_IntList, rules_revision=1) is Route.LOGGED_REDUCTION  # at its channel scale
     assert route(aten.pow.Tensor_Scalar, rules_revision=1) is Route.LOGGED
     # from rules revision 2, pow is exact for exponent 2, and a sum's near elements go to the mode with its

@@ -8,6 +8,7 @@ tests/test_cuda.py replays recordings between a CPU and a real GPU, where one ex
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -193,8 +194,11 @@ def test_ieee_division_gives_a_device_the_divisor_as_a_tensor_of_its_own() -> No
         got, args = ieee_division(func, (meta, divisor, "floor") if "mode" in str(func) else (meta, divisor))
         assert got is want and args[1].device.type == "meta" and args[1].dtype == torch.float64
         assert args[1].dim() == 0 and args[2:] == (("floor",) if "mode" in str(func) else ())
+    got, args = ieee_division(aten._foreach_div_.Scalar, ([meta, meta], 3.0))
+    assert got is aten._foreach_div_.ScalarList and args[1] == [3.0, 3.0]
     cpu = torch.ones(3, dtype=torch.float64)
     unchanged = [
+        (aten._foreach_div.Scalar, ([cpu], 3.0)),
         (aten.div.Tensor, (cpu, torch.tensor(3.0))),  # on the CPU: IEEE division already
         (aten.div.Tensor, (meta.float(), torch.tensor(3.0))),  # not FP64: its promotion stays torch's
         (aten.div.Tensor, (meta, torch.ones(3, dtype=torch.float64))),  # a tensor divisor
@@ -290,3 +294,82 @@ def test_factories_off_the_cpu_are_made_on_the_host_and_moved() -> None:
     x = torch.empty(3, dtype=torch.float64, device="meta")
     portable.compute(profile, aten.div.Scalar, (x, 3), {})
     assert seen[-1][0] is aten.div.Tensor  # the division, by a tensor on the device
+
+
+def _correctly_rounded_root(x: float, r: float) -> bool:
+    """Whether ``r`` is the double nearest ``sqrt(x)``: ``sqrt(x)`` lies strictly between the midpoints of
+    ``r`` and its neighbours (exact rational arithmetic; a root is never a midpoint)."""
+    from fractions import Fraction
+
+    lo = (Fraction(r) + Fraction(math.nextafter(r, -math.inf))) / 2
+    hi = (Fraction(r) + Fraction(math.nextafter(r, math.inf))) / 2
+    return lo * lo < Fraction(x) < hi * hi
+
+
+def test_ieee_sqrt_is_correctly_rounded_where_torchs_root_may_not_be() -> None:
+    g = torch.Generator().manual_seed(0)
+    # variances as the decompositions see them: off the FP32 grid, over many binades
+    x = torch.rand(100_000, dtype=torch.float64, generator=g) * torch.pow(
+        10.0, torch.randint(-12, 12, (100_000,), generator=g).double()
+    )
+    ours, theirs = portable.ieee_sqrt(x), torch.sqrt(x)
+    differ = (ours != theirs).nonzero().flatten().tolist()
+    sample = differ[:300] + list(range(300))
+    assert all(_correctly_rounded_root(x[i].item(), ours[i].item()) for i in sample)
+    # where torch's differs (MKL builds: about 1 %), torch's is the one off the nearest double
+    assert not any(_correctly_rounded_root(x[i].item(), theirs[i].item()) for i in differ[:300])
+    assert torch.equal(portable.ieee_sqrt(x[:7]), torch.sqrt(x[:7]))  # small tensors: the same scalar root
+
+
+class _Dropped(torch.nn.Module):
+    """Linear, dropout, linear: the dropout as ``F.dropout`` (ATen's CPU ops) or as a device's ``at::dropout``
+    inside a C++ composite (``native_dropout`` while portable.inside_device_dropout holds: SDPA's math
+    attention on a GPU)."""
+
+    def __init__(self, as_device: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.as_device = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3), as_device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).tanh()
+        if self.as_device:
+            with portable.inside_device_dropout():
+                h = torch.ops.aten.native_dropout(h, 0.3, True)[0]
+        else:
+            h = F.dropout(h, 0.3, True)
+        return self.b(h)
+
+
+def _record_dropped(run, as_device: bool) -> Session:
+    from detrl.core.sources import Sources
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(4)]
+    with Session(
+        run, precision="verifiable", sources=Sources(seed=0), checkpoint_every=2, planned_steps=4
+    ) as s:
+        model = s.init(lambda: _Dropped(as_device))
+        opt = s.track(torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in data:
+            with s.step(batch=(x, y)):
+                opt.zero_grad()
+                F.cross_entropy(model(x.double()), y).backward()
+                opt.step()
+    return s
+
+
+def test_a_devices_dropout_inside_a_composite_is_the_cpus_ops_forward_and_backward(
+    tmp_path, monkeypatch
+) -> None:
+    plain = _record_dropped(tmp_path / "plain", as_device=False)
+    monkeypatch.setattr(portable, "off_cpu", lambda device: True)  # a step as off the CPU: the mode sees all
+    expanded = _record_dropped(tmp_path / "expanded", as_device=True)
+    monkeypatch.undo()
+    assert (
+        expanded.leaves == plain.leaves and expanded.totals.rounded_elements == plain.totals.rounded_elements
+    )
+    for part in ("roundlog", "commitments"):
+        assert (tmp_path / "expanded" / part).read_bytes() == (tmp_path / "plain" / part).read_bytes()
+    # and outside such a composite a model's own native_dropout stays one op (models.Dropout's)
+    x = torch.ones(4, 4, dtype=torch.float64)
+    assert portable.device_dropout_now() is False and torch.ops.aten.native_dropout(x, 0.0, True)[0].equal(x)

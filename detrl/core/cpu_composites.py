@@ -63,6 +63,16 @@ def dropout_as_on_cpu(
     return multiply(x, noise)
 
 
+def dropout_noise_as_on_cpu(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training dropout with ``0 < p < 1`` as a CPU computes it: ``(x * noise, noise)``, the noise drawn and
+    scaled by the CPU's ops (the part of :func:`dropout_as_on_cpu` that a device's ``native_dropout``
+    stands in for, inside composites written in C++: SDPA's math attention)."""
+    noise = aten.empty_like.default(x)
+    aten.bernoulli_.float(noise, 1.0 - p)
+    aten.div_.Scalar(noise, 1.0 - p)
+    return aten.mul.Tensor(x, noise), noise
+
+
 # The signatures of the functions they stand in for (``input`` as torch names it, for keyword callers).
 def _dropout(
     input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False

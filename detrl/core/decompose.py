@@ -6,7 +6,9 @@ elementwise epilogue. As single ops, every element of their output inherits the 
 dependence, and the elements that cancel to almost nothing must all be logged: batch norm backward was half
 of ResNet-50's rounding log. Written out, the only machine-dependent parts are the per-channel sums; the
 rest is a fixed sequence of add, sub, mul, div and sqrt, each correctly rounded in FP64 by every IEEE-754
-machine, so the final outputs are the same bits everywhere once rounded to FP32.
+machine, so the final outputs are the same bits everywhere once rounded to FP32. (torch's CPU ``sqrt`` is
+not correctly rounded in MKL builds: from rules revision 10 the rounding mode passes
+:func:`detrl.core.portable.ieee_sqrt` as :attr:`Steps.sqrt`.)
 
 Log-softmax backward, ``g - exp(y) * sum(g)``, cancels the same way, and worse: with cross-entropy the
 target's gradient is ``(p - 1) / N``, tiny once the model is confident, while the libm's error in
@@ -93,9 +95,12 @@ class Steps:
 
     sum: ChannelSum
     exp: Callable[[torch.Tensor], torch.Tensor] = torch.exp
-    #: ``1 / sqrt(t)``. The rounding mode keeps this default: two correctly rounded IEEE operations, the same
-    #: bits everywhere. Only the emulated profiles' plain FP32/FP64 runs pass a GPU's ``rsqrt`` (their libm).
+    #: ``1 / sqrt(t)``. The rounding mode passes ``1 / sqrt(t)`` with its ``sqrt``: two correctly rounded
+    #: IEEE operations, the same bits everywhere. Only the emulated profiles' plain FP32/FP64 runs pass a
+    #: GPU's ``rsqrt`` (their libm).
     inv_sqrt: Callable[[torch.Tensor], torch.Tensor] = lambda t: 1.0 / t.sqrt()  # noqa: E731
+    #: ``sqrt(t)``: the rounding mode passes a correctly rounded one (rules revision 10; torch's before).
+    sqrt: Callable[[torch.Tensor], torch.Tensor] = torch.sqrt
 
 
 _ROW_SUMS: contextvars.ContextVar[bool] = contextvars.ContextVar("detrl_row_sums", default=False)
@@ -228,7 +233,7 @@ def batch_norm(steps: Steps, x, weight, bias, running_mean, running_var, trainin
     mean = _over(channel_sum(x, dims), n)
     centred = x - mean.view(shape)
     var = _over(channel_sum(centred * centred, dims), n)
-    invstd = 1.0 / (var + eps).sqrt()  # not rsqrt: sqrt and division are correctly rounded everywhere
+    invstd = 1.0 / steps.sqrt(var + eps)  # not rsqrt: sqrt (Steps.sqrt) and division are correctly rounded
     # In place from here: the same operations in the same order (so the same bits), without a new
     # activation-sized tensor for each.
     out = centred.mul_(invstd.view(shape))

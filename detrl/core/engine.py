@@ -415,7 +415,9 @@ class Session:
             self._tracker = _OrderedTracker()
         self.rounding = RoundingMode(self.profile, self.thresholds, _weakly(self._module_path))
         self.rounding.rules_revision = self.rules_revision
-        if self.precision.is_verifiable:
+        # The native route computes CPU tensors' ops; off the CPU the mode computes each as a CPU would.
+        self.rounding.native_route = not portable.off_cpu(self.device)
+        if self.precision.is_verifiable and self.rounding.native_route:
             native.available()  # load the native route now, with the Session: setup, not the first step's time
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []

@@ -108,6 +108,9 @@ _DECOMPOSED = {
     aten._softmax_backward_data.default: (Route.DECOMPOSED_SOFTMAX_BACKWARD, (aten.sum.dim_IntList,)),
 }
 
+#: The decompositions that take a square root: natively always a correctly rounded one (rules revision 10).
+_ROOTED = frozenset({aten.native_batch_norm.default, aten.native_layer_norm.default})
+
 
 def route(
     func: Any, plan: Any, reorders: Callable[[Any], bool], rules_revision: int = RULES_REVISION
@@ -124,6 +127,8 @@ def route(
     backwards and the backwards of softmax and log-softmax are decomposed natively (``DECOMPOSED_*``) where
     the profile computes them and their steps as the native kernels do."""
     if plan.decomposes and func in _DECOMPOSED and not plan.random:
+        if rules_revision < 10 and func in _ROOTED:  # torch's root, not IEEE's (oprules revision 10)
+            return Route.PYTHON
         decomposed, steps = _DECOMPOSED[func]
         return Route.PYTHON if reorders(func) or any(reorders(f) for f in steps) else decomposed
     if plan.random or plan.decomposes or plan.composite is not None or reorders(func) or func in UNWRITTEN:

@@ -236,7 +236,12 @@ def _base_kind(func: Any) -> OpKind:
 #:    (:func:`detrl.core.scale.exact_scatter_elements`). The backward of a gather is one: a mixture of
 #:    experts' routing (each token's gradient from its two experts, 91 % of a tiny Mixtral's log), a graph
 #:    network's messages.
-RULES_REVISION = 9
+#: 10. The decompositions (batch norm, layer norm, group norm) take a correctly rounded FP64 square root
+#:    (:func:`detrl.core.portable.ieee_sqrt`): torch's CPU ``sqrt`` of MKL builds is a vector library's,
+#:    off the nearest double in about 1 % of elements, and a GPU's is correctly rounded, so the root of a
+#:    variance (not on the FP32 grid) could differ in its last bit between recorder and auditor, and every
+#:    normalised element of that channel or row with it, unlogged (rounded as exact).
+RULES_REVISION = 10
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.

@@ -36,8 +36,12 @@ device (:func:`ieee_division`), which CUDA divides by exactly, and makes such a 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -116,10 +120,44 @@ def compute(profile: Any, func: Any, args: tuple, kwargs: dict) -> Any:
     return profile(*ieee_division(func, args), kwargs)
 
 
+def ieee_sqrt(t: torch.Tensor) -> torch.Tensor:
+    """``sqrt(t)`` of an FP64 tensor, correctly rounded (IEEE 754) on every device, as a new tensor.
+
+    torch's CPU ``sqrt`` is not: builds with MKL take a vector library's (VML) root for larger tensors,
+    within an ulp but off the nearest double in about 1 % of elements (1,180 of 100,000 uniform values
+    here). A root of FP32-grid input still rounds to the same FP32 number (its distance to an FP32 midpoint
+    is far above an FP64 ulp), but the decompositions take the root of a variance they did not round, and
+    that root's last bit reaches every normalised element. NumPy's root is the processor's ``sqrt``
+    instruction (correctly rounded); CUDA's double-precision ``sqrt`` is correctly rounded too."""
+    if t.device.type == "cuda" or t.dtype != torch.float64:
+        return torch.sqrt(t)
+    host = t.detach().to("cpu").contiguous()
+    return torch.from_numpy(np.sqrt(host.numpy())).to(t.device)
+
+
+#: A list division by one scalar, and the overload that takes a scalar per tensor (measured on an H100: the
+#: one-scalar kernel multiplies by the reciprocal, 333,450 of 10^6 elements differed; the list one divides).
+_LIST_DIVISIONS = {
+    aten._foreach_div.Scalar: aten._foreach_div.ScalarList,
+    aten._foreach_div_.Scalar: aten._foreach_div_.ScalarList,
+}
+
+
 def ieee_division(func: Any, args: tuple) -> tuple[Any, tuple]:
     """``(func, args)``, or for a division of an FP64 tensor off the CPU by a CPU scalar, the division by
     that value as a 0-dim FP64 tensor on the dividend's device (the same result dtype: FP64 either way),
-    which the device divides by exactly rather than multiplying by its rounded reciprocal."""
+    which the device divides by exactly rather than multiplying by its rounded reciprocal; a list's
+    division by one scalar, by that scalar once per tensor."""
+    listed = _LIST_DIVISIONS.get(func)
+    if listed is not None:
+        tensors = args[0] if args else ()
+        if (
+            len(args) == 2
+            and tensors
+            and all(t.dtype == torch.float64 and off_cpu(t.device) for t in tensors)
+        ):
+            return listed, (tensors, [args[1]] * len(tensors))
+        return func, args
     tensor_overload = _DIVISIONS.get(func)
     if tensor_overload is None or len(args) < 2:
         return func, args
@@ -144,6 +182,38 @@ def off_cpu(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+#: Set while a composite written in C++ runs off the CPU with a dropout inside (SDPA's math attention with
+#: ``dropout_p > 0``): its ``at::dropout`` reaches the modes as ``native_dropout`` there, as ``empty_like``,
+#: ``bernoulli_``, ``div_`` and ``mul`` on a CPU, and the rounding mode dispatches the latter instead
+#: (:meth:`detrl.core.rounding.RoundingMode` ``_device_dropout``).
+_INSIDE_DEVICE_DROPOUT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "detrl_device_dropout", default=False
+)
+
+
+def device_dropout_now() -> bool:
+    """Whether a ``native_dropout`` dispatched now is a device's ``at::dropout`` inside a C++ composite."""
+    return _INSIDE_DEVICE_DROPOUT.get()
+
+
+@contextlib.contextmanager
+def inside_device_dropout() -> Iterator[None]:
+    """Within: a ``native_dropout`` is a device's ``at::dropout`` (see :func:`device_dropout_now`)."""
+    token = _INSIDE_DEVICE_DROPOUT.set(True)
+    try:
+        yield
+    finally:
+        _INSIDE_DEVICE_DROPOUT.reset(token)
+
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def _sdpa_dropout(args: tuple, kwargs: dict) -> float:
+    """The ``dropout_p`` of an SDPA call (its fifth argument)."""
+    return float(args[4]) if len(args) > 4 else float(kwargs.get("dropout_p", 0.0))
+
+
 class _AsOnCpu(TorchFunctionMode):
     """A torch-function mode with one job: the composites that a device writes out otherwise than a CPU
     (dropout, recurrent layers and cells) dispatch the CPU's aten ops on that device."""
@@ -151,9 +221,13 @@ class _AsOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         as_on_cpu = cpu_composites.as_on_cpu(func, args, kwargs)
-        x = args[0] if args else kwargs.get("input")
-        if as_on_cpu is not None and isinstance(x, torch.Tensor) and off_cpu(x.device):
-            return as_on_cpu(*args, **kwargs)
+        x = args[0] if args else kwargs.get("input", kwargs.get("query"))
+        if isinstance(x, torch.Tensor) and off_cpu(x.device):
+            if as_on_cpu is not None:
+                return as_on_cpu(*args, **kwargs)
+            if func is _SDPA and _sdpa_dropout(args, kwargs) > 0.0:
+                with inside_device_dropout():  # its math decomposition's at::dropout
+                    return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_flatten
 
-from detrl.core import complexes, decompose, islands, kernel, native, portable, randomness
+from detrl.core import complexes, cpu_composites, decompose, islands, kernel, native, portable, randomness
 from detrl.core.composites import COMPOSITES
 from detrl.core.dispatch import EagerDispatchMode, bound_arguments
 from detrl.core.fused import run_split, split_needed
@@ -46,6 +47,8 @@ from detrl.core.oprules import (
 from detrl.core.optrace import OpTrace
 from detrl.core.scale import Scale, exact_elements, reduction_scale, scale_spacing, spacing32
 from detrl.formats.roundlog import OpEntries, RoundLogMisfit, key32, nearest_with_low16
+
+aten = torch.ops.aten
 
 #: The replayer checks the recorder's honesty within this fraction of tau (see RoundingMode._round_logged).
 REPLAY_CHECK_FRACTION = 0.5
@@ -433,6 +436,17 @@ class RoundingMode(EagerDispatchMode):
         #: default) costs each op one attribute test
         self.trace: OpTrace | None = None
         self._native_routes = native.Routes(plan_of)
+        #: whether the native route may take ops first (where built): a step off the CPU has it off, so
+        #: every op meets this mode, which computes as a CPU would (core/portable.py)
+        self.native_route = True
+        #: the noise of each device dropout expanded as a CPU's (:meth:`_device_dropout`), by its mask's id
+        self._device_noise: dict[int, torch.Tensor] = {}
+        # A decomposition's machine-dependent steps (this mode's sums and exps) and, from rules revision 10,
+        # a correctly rounded root (portable.ieee_sqrt); torch's root before.
+        self._steps = decompose.Steps(
+            self._logged_sum, self._logged_exp, inv_sqrt=_inverse_root, sqrt=portable.ieee_sqrt
+        )
+        self._steps_before_10 = decompose.Steps(self._logged_sum, self._logged_exp)
         self.rules_revision = RULES_REVISION
         # the threshold of the last logged call, per thread: the native route reads it on the thread that
         # handed the call over, and autograd's device threads run the mode beside it
@@ -486,7 +500,7 @@ class RoundingMode(EagerDispatchMode):
                     calibrate if logs else None,
                     self._nesting,
                 )
-                if self.trace is None
+                if self.trace is None and self.native_route
                 else contextlib.nullcontext()
             )
             with self, fast:
@@ -498,6 +512,8 @@ class RoundingMode(EagerDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         self._last.learned = None
+        if func in _DEVICE_DROPOUT_OPS and (out := self._device_dropout(func, args)) is not None:
+            return out
         plan = self._plans.get(id(func)) or _plan(func, self._revision)
         if plan.island and (narrow := islands.narrow_dtype(args, kwargs)) is not None:
             if narrow is torch.complex128:  # no island: an op on complex values (core/complexes.py)
@@ -507,7 +523,7 @@ class RoundingMode(EagerDispatchMode):
             # Only the sums (and log-softmax backward's exp) are machine dependent: they run as ops of the step
             # (rounded, logged, computed by the profile; by the native route where it takes them: see
             # _nested_op); the rest is plain IEEE arithmetic: exact outputs.
-            steps = decompose.Steps(self._logged_sum, self._logged_exp)
+            steps = self._steps if self.rules_revision >= 10 else self._steps_before_10
             out = decompose.DECOMPOSITIONS[func](steps, *args, **kwargs)
             written = written_tensors(func, args, kwargs, out)
             for t in written:
@@ -566,6 +582,27 @@ class RoundingMode(EagerDispatchMode):
         if self.trace is not None:
             self._trace(func, targets)
         return out
+
+    def _device_dropout(self, func: Any, args: tuple) -> Any:
+        """A device's ``at::dropout`` inside a C++ composite (``native_dropout``, see
+        :func:`detrl.core.portable.device_dropout_now`) as the CPU's ops of the step, and its backward
+        (``native_dropout_backward`` of such a mask) as the CPU's ``mul`` by the noise; None for any other
+        call of them (a model's own ``native_dropout``: an op of the step as it is)."""
+        if func is aten.native_dropout.default:
+            x, p, train = args[0], float(args[1]), args[2]
+            if not portable.device_dropout_now() or train is False or not 0.0 < p < 1.0:
+                return None
+            with self:
+                out, noise = cpu_composites.dropout_noise_as_on_cpu(x, p)
+            mask = noise != 0  # native_dropout's second output, for its backward: not an op of the step
+            self._device_noise[id(mask)] = noise
+            weakref.finalize(mask, self._device_noise.pop, id(mask), None)
+            return out, mask
+        noise = self._device_noise.get(id(args[1]))
+        if noise is None:
+            return None
+        with self:  # the backward of the CPU's x * noise
+            return aten.mul.Tensor(args[0], noise)
 
     def _trace(self, func: Any, written: list[torch.Tensor]) -> None:
         """Add an op's rounded float outputs to the trace (ops inside a decomposition are its own parts:
@@ -902,6 +939,15 @@ class _Plan:
 _PLANS: dict[int, dict[int, _Plan]] = {}
 #: Casts between float types: to FP64 from a narrower type they need no rounding (see :func:`_widens_floats`).
 CASTS = frozenset({torch.ops.aten._to_copy.default})
+
+
+#: A device's dropout and its backward (:meth:`RoundingMode._device_dropout`).
+_DEVICE_DROPOUT_OPS = frozenset({aten.native_dropout.default, aten.native_dropout_backward.default})
+
+
+def _inverse_root(t: torch.Tensor) -> torch.Tensor:
+    """``1 / sqrt(t)``, both correctly rounded (``Steps.inv_sqrt`` from rules revision 10)."""
+    return 1.0 / portable.ieee_sqrt(t)
 
 
 def plan_of(func: Any, rules_revision: int = RULES_REVISION) -> _Plan:

@@ -511,7 +511,8 @@ def train(session: Session, specimen: Specimen, steps: int) -> Session:
         model = session.init(specimen.build)
         model.train()
         opt = session.track(torch.optim.AdamW(model.parameters(), lr=3e-3))
-        batch = tuple(map(session.precision.cast, specimen.batch()))  # as Session.loader gives them
+        # as Session.loader gives them: in the run's precision, on its device
+        batch = tuple(session.precision.cast(t).to(session.device) for t in specimen.batch())
         for _ in range(steps):
             if session.stop_requested:  # a replay at the end of what its bundle holds
                 break
