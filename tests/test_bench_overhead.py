@@ -4,6 +4,7 @@ import re
 import statistics
 
 import pytest
+import torch
 
 from detrl.bench import performance
 from detrl.core.engine import Session
@@ -72,3 +73,19 @@ def test_the_per_repeat_ratio_pairs_each_recording_with_its_own_fp64():
     fp64 = [{"times": [1.0, 1.1, 1.2]}, {"times": [2.0, 2.2, 2.4]}, {"times": [1.25]}]
     assert performance._paired_column(rec, fp64) == "1.50x (1.20..2.00)"
     assert performance._paired_column([], []) == "-"
+
+
+def test_a_profile_runs_every_variant_on_it_and_an_absent_gpu_is_one_line(capsys):
+    """``--hardware``: each worker's Session runs on the profile (``cuda``: on the GPU); where torch sees no
+    GPU, asking for one fails before any work, in one line."""
+    out = performance._overhead_worker({"model": "digits_cnn", "variant": "fp64", "steps": 1, "warmup": 1,
+                                        "threads": 1, "tau": None, "hardware": "emulated:splitk"})  # fmt: skip
+    assert len(out["times"]) == 1
+    if not torch.cuda.is_available():
+        from detrl.cli import main
+
+        assert main(["bench", "overhead", "--hardware", "cuda", "--models", "digits_cnn"]) == 2
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert lines == [
+            "detrl: error: hardware profile 'cuda' needs a CUDA device, but no CUDA device is available"
+        ]

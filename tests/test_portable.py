@@ -21,6 +21,7 @@ from detrl.core.cpu_composites import dropout_as_on_cpu
 from detrl.core.engine import Session, _state_device
 from detrl.core.hardware import Profile
 from detrl.core.portable import cpu_op_sequence, ieee_division
+from detrl.testing import zoo
 
 aten = torch.ops.aten
 
@@ -373,3 +374,21 @@ def test_a_devices_dropout_inside_a_composite_is_the_cpus_ops_forward_and_backwa
     # and outside such a composite a model's own native_dropout stays one op (models.Dropout's)
     x = torch.ones(4, 4, dtype=torch.float64)
     assert portable.device_dropout_now() is False and torch.ops.aten.native_dropout(x, 0.0, True)[0].equal(x)
+
+
+@pytest.mark.parametrize("name", [n for n, s in zoo.SPECIMENS.items() if zoo.available(s)])
+def test_every_zoo_model_records_the_same_bundle_through_what_a_gpu_step_runs(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Every zoo model (Hugging Face GPT-2, Llama, Qwen2, Mistral, Mixtral, BERT, ViT, T5, torch's encoders,
+    an LSTM, ...) recorded on the CPU as a step off the CPU runs (the native route off, the compositions of
+    cpu_composites answering dropout and recurrent layers, SDPA's dropout flagged, divisions and factories
+    through portable.compute) is the plain CPU recording, byte for byte."""
+    specimen = zoo.SPECIMENS[name]
+    plain = zoo.record(specimen, tmp_path / "plain", steps=2)
+    monkeypatch.setattr(portable, "off_cpu", lambda device: True)
+    as_gpu = zoo.record(specimen, tmp_path / "as_gpu", steps=2)
+    monkeypatch.undo()
+    assert as_gpu.leaves == plain.leaves
+    for part in ("roundlog", "commitments"):
+        assert (tmp_path / "as_gpu" / part).read_bytes() == (tmp_path / "plain" / part).read_bytes()

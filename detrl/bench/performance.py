@@ -39,6 +39,7 @@ from detrl.bench.common import (
 from detrl.bench.registry import benchmark
 from detrl.core import kernel, native
 from detrl.core.engine import Session
+from detrl.core.hardware import get_profile
 from detrl.core.rounding import Thresholds
 from detrl.formats import bundle as bundle_mod
 from detrl.formats import commit
@@ -96,7 +97,10 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     thresholds: Any = "calibrate" if spec["tau"] is None else Thresholds(default=spec["tau"])
     tmp = tempfile.mkdtemp(prefix="detrl-bench-") if mode == "record" else None
     baseline_kb = status_kb("VmRSS")  # torch imported, data loaded, no model yet
-    session = sessions.session_for(cfg, tmp, mode, checkpoint_every=0, thresholds=thresholds, force=True)
+    hardware = spec.get("hardware", "native")
+    session = sessions.session_for(
+        cfg, tmp, mode, hardware=hardware, checkpoint_every=0, thresholds=thresholds, force=True
+    )
     times: list[float] = []
     phases = dict.fromkeys(PHASES, 0.0)  # seconds over the timed steps
     timer = PartTimer()
@@ -209,6 +213,12 @@ def bench_overhead(rest: list[str]) -> int:
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
+        "--hardware",
+        default="native",
+        help="the profile every variant runs on (cuda: the GPU, where torch sees one; see `detrl profiles`); "
+        "peak memory is the host's either way",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="also print where a step goes: each phase of the loop, and the parts of the commitment, timed "
@@ -216,7 +226,8 @@ def bench_overhead(rest: list[str]) -> int:
     )
     args = p.parse_args(rest)
     models = model_list(args.models)
-    print(machine_line(args.threads))
+    get_profile(args.hardware)  # a bad or absent profile fails here, in one line, before any work
+    print(machine_line(args.threads) + ("" if args.hardware == "native" else f" | hardware {args.hardware}"))
     print(
         "step time: wall time of a whole loop iteration (batch, forward, backward, optimizer, commit, log "
         "write), first step(s) excluded; peak memory: VmHWM (peak RSS) of a fresh process per variant, "
@@ -241,7 +252,8 @@ def bench_overhead(rest: list[str]) -> int:
             for v in run_order(r):
                 t0 = time.perf_counter()
                 spec = {"model": model, "variant": v, "steps": steps, "warmup": args.warmup,
-                        "threads": args.threads, "tau": tau, "breakdown": args.breakdown}  # fmt: skip
+                        "threads": args.threads, "tau": tau, "breakdown": args.breakdown,
+                        "hardware": args.hardware}  # fmt: skip
                 out = _spawn_worker(spec)
                 res[v].append(out)
                 progress(
