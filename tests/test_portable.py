@@ -392,3 +392,10 @@ def test_every_zoo_model_records_the_same_bundle_through_what_a_gpu_step_runs(
     assert as_gpu.leaves == plain.leaves
     for part in ("roundlog", "commitments"):
         assert (tmp_path / "as_gpu" / part).read_bytes() == (tmp_path / "plain" / part).read_bytes()
+
+
+def test_the_decompositions_divide_as_ieee_on_every_device() -> None:
+    x = torch.randn(100, dtype=torch.float64)
+    assert torch.equal(portable.ieee_divide(x, 288), x / 288)  # the CPU: its own IEEE division
+    meta = torch.empty(3, dtype=torch.float64, device="meta")
+    assert portable.ieee_divide(meta, 288).device.type == "meta"  # off it: by a tensor on the device

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from detrl.core.portable import ieee_divide
 from detrl.core.scale import dense_for_kernel, spacing32
 
 try:  # the C kernel's pass for exact rows (the torch rule in _exact_rows is the reference)
@@ -68,16 +69,6 @@ def _decomposes(op: Any, rounding: bool = True) -> Callable[[Callable[..., Any]]
         return fn
 
     return register
-
-
-def _over(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t / n``, correctly rounded in FP64 on every device. CUDA's kernel divides by a CPU scalar (a Python
-    number) as a product with its rounded reciprocal, which can differ in the last bit: there an FP64 ``t``
-    is divided by ``n`` as a 0-dim tensor on its device. On the CPU (and in other dtypes, which a 0-dim
-    divisor of their own type could not hold exactly), ``t / n`` as it is."""
-    if t.is_cpu or t.dtype != torch.float64:
-        return t / n
-    return t / torch.full((), n, dtype=torch.float64, device=t.device)
 
 
 def channels(x: torch.Tensor) -> tuple[list[int], list[int], int]:
@@ -230,9 +221,9 @@ def batch_norm(steps: Steps, x, weight, bias, running_mean, running_var, trainin
     """``(N, C, *S)`` -> ``(out, save_mean: (C,), save_invstd: (C,))``; updates running statistics in place."""
     channel_sum = steps.sum
     dims, shape, n = channels(x)
-    mean = _over(channel_sum(x, dims), n)
+    mean = ieee_divide(channel_sum(x, dims), n)
     centred = x - mean.view(shape)
-    var = _over(channel_sum(centred * centred, dims), n)
+    var = ieee_divide(channel_sum(centred * centred, dims), n)
     invstd = 1.0 / steps.sqrt(var + eps)  # not rsqrt: sqrt (Steps.sqrt) and division are correctly rounded
     # In place from here: the same operations in the same order (so the same bits), without a new
     # activation-sized tensor for each.
@@ -271,7 +262,9 @@ def batch_norm_backward(  # noqa: ANN201
     if output_mask[0]:
         scale = save_invstd if weight is None else save_invstd * weight
         # (grad_out - sum_g / n - xhat * sum_gx / n) * scale, in place: the same operations in the same order
-        grad_x = (grad_out - _over(sum_g, n).view(shape)).sub_(xhat.mul_(_over(sum_gx, n).view(shape)))
+        grad_x = (grad_out - ieee_divide(sum_g, n).view(shape)).sub_(
+            xhat.mul_(ieee_divide(sum_gx, n).view(shape))
+        )
         grad_x.mul_(scale.view(shape))
     return grad_x, sum_gx if output_mask[1] else None, sum_g if output_mask[2] else None
 
@@ -313,9 +306,9 @@ def _normalized_rows(steps: Steps, rows: torch.Tensor, eps: float) -> tuple[torc
     # were most of layer norm's log (exact FP32 ties, and rows that cancel at their position's scale).
     exact = _exact_rows(rows)
     logged = _row_sum(steps, rows.masked_fill(exact.unsqueeze(-1), 0.0), [-1])
-    mean = _over(torch.where(exact, rows.sum(-1), logged), n).unsqueeze(-1)
+    mean = ieee_divide(torch.where(exact, rows.sum(-1), logged), n).unsqueeze(-1)
     centred = rows - mean
-    var = _over(_row_sum(steps, centred * centred, [-1]), n).unsqueeze(-1)
+    var = ieee_divide(_row_sum(steps, centred * centred, [-1]), n).unsqueeze(-1)
     rstd = steps.inv_sqrt(var + eps)
     return centred.mul_(rstd), mean, rstd  # in place: the same operations, without a new tensor for each
 
@@ -326,8 +319,8 @@ def _normalized_rows_backward(
     """The input gradient of :func:`_normalized_rows` (``gw``, ``xhat: (R, n)``, ``rstd: (R, 1)``):
     ``rstd * (gw - mean(gw) - xhat * mean(gw * xhat))``, from two row sums."""
     n = gw.shape[-1]
-    mean_g = _over(_row_sum(steps, gw, [-1]), n).unsqueeze(-1)
-    mean_gx = _over(_row_sum(steps, gw * xhat, [-1]), n).unsqueeze(-1)
+    mean_g = ieee_divide(_row_sum(steps, gw, [-1]), n).unsqueeze(-1)
+    mean_gx = ieee_divide(_row_sum(steps, gw * xhat, [-1]), n).unsqueeze(-1)
     return (gw - mean_g).sub_(xhat * mean_gx).mul_(rstd)  # in place, the same order
 
 

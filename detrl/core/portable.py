@@ -143,6 +143,12 @@ _LIST_DIVISIONS = {
 }
 
 
+def ieee_divide(t: torch.Tensor, n: float) -> torch.Tensor:
+    """``t / n``, correctly rounded on every device (see :func:`ieee_division`): the decompositions' means."""
+    _, args = ieee_division(aten.div.Tensor, (t, n))
+    return t / args[1]  # n itself, or off the CPU n as a 0-dim FP64 tensor on t's device
+
+
 def ieee_division(func: Any, args: tuple) -> tuple[Any, tuple]:
     """``(func, args)``, or for a division of an FP64 tensor off the CPU by a CPU scalar, the division by
     that value as a 0-dim FP64 tensor on the dividend's device (the same result dtype: FP64 either way),
