@@ -57,20 +57,24 @@ def dropout_as_on_cpu(
     multiply = aten.mul_.Tensor if inplace else aten.mul.Tensor
     if p == 1.0:
         return multiply(x, aten.zeros.default([], dtype=x.dtype, layout=torch.strided, device=x.device))
-    noise = aten.empty_like.default(x)
-    aten.bernoulli_.float(noise, 1.0 - p)
-    aten.div_.Scalar(noise, 1.0 - p)
-    return multiply(x, noise)
+    return multiply(x, _noise(x, p))
 
 
 def dropout_noise_as_on_cpu(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A training dropout with ``0 < p < 1`` as a CPU computes it: ``(x * noise, noise)``, the noise drawn and
-    scaled by the CPU's ops (the part of :func:`dropout_as_on_cpu` that a device's ``native_dropout``
-    stands in for, inside composites written in C++: SDPA's math attention)."""
+    """A training dropout with ``0 < p < 1`` as a CPU computes it: ``(x * noise, noise)`` (the part of
+    :func:`dropout_as_on_cpu` that a device's ``native_dropout`` stands in for, inside composites written in
+    C++: SDPA's math attention)."""
+    noise = _noise(x, p)
+    return aten.mul.Tensor(x, noise), noise
+
+
+def _noise(x: torch.Tensor, p: float) -> torch.Tensor:
+    """A CPU dropout's noise in ``x``'s shape: kept elements ``1 / (1 - p)``, the others 0, drawn and scaled
+    by the CPU's ops (``empty_like``, ``bernoulli_.float``, ``div_.Scalar``)."""
     noise = aten.empty_like.default(x)
     aten.bernoulli_.float(noise, 1.0 - p)
     aten.div_.Scalar(noise, 1.0 - p)
-    return aten.mul.Tensor(x, noise), noise
+    return noise
 
 
 # The signatures of the functions they stand in for (``input`` as torch names it, for keyword callers).
@@ -177,19 +181,18 @@ def _run(
     return outputs, hidden
 
 
-def _layer(cell: Callable, x: Tensor, hidden: Any, w: _Weights) -> tuple[Tensor, Any]:
-    """ATen's ``FullLayer`` on a CPU: the sequence's input projection, then the cell per step."""
-    outputs, final = _run(cell, w.linear_ih(x).unbind(0), hidden, w, reverse=False)
+def _layer(cell: Callable, x: Tensor, hidden: Any, w: _Weights, reverse: bool = False) -> tuple[Tensor, Any]:
+    """ATen's ``FullLayer`` on a CPU (with ``reverse``, its reversed twin): the sequence's input projection,
+    then the cell per step, the outputs stacked in time order."""
+    outputs, final = _run(cell, w.linear_ih(x).unbind(0), hidden, w, reverse)
     return torch.stack(outputs, 0), final
 
 
 def _bidirectional_layer(cell: Callable, x: Tensor, hidden: tuple, w: tuple[_Weights, _Weights]) -> tuple:
     """ATen's ``FullBidirectionalLayer`` on a CPU: forward over the sequence, then backward, each from its
     own input projection; outputs concatenated on the feature axis."""
-    fw_out, fw_final = _run(cell, w[0].linear_ih(x).unbind(0), hidden[0], w[0], reverse=False)
-    fw_output = torch.stack(fw_out, 0)
-    rev_out, rev_final = _run(cell, w[1].linear_ih(x).unbind(0), hidden[1], w[1], reverse=True)
-    rev_output = torch.stack(rev_out, 0)
+    fw_output, fw_final = _layer(cell, x, hidden[0], w[0])
+    rev_output, rev_final = _layer(cell, x, hidden[1], w[1], reverse=True)
     return torch.cat([fw_output, rev_output], fw_output.dim() - 1), (fw_final, rev_final)
 
 

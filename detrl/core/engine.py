@@ -790,9 +790,8 @@ class Session:
             if not self.precision.is_verifiable and self.hardware != "native":
                 modes.enter_context(HardwareMode(self.profile))
             if self.precision.is_verifiable and portable.off_cpu(self.device):
-                modes.enter_context(
-                    portable.cpu_op_sequence()
-                )  # a CPU's aten ops where a composite picks by device
+                # a CPU's aten ops where a composite picks by device
+                modes.enter_context(portable.cpu_op_sequence())
             if self.precision.is_verifiable:
                 cursor = self.bundle.log_cursor(step) if self.bundle is not None else None
                 rounding = StepRounding(replay=cursor if self.mode == "replay" else None)

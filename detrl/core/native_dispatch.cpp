@@ -1594,7 +1594,7 @@ at::Tensor wrapped(int64_t v) {
 // at::sqrt is not, in MKL builds: a vector library's root, within an ulp but off the nearest double in about
 // 1 % of elements; a variance's root reaches every normalised element (decompose.Steps.sqrt, rules revision 10).
 at::Tensor ieee_sqrt(const at::Tensor& t) {
-  at::Tensor out = t.contiguous().clone();
+  at::Tensor out = t.clone(at::MemoryFormat::Contiguous);  // one copy, dense
   double* p = out.data_ptr<double>();
   for (int64_t i = 0, n = out.numel(); i < n; ++i) p[i] = std::sqrt(p[i]);
   return out;
