@@ -156,13 +156,75 @@ def test_recurrent_cells_as_on_cpu_dispatch_atens_cpu_ops(kind: str, bias: bool)
     assert all(torch.equal(a, b) for a, b in zip(aten_run[3], ours[3]) if a is not None)
 
 
-def test_packed_sequences_are_left_to_aten() -> None:
+PACKED_CASES = [
+    pytest.param(kind, layers, bidirectional, bias, dropout, proj, lengths, sort,
+                 id=f"{kind}-{layers}x{'bi' if bidirectional else 'uni'}-{'b' if bias else 'nb'}-d{dropout}-p{proj}-"
+                    f"{'.'.join(map(str, lengths))}{'-sorted' if sort else ''}")
+    for kind in ("LSTM", "GRU", "RNN", "RNN-relu")
+    for layers in (1, 2)
+    for bidirectional in (False, True)
+    for bias in (True, False)
+    for dropout in (0.0, 0.3)
+    for proj in ((0, 2) if kind == "LSTM" else (0,))
+    for lengths, sort in (((5, 3, 3, 1), True), ((2, 5, 4), False), ((4, 4), True))
+    if not (dropout and layers == 1) and (bias or not dropout)
+    and (kind == "LSTM" or (bias and sort))  # the others share the LSTM's layers: their cells and orders
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("kind", "layers", "bidirectional", "bias", "dropout", "proj", "lengths", "sort"), PACKED_CASES
+)
+def test_packed_sequences_as_on_cpu_dispatch_atens_cpu_ops(
+    kind: str,
+    layers: int,
+    bidirectional: bool,
+    bias: bool,
+    dropout: float,
+    proj: int,
+    lengths: tuple,
+    sort: bool,
+) -> None:
+    """A packed sequence (sequences of different lengths, sorted or not) through a recurrent layer: the batch
+    shrinks as sequences end, and grows again backwards. ATen's CPU ops and values, forward and backward."""
+    options = {"num_layers": layers, "bidirectional": bidirectional, "bias": bias, "dropout": dropout}
+    options.update(
+        {"proj_size": proj} if proj else {}, **({"nonlinearity": "relu"} if kind == "RNN-relu" else {})
+    )
+    torch.manual_seed(0)
+    module = getattr(torch.nn, kind.removesuffix("-relu"))(3, 4, **options).double()
+    x0 = torch.randn(max(lengths), len(lengths), 3, dtype=torch.float64)
+
+    def run(ours: bool) -> tuple:
+        x = x0.clone().requires_grad_()
+        module.zero_grad()
+        with torch.random.fork_rng(), OpLog() as log:
+            torch.manual_seed(1)
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, list(lengths), enforce_sorted=sort)
+            with AsOnCpu() if ours else contextlib.nullcontext():
+                out, hidden = module(packed)
+            hiddens = hidden if isinstance(hidden, tuple) else (hidden,)
+            sum(t.square().sum() for t in (out.data, *hiddens)).backward()
+        return (
+            log.ops,
+            [t.detach() for t in (out.data, *hiddens)],
+            x.grad,
+            [p.grad for p in module.parameters()],
+        )
+
+    aten_run, ours = run(False), run(True)
+    assert ours[0] == aten_run[0]  # forward and backward: ops, overloads, arguments, shapes and strides
+    assert all(torch.equal(a, b) for a, b in zip(aten_run[1] + [aten_run[2]], ours[1] + [ours[2]]))
+    assert all(torch.equal(a, b) for a, b in zip(aten_run[3], ours[3]))
+
+
+def test_packed_sequences_take_the_packed_composition() -> None:
     packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(3, 2, 1), [3, 2])
-    lstm = torch.nn.LSTM(1, 2)
     seen = []
     with _Spy(seen):
-        lstm(packed)
-    assert seen == [None]  # the packed overload: no composition
+        torch.nn.LSTM(1, 2)(packed)
+        torch.nn.LSTM(1, 2)(torch.randn(3, 2, 1))
+    assert seen == [cpu_composites.lstm_packed, cpu_composites.lstm]
 
 
 class _Spy(TorchFunctionMode):

@@ -17,8 +17,10 @@ reverse. :func:`lstm`, :func:`gru`, :func:`rnn_tanh`, :func:`rnn_relu` and the o
 ATen's on the CPU, over layers, directions, batch-first, biases, dropout and LSTM projections).
 
 Between layers, in training with ``dropout > 0``, ATen calls ``dropout``, which is itself device-dependent:
-here it is :func:`dropout_as_on_cpu`. Packed sequences (``PackedSequence``) take ATen's own path on every
-device. :func:`as_on_cpu` finds the composition that answers a torch function call
+here it is :func:`dropout_as_on_cpu`. Packed sequences (``PackedSequence``: the packed overloads, ``data``
+and ``batch_sizes`` in place of the padded input) run the same cells over a batch that shrinks as sequences
+end (ATen's ``PackedLayer``; backwards, ``ReversedPackedLayer``, which grows it), projected once on a CPU
+too. :func:`as_on_cpu` finds the composition that answers a torch function call
 (:class:`detrl.core.portable.cpu_op_sequence` asks it off the CPU).
 
 The cell formulas, as RNN.cpp writes them for a CPU (``x`` the step's projected input, ``h``/``c`` the state)::
@@ -34,6 +36,7 @@ The cell formulas, as RNN.cpp writes them for a CPU (``x`` the step's projected 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -196,6 +199,78 @@ def _bidirectional_layer(cell: Callable, x: Tensor, hidden: tuple, w: tuple[_Wei
     return torch.cat([fw_output, rev_output], fw_output.dim() - 1), (fw_final, rev_final)
 
 
+# ---- packed sequences: ``data`` (sum of the lengths, features), its rows time step by time step, each step
+# the ``batch_sizes[t]`` sequences still running (sorted longest first, so the batch only shrinks)
+def _slice(hidden: Any, start: int, end: int) -> Any:
+    """ATen's ``hidden_slice``: rows ``start:end`` of the state (an LSTM's ``(h, c)`` evaluated ``c`` first, as
+    GCC evaluates ``make_tuple``'s arguments)."""
+    if isinstance(hidden, tuple):
+        c = hidden[1].narrow(0, start, end - start)
+        return hidden[0].narrow(0, start, end - start), c
+    return hidden.narrow(0, start, end - start)
+
+
+def _concat(hiddens: list) -> Any:
+    """ATen's ``hidden_concat``: the states' rows one after another (an LSTM's ``c`` first, as in :func:`_slice`)."""
+    if isinstance(hiddens[0], tuple):
+        c = torch.cat([c for _, c in hiddens], 0)
+        return torch.cat([h for h, _ in hiddens], 0), c
+    return torch.cat(hiddens, 0)
+
+
+def _packed_layer(
+    cell: Callable, data: Tensor, hidden: Any, w: _Weights, sizes: list[int]
+) -> tuple[Tensor, Any]:
+    """ATen's ``PackedLayer`` on a CPU: the whole ``data`` projected once, then each step's rows through the
+    cell. Where the batch shrinks, the state of the sequences that ended is set aside; the final state is
+    theirs and the last step's, in batch order."""
+    projected = w.linear_ih(data)
+    outputs, ended = [], []
+    offset, last = 0, sizes[0]
+    for size in sizes:
+        x = projected.narrow(0, offset, size)
+        offset += size
+        if size < last:
+            ended.append(_slice(hidden, size, last))
+            hidden = _slice(hidden, 0, size)
+        last = size
+        hidden = cell(x, hidden, w, True)
+        outputs.append(_output(hidden))
+    ended.append(hidden)
+    ended.reverse()
+    return torch.cat(outputs, 0), _concat(ended)
+
+
+def _reversed_packed_layer(
+    cell: Callable, data: Tensor, hidden0: Any, w: _Weights, sizes: list[int]
+) -> tuple[Tensor, Any]:
+    """ATen's ``ReversedPackedLayer`` on a CPU: the steps last to first, the batch growing by the initial
+    state of each sequence that starts running (backwards); the outputs in time order."""
+    projected = w.linear_ih(data)
+    outputs = []
+    offset, last = data.size(0), sizes[-1]
+    hidden = _slice(hidden0, 0, last)
+    for size in reversed(sizes):
+        if size > last:
+            hidden = _concat([hidden, _slice(hidden0, last, size)])
+        x = projected.narrow(0, offset - size, size)
+        offset -= size
+        last = size
+        hidden = cell(x, hidden, w, True)
+        outputs.append(_output(hidden))
+    outputs.reverse()
+    return torch.cat(outputs, 0), hidden
+
+
+def _packed_bidirectional_layer(
+    cell: Callable, data: Tensor, hidden: tuple, w: tuple[_Weights, _Weights], sizes: list[int]
+) -> tuple:
+    """ATen's ``PackedBidirectionalLayer``: forward, then backward, outputs concatenated on the features."""
+    fw_output, fw_final = _packed_layer(cell, data, hidden[0], w[0], sizes)
+    rev_output, rev_final = _reversed_packed_layer(cell, data, hidden[1], w[1], sizes)
+    return torch.cat([fw_output, rev_output], -1), (fw_final, rev_final)
+
+
 def _stack(
     cell: Callable,
     x: Tensor,
@@ -205,20 +280,42 @@ def _stack(
     p: float,
     train: bool,
     bidir: bool,
+    sizes: list[int] | None = None,
 ) -> tuple[Tensor, list]:
-    """ATen's ``apply_layer_stack`` (``_rnn_impl``): the layers in turn, dropout between them."""
+    """ATen's ``apply_layer_stack`` (``_rnn_impl``): the layers in turn, dropout between them. ``sizes``: a
+    packed sequence's batch sizes (``x`` its data), else ``x`` is the (T, B, features) input."""
+    one, both = (_layer, _bidirectional_layer) if sizes is None else (
+        functools.partial(_packed_layer, sizes=sizes), functools.partial(_packed_bidirectional_layer, sizes=sizes)
+    )  # fmt: skip
     finals: list = []
     for layer in range(layers):
         if bidir:
             pair = (hiddens[2 * layer], hiddens[2 * layer + 1])
-            x, final = _bidirectional_layer(cell, x, pair, (weights[2 * layer], weights[2 * layer + 1]))
+            x, final = both(cell, x, pair, (weights[2 * layer], weights[2 * layer + 1]))
             finals.extend(final)
         else:
-            x, final = _layer(cell, x, hiddens[layer], weights[layer])
+            x, final = one(cell, x, hiddens[layer], weights[layer])
             finals.append(final)
         if p != 0 and train and layer < layers - 1:
             x = dropout_as_on_cpu(x, p, True)
     return x, finals
+
+
+def _lstm_stack(
+    x: Tensor, hx: Sequence[Tensor], params: Sequence[Tensor], has_biases: bool, num_layers: int, dropout: float,
+    train: bool, bidirectional: bool, sizes: list[int] | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """ATen's ``_lstm_impl``: ``(output, h_n, c_n)`` of the (T, B, I) input, or of a packed sequence's data."""
+    if len(hx) != 2:
+        raise ValueError("lstm expects two hidden states")
+    has_projections = hx[0].shape[2] != hx[1].shape[2]
+    weights = _gather(params, has_biases, has_projections)
+    hiddens = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
+    out, finals = _stack(_lstm_cell, x, hiddens, weights, num_layers, dropout, train, bidirectional, sizes)
+    # RNN.cpp returns make_tuple(outputs, stack(hy), stack(cy)), whose arguments GCC evaluates right to left
+    c_n = torch.stack([c for _, c in finals], 0)  # (layers * directions, B, H)
+    h_n = torch.stack([h for h, _ in finals], 0)  # (layers * directions, B, P)
+    return out, h_n, c_n
 
 
 def lstm(
@@ -233,20 +330,32 @@ def lstm(
     batch_first: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.lstm`` (the input overload) as on a CPU: ``(output, h_n, c_n)``."""
-    if len(hx) != 2:
-        raise ValueError("lstm expects two hidden states")
-    has_projections = hx[0].shape[2] != hx[1].shape[2]
     x = input.transpose(0, 1) if batch_first else input  # (T, B, I)
-    weights = _gather(params, has_biases, has_projections)
-    hiddens = list(zip(hx[0].unbind(0), hx[1].unbind(0)))
-    out, finals = _stack(_lstm_cell, x, hiddens, weights, num_layers, dropout, train, bidirectional)
-    # RNN.cpp returns make_tuple(outputs, stack(hy), stack(cy)), whose arguments GCC evaluates right to left
-    c_n = torch.stack([c for _, c in finals], 0)  # (layers * directions, B, H)
-    h_n = torch.stack([h for h, _ in finals], 0)  # (layers * directions, B, P)
+    out, h_n, c_n = _lstm_stack(x, hx, params, has_biases, num_layers, dropout, train, bidirectional, None)
     return (out.transpose(0, 1) if batch_first else out), h_n, c_n
 
 
-def _one_hidden(cell: Callable) -> Callable[..., tuple[Tensor, Tensor]]:
+def lstm_packed(
+    data: Tensor, batch_sizes: Tensor, hx: Sequence[Tensor], params: Sequence[Tensor], has_biases: bool,
+    num_layers: int, dropout: float, train: bool, bidirectional: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``torch.lstm`` (the packed overload) as on a CPU: ``(output data, h_n, c_n)``."""
+    sizes = _batch_sizes(batch_sizes)
+    return _lstm_stack(data, hx, params, has_biases, num_layers, dropout, train, bidirectional, sizes)
+
+
+def _batch_sizes(batch_sizes: Tensor) -> list[int]:
+    """A packed sequence's batch sizes (a CPU int64 tensor, as ATen reads it: no op dispatched)."""
+    if batch_sizes.dim() != 1 or batch_sizes.numel() == 0:
+        raise ValueError(f"batch_sizes must be a non-empty 1-d tensor, got shape {tuple(batch_sizes.shape)}")
+    return batch_sizes.tolist()
+
+
+def _one_hidden(
+    cell: Callable,
+) -> tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, Tensor]]]:
+    """``torch.gru`` / ``torch.rnn_tanh`` / ``torch.rnn_relu`` as on a CPU: the input overload and the packed one."""
+
     def rnn(
         input: Tensor,  # noqa: A002 - torch's names
         hx: Tensor,
@@ -258,7 +367,6 @@ def _one_hidden(cell: Callable) -> Callable[..., tuple[Tensor, Tensor]]:
         bidirectional: bool,
         batch_first: bool,
     ) -> tuple[Tensor, Tensor]:
-        """``torch.gru`` / ``torch.rnn_tanh`` / ``torch.rnn_relu`` (input overload) as on a CPU."""
         x = input.transpose(0, 1) if batch_first else input
         weights = _gather(params, has_biases)
         out, finals = _stack(cell, x, list(hx.unbind(0)), weights, num_layers, dropout, train, bidirectional)
@@ -267,13 +375,24 @@ def _one_hidden(cell: Callable) -> Callable[..., tuple[Tensor, Tensor]]:
             out.transpose_(0, 1)  # ATen transposes the GRU/RNN output in place (the LSTM's out of place)
         return out, h_n
 
-    return rnn
+    def rnn_packed(
+        data: Tensor, batch_sizes: Tensor, hx: Tensor, params: Sequence[Tensor], has_biases: bool,
+        num_layers: int, dropout: float, train: bool, bidirectional: bool,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        sizes = _batch_sizes(batch_sizes)
+        weights = _gather(params, has_biases)
+        out, finals = _stack(
+            cell, data, list(hx.unbind(0)), weights, num_layers, dropout, train, bidirectional, sizes
+        )
+        return out, torch.stack(finals, 0)
+
+    return rnn, rnn_packed
 
 
 _tanh_cell, _relu_cell = _simple_cell(torch.tanh), _simple_cell(torch.relu)
-gru = _one_hidden(_gru_cell)
-rnn_tanh = _one_hidden(_tanh_cell)
-rnn_relu = _one_hidden(_relu_cell)
+gru, gru_packed = _one_hidden(_gru_cell)
+rnn_tanh, rnn_tanh_packed = _one_hidden(_tanh_cell)
+rnn_relu, rnn_relu_packed = _one_hidden(_relu_cell)
 
 
 def _cell_function(cell: Callable) -> Callable[..., Any]:
@@ -294,13 +413,12 @@ def _cell_function(cell: Callable) -> Callable[..., Any]:
 
 
 _VF = torch._C._VariableFunctions
-#: torch's recurrent functions -> (their CPU composition here, the index of the argument that is a list of
-#: tensors in the input overload: the packed overload has ``batch_sizes`` there instead).
-AS_ON_CPU: dict[Any, tuple[Callable[..., Any], int]] = {
-    _VF.lstm: (lstm, 1),
-    _VF.gru: (gru, 2),
-    _VF.rnn_tanh: (rnn_tanh, 2),
-    _VF.rnn_relu: (rnn_relu, 2),
+#: torch's recurrent functions -> their CPU compositions here: (the input overload, the packed one).
+AS_ON_CPU: dict[Any, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    _VF.lstm: (lstm, lstm_packed),
+    _VF.gru: (gru, gru_packed),
+    _VF.rnn_tanh: (rnn_tanh, rnn_tanh_packed),
+    _VF.rnn_relu: (rnn_relu, rnn_relu_packed),
 }
 
 
@@ -315,11 +433,15 @@ CELLS_AS_ON_CPU: dict[Any, Callable[..., Any]] = {
 
 def as_on_cpu(func: Any, args: tuple, kwargs: dict) -> Callable[..., Any] | None:
     """The CPU composition that answers this call of a torch function (dropout, a recurrent layer or
-    cell), or None: not one of them, or a packed-sequence layer, which ATen runs on every device."""
+    cell), or None: not one of them."""
     simple = DROPOUTS_AS_ON_CPU.get(func) or CELLS_AS_ON_CPU.get(func)
     if simple is not None:
         return simple
-    entry = AS_ON_CPU.get(func)
-    if entry is None or kwargs or len(args) != 9 or not isinstance(args[entry[1]], (list, tuple)):
+    overloads = AS_ON_CPU.get(func)
+    if overloads is None or kwargs or len(args) != 9:
         return None
-    return entry[0]
+    # the packed overload has the batch sizes second (an integer tensor), where the input overload has the
+    # hidden state (a float tensor, or an LSTM's list of two)
+    second = args[1]
+    packed = isinstance(second, Tensor) and not (second.is_floating_point() or second.is_complex())
+    return overloads[1] if packed else overloads[0]

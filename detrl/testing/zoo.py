@@ -157,6 +157,28 @@ class LSTMNet(nn.Module):
         return self.head(self.lstm(self.emb(tokens))[0])
 
 
+class PackedRecurrent(nn.Module):
+    """Sequences of different lengths as NLP code runs them: packed (unsorted) through a two-layer
+    bidirectional LSTM with dropout between its layers, padded back, packed again through a GRU. The layers
+    shrink their batch as sequences end (ATen's packed layers), and the padding never reaches the loss."""
+
+    def __init__(self, width: int = 32, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width // 2)
+        self.lstm = nn.LSTM(width // 2, width // 2, num_layers=2, bidirectional=True, dropout=0.2)
+        self.gru = nn.GRU(width, width, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        b, t = tokens.shape
+        lengths = [t - i % t for i in range(b)]  # T, T - 1, ...: unsorted once sorted is undone
+        x = nn.utils.rnn.pack_padded_sequence(self.emb(tokens).transpose(0, 1), lengths, enforce_sorted=False)
+        h, _ = nn.utils.rnn.pad_packed_sequence(self.lstm(x)[0], batch_first=True)  # (B, T, width)
+        h = nn.utils.rnn.pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False)
+        h, _ = nn.utils.rnn.pad_packed_sequence(self.gru(h)[0], batch_first=True, total_length=t)
+        return self.head(h)
+
+
 class RotaryFourier(nn.Module):
     """Complex arithmetic as models write it: the rotary embedding of Meta's Llama (frequencies from
     ``torch.polar``, queries and keys rotated as complex64 numbers), FNet's Fourier mixing (the real part of
@@ -380,6 +402,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("transformer_encoder", functools.partial(Encoder, w, v), toks, next_token),
             Specimen("masked_encoder", functools.partial(MaskedEncoder, w, v), toks, next_token),
             Specimen("lstm", functools.partial(LSTMNet, w, v), toks, next_token),
+            Specimen("packed_recurrent", functools.partial(PackedRecurrent, w, v), toks, next_token),
             Specimen("rotary_fourier", functools.partial(RotaryFourier, w, v), toks, next_token),
             Specimen("spectral_operator", functools.partial(SpectralOperator, w), feats, classify),
             Specimen("autocast_bf16", functools.partial(AutocastCNN, w), imgs, classify),
