@@ -117,6 +117,18 @@ def test_unknown_config_key_suggests_the_nearest(tmp_path, capsys):
     assert err == "detrl: error: config error: optimizer.lrr: unknown key (did you mean optimizer.lr?)\n"
 
 
+def test_a_validators_refusal_reads_in_its_own_words(tmp_path, capsys):
+    rc = main(["train", "configs/supervised/digits_cnn.yaml", "--set", "hardware=emulated:nope", "--quiet",
+               "--no-tensorboard", "--out", str(tmp_path / "run")])  # fmt: skip
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("detrl: error: config error: hardware: unknown hardware profile")
+        and "Value error" not in err
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_packaged_config_resolves_outside_a_checkout(tmp_path, monkeypatch):
     import pytest
 

@@ -236,6 +236,8 @@ def validate(raw: dict[str, Any]) -> RunBase:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key" + _did_you_mean(schema, err["loc"])
+        elif err["type"] == "value_error" and "error" in err.get("ctx", {}):
+            msg = str(err["ctx"]["error"])  # a validator's own words, without pydantic's "Value error, "
         raise ConfigError(f"config error: {where}: {msg}") from None
 
 
