@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import random
 import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 import torch
@@ -278,6 +279,52 @@ class Loader:
             bx, by = x[idx], y[idx]
             s._batch_hash = commit.hash_batch(bx, by)
             yield Batch(s.precision.cast(bx).to(s.device), by.to(s.device), idx)
+
+
+class _GradScalerPart:
+    """A ``torch.amp.GradScaler`` as run state (:meth:`Session.track`): its loss scale, growth tracker and
+    settings (``state_dict()``; empty while disabled), committed with every step and restored on resume.
+    Left out, a resumed run restarts at the initial scale, and skips other steps (those whose scaled
+    gradients overflow) than the run it continues."""
+
+    KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(state_bytes(self.scaler.state_dict())).digest()
+
+    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {}, self.scaler.state_dict()
+
+    def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Check ``meta`` (a bundle's: untrusted) and load it; ValueError names what is wrong."""
+        if not self.scaler.is_enabled():
+            if meta:
+                raise ValueError("grad scaler: the checkpoint has state for a scaler this run disables")
+            return
+        if set(meta) != self.KEYS:
+            raise ValueError(f"grad scaler: state keys {sorted(meta)}, expected {sorted(self.KEYS)}")
+
+        def number(key: str, kind: type, low: float, high: float) -> Any:
+            value = meta[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+                raise ValueError(f"grad scaler: {key} is {value!r}, not a number")
+            if not low <= value <= high:
+                raise ValueError(f"grad scaler: {key} = {value!r} out of range [{low:g}, {high:g}]")
+            return kind(value)
+
+        fp32_max = float(torch.finfo(torch.float32).max)
+        self.scaler.load_state_dict(
+            {
+                "scale": number("scale", float, float(torch.finfo(torch.float32).tiny), fp32_max),
+                "growth_factor": number("growth_factor", float, 1.0, fp32_max),
+                "backoff_factor": number("backoff_factor", float, 0.0, 1.0),
+                "growth_interval": number("growth_interval", int, 1, 2**31 - 1),
+                "_growth_tracker": number("_growth_tracker", int, 0, 2**31 - 1),
+            }
+        )
 
 
 class Session:
@@ -646,8 +693,17 @@ class Session:
             self.stop_requested = True  # nothing after the initial state is durable
         return model
 
-    def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    @overload
+    def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
+    @overload
+    def track(self, optimizer: torch.amp.GradScaler) -> torch.amp.GradScaler: ...
+
+    def track(self, optimizer: torch.optim.Optimizer | torch.amp.GradScaler) -> Any:
         """Include ``optimizer``'s state in commitments and checkpoints; returns it.
+
+        A ``torch.amp.GradScaler`` is tracked the same way (its loss scale and growth tracker, as the part
+        ``grad_scaler``; a second one as ``grad_scaler2``, ...): a run that uses one must track it, or a
+        resumed run starts again from the initial scale.
 
         In verifiable precision an optimizer left to pick its implementation (``foreach=None``, torch's
         default) is pinned to the per-tensor loop: torch picks the ``_foreach`` ops on a GPU and the loop on
@@ -656,6 +712,10 @@ class Session:
         the whole update, nothing to round op by op) is refused with a ValueError, and so is L-BFGS in any
         precision: its state holds lists (the curvature history), which a run cannot commit or resume.
         """
+        if isinstance(optimizer, torch.amp.GradScaler):
+            n = sum(isinstance(part, _GradScalerPart) for part in self.parts.values())
+            self.attach(f"grad_scaler{n + 1 if n else ''}", _GradScalerPart(optimizer))
+            return optimizer
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "LBFGS keeps its curvature history as lists of tensors, which a run cannot commit or resume: "
