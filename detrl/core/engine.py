@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import random
 import sys
 import time
@@ -42,6 +41,7 @@ from detrl.core import calibrate, native, portable
 from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
 from detrl.core.oprules import RULES_REVISION
+from detrl.core.parts import StateDictPart, grad_scaler_part, scheduler_part
 from detrl.core.portable import portable_kernels
 from detrl.core.precision import Precision, at_width
 from detrl.core.randomness import StreamRandomMode
@@ -102,6 +102,11 @@ class Divergence(Exception):
                 "no rounding-log anomaly in this step: the update itself differs (e.g. a skipped step)"
             )
         return "; ".join(parts)
+
+
+#: The LR schedulers :meth:`Session.track` takes (``ReduceLROnPlateau`` is no ``LRScheduler`` before torch 2.2).
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+_Scheduler = torch.optim.lr_scheduler.LRScheduler | torch.optim.lr_scheduler.ReduceLROnPlateau
 
 
 class StatePart(Protocol):
@@ -281,52 +286,6 @@ class Loader:
             yield Batch(s.precision.cast(bx).to(s.device), by.to(s.device), idx)
 
 
-class _GradScalerPart:
-    """A ``torch.amp.GradScaler`` as run state (:meth:`Session.track`): its loss scale, growth tracker and
-    settings (``state_dict()``; empty while disabled), committed with every step and restored on resume.
-    Left out, a resumed run restarts at the initial scale, and skips other steps (those whose scaled
-    gradients overflow) than the run it continues."""
-
-    KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
-
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
-
-    def digest(self) -> bytes:
-        return hashlib.sha256(state_bytes(self.scaler.state_dict())).digest()
-
-    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return {}, self.scaler.state_dict()
-
-    def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Check ``meta`` (a bundle's: untrusted) and load it; ValueError names what is wrong."""
-        if not self.scaler.is_enabled():
-            if meta:
-                raise ValueError("grad scaler: the checkpoint has state for a scaler this run disables")
-            return
-        if set(meta) != self.KEYS:
-            raise ValueError(f"grad scaler: state keys {sorted(meta)}, expected {sorted(self.KEYS)}")
-
-        def number(key: str, kind: type, low: float, high: float) -> Any:
-            value = meta[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-                raise ValueError(f"grad scaler: {key} is {value!r}, not a number")
-            if not low <= value <= high:
-                raise ValueError(f"grad scaler: {key} = {value!r} out of range [{low:g}, {high:g}]")
-            return kind(value)
-
-        fp32_max = float(torch.finfo(torch.float32).max)
-        self.scaler.load_state_dict(
-            {
-                "scale": number("scale", float, float(torch.finfo(torch.float32).tiny), fp32_max),
-                "growth_factor": number("growth_factor", float, 1.0, fp32_max),
-                "backoff_factor": number("backoff_factor", float, 0.0, 1.0),
-                "growth_interval": number("growth_interval", int, 1, 2**31 - 1),
-                "_growth_tracker": number("_growth_tracker", int, 0, 2**31 - 1),
-            }
-        )
-
-
 class Session:
     """Record or replay one training run.
 
@@ -457,6 +416,7 @@ class Session:
         self.parts: dict[str, StatePart] = {}
         # Recorder and auditor alike: the cache reuses a digest only for bytes it has compared equal.
         self._digests = commit.DigestCache() if mode != "off" else None
+        self._committed_parts: dict[str, bytes] = {}  # each part's digest in the last commitment
         self._tracker: _OrderedTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":
             self._tracker = _OrderedTracker()
@@ -697,13 +657,18 @@ class Session:
     def track(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
     @overload
     def track(self, optimizer: torch.amp.GradScaler) -> torch.amp.GradScaler: ...
+    @overload
+    def track(self, optimizer: _Scheduler) -> _Scheduler: ...
 
-    def track(self, optimizer: torch.optim.Optimizer | torch.amp.GradScaler) -> Any:
+    def track(self, optimizer: Any) -> Any:
         """Include ``optimizer``'s state in commitments and checkpoints; returns it.
 
-        A ``torch.amp.GradScaler`` is tracked the same way (its loss scale and growth tracker, as the part
-        ``grad_scaler``; a second one as ``grad_scaler2``, ...): a run that uses one must track it, or a
-        resumed run starts again from the initial scale.
+        An LR scheduler (``torch.optim.lr_scheduler``'s) and a ``torch.amp.GradScaler`` are tracked the
+        same way, as the parts ``lr_scheduler`` and ``grad_scaler`` (a second one ``lr_scheduler2``, ...;
+        :mod:`detrl.core.parts`): the scheduler with the hyperparameters it sets in its optimizer's groups,
+        the scaler with its loss scale. A run that uses one must track it: a resumed run would otherwise
+        restart it, and disagree with a replay from step 0. A state a run cannot commit (a tensor, an
+        object) is refused with a ValueError.
 
         In verifiable precision an optimizer left to pick its implementation (``foreach=None``, torch's
         default) is pinned to the per-tensor loop: torch picks the ``_foreach`` ops on a GPU and the loop on
@@ -712,9 +677,16 @@ class Session:
         the whole update, nothing to round op by op) is refused with a ValueError, and so is L-BFGS in any
         precision: its state holds lists (the curvature history), which a run cannot commit or resume.
         """
-        if isinstance(optimizer, torch.amp.GradScaler):
-            n = sum(isinstance(part, _GradScalerPart) for part in self.parts.values())
-            self.attach(f"grad_scaler{n + 1 if n else ''}", _GradScalerPart(optimizer))
+        if isinstance(optimizer, (torch.amp.GradScaler, *_SCHEDULERS)):
+            kind = "grad_scaler" if isinstance(optimizer, torch.amp.GradScaler) else "lr_scheduler"
+            try:
+                part = (grad_scaler_part if kind == "grad_scaler" else scheduler_part)(optimizer)
+            except TypeError as e:
+                raise ValueError(f"{type(optimizer).__name__}: {e}") from None
+            n = sum(
+                name == kind or name.startswith(kind) and name[len(kind) :].isdigit() for name in self.parts
+            )
+            self.attach(f"{kind}{n + 1 if n else ''}", part)
             return optimizer
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
@@ -822,6 +794,7 @@ class Session:
         """
         if self.model is None:
             raise RuntimeError("call Session.init(build_model) before the first step")
+        self._check_unchanged_since_commit()
         if batch is not None:
             self._batch_hash = commit.hash_batch(*_as_tuple(batch))
         # A plain step (FP32 or FP64 on native hardware, random ops left to torch) needs no mode but the
@@ -967,7 +940,21 @@ class Session:
 
     def _state_hash(self, tensors: dict[str, torch.Tensor]) -> bytes:
         parts = {name: part.digest() for name, part in self.parts.items()}
+        self._committed_parts = parts
         return commit.state_hash(tensors, self.sources.digest_bytes(), parts, self._digests)
+
+    def _check_unchanged_since_commit(self) -> None:
+        """A tracked scheduler or scaler (:mod:`detrl.core.parts`) must change inside steps only: one stepped
+        between two (after the commitment) is checkpointed before its change, and a run resumed there
+        would skip that change. RuntimeError names it."""
+        for name, part in self.parts.items():
+            committed = self._committed_parts.get(name) if isinstance(part, StateDictPart) else None
+            if committed is not None and part.digest() != committed:
+                raise RuntimeError(
+                    f"the run's {name} changed after step {self.step_index} was committed: step it (and set "
+                    "its optimizer's hyperparameters) inside `with session.step():`, so that each step's "
+                    "commitment and checkpoint hold it, or a resumed run would not be the run it continues"
+                )
 
     def _stats(self) -> dict[str, int]:
         return {**dataclasses.asdict(self.totals), "log_bytes": sum(self.log_bytes)}
