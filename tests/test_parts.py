@@ -179,7 +179,7 @@ def _plateau_part() -> tuple[StateDictPart, lr_scheduler.ReduceLROnPlateau]:
             lambda m: m["scheduler"].update(best="inf"),
             r"lr scheduler.scheduler.best: holds a string, expected a number",
         ),
-        (lambda m: m["scheduler"].update(best={"float": "huge"}), "best: holds a dict, expected a number"),
+        (lambda m: m["scheduler"].update(best={"float": "huge"}), "best: holds an object, expected a number"),
         (
             lambda m: m["scheduler"].update(_last_lr=[0.1, 0.1]),
             r"_last_lr: holds 2 values, expected 1 values",

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from detrl.core.sources import state_bytes
+from detrl.formats.safeio import json_kind
 
 _NON_FINITE = ("inf", "-inf", "nan")
 
@@ -42,38 +43,26 @@ def _encode(value: Any, where: str) -> Any:
     raise TypeError(f"{where} is a {type(value).__name__}, which a run cannot commit")
 
 
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if value is None:
-        return "null"
-    return "a " + type(value).__name__
-
-
 def _decode_like(saved: Any, live: Any, where: str) -> Any:
     """``saved`` (a checkpoint's, from :func:`_encode`) in the shape of ``live``, the object's own state:
     the same keys and list lengths, and at each leaf the same kind of value (an int and a float are both
     numbers). ValueError names the first place where it is not."""
     if isinstance(live, dict):
         if not isinstance(saved, dict) or set(saved) != set(live):
-            got = sorted(saved) if isinstance(saved, dict) else _kind(saved)
+            got = sorted(saved) if isinstance(saved, dict) else json_kind(saved)
             raise ValueError(f"{where}: holds {got}, expected the keys {sorted(live)}")
         return {k: _decode_like(saved[k], live[k], f"{where}.{k}") for k in live}
     if isinstance(live, (list, tuple)):
         if not isinstance(saved, list) or len(saved) != len(live):
-            got = f"{len(saved)} values" if isinstance(saved, list) else _kind(saved)
+            got = f"{len(saved)} values" if isinstance(saved, list) else json_kind(saved)
             raise ValueError(f"{where}: holds {got}, expected {len(live)} values")
         items = [_decode_like(s, v, f"{where}[{i}]") for i, (s, v) in enumerate(zip(saved, live))]
         return tuple(items) if isinstance(live, tuple) else items
     number = isinstance(live, (int, float)) and not isinstance(live, bool)
     if number and isinstance(saved, dict) and set(saved) == {"float"} and saved["float"] in _NON_FINITE:
         return float(saved["float"])
-    if _kind(saved) != _kind(live):
-        raise ValueError(f"{where}: holds {_kind(saved)}, expected {_kind(live)}")
+    if json_kind(saved) != json_kind(live):
+        raise ValueError(f"{where}: holds {json_kind(saved)}, expected {json_kind(live)}")
     return saved
 
 

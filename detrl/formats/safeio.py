@@ -300,6 +300,20 @@ def loads_json(data: bytes, what: str, max_depth: int = 32, max_number_chars: in
     raise UnsafeInput(f"{what}: not valid JSON ({reason})")
 
 
+def json_kind(x: Any) -> str:
+    """What kind of JSON value ``x`` is, for messages: "null", "a boolean", "a number", "a string", "a list"
+    or "an object" (anything else too: a value that JSON could not have given)."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, (int, float)):
+        return "a number"
+    if isinstance(x, str):
+        return "a string"
+    return "a list" if isinstance(x, (list, tuple)) else "an object"
+
+
 def dumps_json(obj: Any) -> bytes:
     """Canonical JSON: sorted keys, one-space indent, ASCII only, no NaN/Infinity, UTF-8, trailing newline.
 

@@ -145,16 +145,7 @@ class _Malformed(Exception):
     """A field of summary.json is of the wrong type or size; the message names the field."""
 
 
-def _kind(x: Any) -> str:
-    if x is None:
-        return "null"
-    if isinstance(x, bool):
-        return "a boolean"
-    if isinstance(x, (int, float)):
-        return "a number"
-    if isinstance(x, str):
-        return "a string"
-    return "a list" if isinstance(x, list) else "an object"
+_kind = safeio.json_kind
 
 
 def _obj(x: Any, where: str) -> dict[str, Any]:
