@@ -990,10 +990,13 @@ class Session:
         arrays: dict[str, torch.Tensor] = {}
         parts: dict[str, Any] = {}
         for name, part in self.parts.items():
+            # a scheduler or scaler: its digest as committed, and the state its state() keeps from then
+            committed = self._committed_parts.get(name) if isinstance(part, StateDictPart) else None
+            digest = committed if committed is not None else part.digest()
             values, meta = part.state()
             for key, value in values.items():
                 arrays[f"{RESUME_PREFIX}{name}/{key}"] = torch.as_tensor(np.ascontiguousarray(value))
-            parts[name] = {"digest": part.digest().hex(), "meta": meta}
+            parts[name] = {"digest": digest.hex(), "meta": meta}
         return arrays, parts
 
     def _finish_record(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -35,22 +36,39 @@ def _encode(value: Any, where: str) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else {"float": repr(value)}
+        return value if math.isfinite(value) else {"float": repr(float(value))}  # numpy's repr differs
     if isinstance(value, (list, tuple)):
         return [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Counter) and all(isinstance(k, int) and not isinstance(k, bool) for k in value):
+        return {"counter": [[k, _encode(value[k], f"{where}[{k}]")] for k in sorted(value)]}  # MultiStepLR's
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {k: _encode(v, f"{where}.{k}") for k, v in value.items()}
     raise TypeError(f"{where} is a {type(value).__name__}, which a run cannot commit")
+
+
+def _listed(keys: list[Any], n: int = 4) -> str:
+    """At most ``n`` of ``keys``, each shortened (a hostile checkpoint may hold a million)."""
+    shown = ", ".join(repr(str(k)[:40]) for k in keys[:n])
+    return f"[{shown}{', ...' if len(keys) > n else ''}] ({len(keys)})"
 
 
 def _decode_like(saved: Any, live: Any, where: str) -> Any:
     """``saved`` (a checkpoint's, from :func:`_encode`) in the shape of ``live``, the object's own state:
     the same keys and list lengths, and at each leaf the same kind of value (an int and a float are both
     numbers). ValueError names the first place where it is not."""
+    if isinstance(live, Counter):  # int keys, each with its count: a list of pairs (_encode)
+        pairs = saved.get("counter") if isinstance(saved, dict) and set(saved) == {"counter"} else None
+        if not isinstance(pairs, list) or any(not isinstance(p, list) or len(p) != 2 for p in pairs):
+            raise ValueError(f"{where}: holds {json_kind(saved)}, expected a counter's [key, count] pairs")
+        if [p[0] for p in pairs] != sorted(live):
+            raise ValueError(f"{where}: counts other keys than {_listed(sorted(live))}")
+        return Counter({k: _decode_like(c, live[k], f"{where}[{k}]") for k, c in pairs})
     if isinstance(live, dict):
         if not isinstance(saved, dict) or set(saved) != set(live):
-            got = sorted(saved) if isinstance(saved, dict) else json_kind(saved)
-            raise ValueError(f"{where}: holds {got}, expected the keys {sorted(live)}")
+            if not isinstance(saved, dict):
+                raise ValueError(f"{where}: holds {json_kind(saved)}, expected an object")
+            extra, missing = sorted(set(saved) - set(live)), sorted(set(live) - set(saved))
+            raise ValueError(f"{where}: unexpected keys {_listed(extra)}, missing keys {_listed(missing)}")
         return {k: _decode_like(saved[k], live[k], f"{where}.{k}") for k in live}
     if isinstance(live, (list, tuple)):
         if not isinstance(saved, list) or len(saved) != len(live):
@@ -74,16 +92,19 @@ class StateDictPart:
         self, what: str, get: Callable[[], dict[str, Any]], put: Callable[[dict[str, Any]], None]
     ) -> None:
         self.what, self._get, self._put = what, get, put
+        self._digested: dict[str, Any] = {}
         self.digest()  # a value a run cannot commit is refused here, when it is tracked
 
-    def _encoded(self) -> dict[str, Any]:
-        return _encode(self._get(), self.what)
-
     def digest(self) -> bytes:
-        return hashlib.sha256(state_bytes(self._encoded())).digest()
+        """The digest of the state now, which :meth:`state` then returns."""
+        self._digested = _encode(self._get(), self.what)
+        return hashlib.sha256(state_bytes(self._digested)).digest()
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return {}, self._encoded()
+        """The state of the last :meth:`digest`, the one the last commitment holds: the final checkpoint,
+        written when the run ends, must hold it even where the object changed after the last step (a
+        scheduler stepped once more after the loop)."""
+        return {}, self._digested
 
     def load_state(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         self._put(_decode_like(meta, self._get(), self.what))
