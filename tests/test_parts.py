@@ -10,7 +10,7 @@ import torch
 from torch.optim import lr_scheduler
 
 from detrl.core.engine import Divergence, Session
-from detrl.core.parts import StateDictPart, grad_scaler_part
+from detrl.core.parts import StateDictPart, grad_scaler_part, scheduler_part
 from detrl.core.sources import Sources
 from detrl.formats import bundle
 from detrl.formats.bundle import BundleError
@@ -223,8 +223,6 @@ def test_non_finite_numpy_floats_round_trip() -> None:
             return min(1.0, self.cap)
 
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-    from detrl.core.parts import scheduler_part
-
     part = scheduler_part(lr_scheduler.LambdaLR(opt, Capped()))
     meta = json.loads(json.dumps(part.state()[1], allow_nan=False))
     assert meta["scheduler"]["lr_lambdas"][0] == {"cap": {"float": "inf"}}
@@ -234,8 +232,6 @@ def test_non_finite_numpy_floats_round_trip() -> None:
 def _plateau_part() -> tuple[StateDictPart, lr_scheduler.ReduceLROnPlateau]:
     opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
     sched = lr_scheduler.ReduceLROnPlateau(opt)
-    from detrl.core.parts import scheduler_part
-
     return scheduler_part(sched), sched
 
 

@@ -356,6 +356,17 @@ def _one_hidden(
 ) -> tuple[Callable[..., tuple[Tensor, Tensor]], Callable[..., tuple[Tensor, Tensor]]]:
     """``torch.gru`` / ``torch.rnn_tanh`` / ``torch.rnn_relu`` as on a CPU: the input overload and the packed one."""
 
+    def stack(
+        x: Tensor, hx: Tensor, params: Sequence[Tensor], has_biases: bool, num_layers: int, dropout: float,
+        train: bool, bidirectional: bool, sizes: list[int] | None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """ATen's ``_rnn_impl_with_concat``: ``(output, h_n)`` of the (T, B, I) input or a packed sequence's data."""
+        weights = _gather(params, has_biases)
+        out, finals = _stack(
+            cell, x, list(hx.unbind(0)), weights, num_layers, dropout, train, bidirectional, sizes
+        )
+        return out, torch.stack(finals, 0)  # h_n: (layers * directions, B, H)
+
     def rnn(
         input: Tensor,  # noqa: A002 - torch's names
         hx: Tensor,
@@ -368,10 +379,8 @@ def _one_hidden(
         batch_first: bool,
     ) -> tuple[Tensor, Tensor]:
         x = input.transpose(0, 1) if batch_first else input
-        weights = _gather(params, has_biases)
-        out, finals = _stack(cell, x, list(hx.unbind(0)), weights, num_layers, dropout, train, bidirectional)
-        h_n = torch.stack(finals, 0)  # (layers * directions, B, H), stacked before the transpose
-        if batch_first:
+        out, h_n = stack(x, hx, params, has_biases, num_layers, dropout, train, bidirectional, None)
+        if batch_first:  # after h_n was stacked
             out.transpose_(0, 1)  # ATen transposes the GRU/RNN output in place (the LSTM's out of place)
         return out, h_n
 
@@ -380,11 +389,7 @@ def _one_hidden(
         num_layers: int, dropout: float, train: bool, bidirectional: bool,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         sizes = _batch_sizes(batch_sizes)
-        weights = _gather(params, has_biases)
-        out, finals = _stack(
-            cell, data, list(hx.unbind(0)), weights, num_layers, dropout, train, bidirectional, sizes
-        )
-        return out, torch.stack(finals, 0)
+        return stack(data, hx, params, has_biases, num_layers, dropout, train, bidirectional, sizes)
 
     return rnn, rnn_packed
 

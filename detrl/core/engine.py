@@ -677,17 +677,10 @@ class Session:
         the whole update, nothing to round op by op) is refused with a ValueError, and so is L-BFGS in any
         precision: its state holds lists (the curvature history), which a run cannot commit or resume.
         """
-        if isinstance(optimizer, (torch.amp.GradScaler, *_SCHEDULERS)):
-            kind = "grad_scaler" if isinstance(optimizer, torch.amp.GradScaler) else "lr_scheduler"
-            try:
-                part = (grad_scaler_part if kind == "grad_scaler" else scheduler_part)(optimizer)
-            except TypeError as e:
-                raise ValueError(f"{type(optimizer).__name__}: {e}") from None
-            n = sum(
-                name == kind or name.startswith(kind) and name[len(kind) :].isdigit() for name in self.parts
-            )
-            self.attach(f"{kind}{n + 1 if n else ''}", part)
-            return optimizer
+        if isinstance(optimizer, torch.amp.GradScaler):
+            return self._track_state("grad_scaler", grad_scaler_part, optimizer)
+        if isinstance(optimizer, _SCHEDULERS):
+            return self._track_state("lr_scheduler", scheduler_part, optimizer)
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "LBFGS keeps its curvature history as lists of tensors, which a run cannot commit or resume: "
@@ -704,6 +697,19 @@ class Session:
                     group["foreach"] = False
         self.optimizers.append(optimizer)
         return optimizer
+
+    def _track_state(self, kind: str, make_part: Callable[[Any], StateDictPart], obj: Any) -> Any:
+        """Attach ``obj``'s state as the part ``kind`` (``kind2``, ... if taken); returns ``obj``."""
+        try:
+            part = make_part(obj)
+        except TypeError as e:
+            raise ValueError(f"{type(obj).__name__}: {e}") from None
+        name, n = kind, 1
+        while name in self.parts:
+            n += 1
+            name = f"{kind}{n}"
+        self.attach(name, part)
+        return obj
 
     def attach(self, name: str, part: StatePart) -> StatePart:
         """Commit ``part.digest()`` with every step and checkpoint its state (a replay buffer, an env)."""
@@ -943,12 +949,17 @@ class Session:
         self._committed_parts = parts
         return commit.state_hash(tensors, self.sources.digest_bytes(), parts, self._digests)
 
+    def _committed_digest(self, name: str, part: StatePart) -> bytes | None:
+        """A tracked scheduler's or scaler's digest in the last commitment (None for other parts, or before
+        a commitment held it)."""
+        return self._committed_parts.get(name) if isinstance(part, StateDictPart) else None
+
     def _check_unchanged_since_commit(self) -> None:
         """A tracked scheduler or scaler (:mod:`detrl.core.parts`) must change inside steps only: one stepped
         between two (after the commitment) is checkpointed before its change, and a run resumed there
         would skip that change. RuntimeError names it."""
         for name, part in self.parts.items():
-            committed = self._committed_parts.get(name) if isinstance(part, StateDictPart) else None
+            committed = self._committed_digest(name, part)
             if committed is not None and part.digest() != committed:
                 raise RuntimeError(
                     f"the run's {name} changed after step {self.step_index} was committed: step it (and set "
@@ -991,7 +1002,7 @@ class Session:
         parts: dict[str, Any] = {}
         for name, part in self.parts.items():
             # a scheduler or scaler: its digest as committed, and the state its state() keeps from then
-            committed = self._committed_parts.get(name) if isinstance(part, StateDictPart) else None
+            committed = self._committed_digest(name, part)
             digest = committed if committed is not None else part.digest()
             values, meta = part.state()
             for key, value in values.items():

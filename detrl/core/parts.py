@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from detrl.core.sources import state_bytes
-from detrl.formats.safeio import json_kind
+from detrl.formats.safeio import json_kind, shortened
 
 _NON_FINITE = ("inf", "-inf", "nan")
 
@@ -48,7 +48,7 @@ def _encode(value: Any, where: str) -> Any:
 
 def _listed(keys: list[Any], n: int = 4) -> str:
     """At most ``n`` of ``keys``, each shortened (a hostile checkpoint may hold a million)."""
-    shown = ", ".join(repr(str(k)[:40]) for k in keys[:n])
+    shown = ", ".join(shortened(str(k)) for k in keys[:n])
     return f"[{shown}{', ...' if len(keys) > n else ''}] ({len(keys)})"
 
 

@@ -221,7 +221,8 @@ class _Refused(Exception):
     """Raised by the json.loads hooks; carries the one-line reason."""
 
 
-def _short(s: str, n: int = 40) -> str:
+def shortened(s: str, n: int = 40) -> str:
+    """``s`` quoted, cut to ``n`` characters (another party's text in a message)."""
     return repr(s if len(s) <= n else s[:n] + "...")
 
 
@@ -276,7 +277,7 @@ def loads_json(data: bytes, what: str, max_depth: int = 32, max_number_chars: in
             seen: set[str] = set()
             for k, _ in pairs:
                 if k in seen:
-                    raise _Refused(f"duplicate key {_short(k)}")
+                    raise _Refused(f"duplicate key {shortened(k)}")
                 seen.add(k)
         return obj
 

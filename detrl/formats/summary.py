@@ -145,18 +145,15 @@ class _Malformed(Exception):
     """A field of summary.json is of the wrong type or size; the message names the field."""
 
 
-_kind = safeio.json_kind
-
-
 def _obj(x: Any, where: str) -> dict[str, Any]:
     if not isinstance(x, dict):
-        raise _Malformed(f"{where}: expected an object, not {_kind(x)}")
+        raise _Malformed(f"{where}: expected an object, not {safeio.json_kind(x)}")
     return x
 
 
 def _list(x: Any, where: str, cap: int) -> list[Any]:
     if not isinstance(x, list):
-        raise _Malformed(f"{where}: expected a list, not {_kind(x)}")
+        raise _Malformed(f"{where}: expected a list, not {safeio.json_kind(x)}")
     if len(x) > cap:
         raise _Malformed(f"{where}: {len(x)} entries, more than the cap of {cap}")
     return x
@@ -167,7 +164,7 @@ def _real(x: Any, where: str) -> float | None:
     if x is None:
         return None
     if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise _Malformed(f"{where}: expected a number or null, not {_kind(x)}")
+        raise _Malformed(f"{where}: expected a number or null, not {safeio.json_kind(x)}")
     v = float(x)
     if not math.isfinite(v) or abs(v) > MAX_MAGNITUDE:
         raise _Malformed(f"{where}: {v:.3g} is beyond the plausible magnitude {MAX_MAGNITUDE:.0e}")
@@ -177,7 +174,7 @@ def _real(x: Any, where: str) -> float | None:
 def _count(x: Any, where: str) -> int:
     """A non-negative integer below 2**62 (steps, run counts)."""
     if isinstance(x, bool) or not isinstance(x, int):
-        raise _Malformed(f"{where}: expected a non-negative integer, not {_kind(x)}")
+        raise _Malformed(f"{where}: expected a non-negative integer, not {safeio.json_kind(x)}")
     if not 0 <= x < 1 << 62:
         raise _Malformed(f"{where}: expected a non-negative integer below 2**62, not {x:.3g}")
     return x
@@ -189,7 +186,7 @@ def _count_or_none(x: Any, where: str) -> int | None:
 
 def _bool(x: Any, where: str) -> bool:
     if not isinstance(x, bool):
-        raise _Malformed(f"{where}: expected true or false, not {_kind(x)}")
+        raise _Malformed(f"{where}: expected true or false, not {safeio.json_kind(x)}")
     return x
 
 
@@ -198,7 +195,7 @@ def _text(x: Any, where: str, cap: int = MAX_TEXT) -> str | None:
     if x is None:
         return None
     if not isinstance(x, str):
-        raise _Malformed(f"{where}: expected a string, not {_kind(x)}")
+        raise _Malformed(f"{where}: expected a string, not {safeio.json_kind(x)}")
     if len(x) > 100 * cap:
         raise _Malformed(f"{where}: a string of {len(x)} characters, more than the cap of {100 * cap}")
     # Control characters could end a Markdown line or hide text (bidirectional overrides are category Cf).
