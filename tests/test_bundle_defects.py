@@ -201,7 +201,7 @@ def test_manifest_wrong_format(bundle: Path, capsys: pytest.CaptureFixture[str],
     audit_bad(capsys, bundle, "manifest.json", "format is not 'detrl-bundle'")
 
 
-@pytest.mark.parametrize("version", [1, 2, 3, 5, 99, -4, "4", None, [4]])
+@pytest.mark.parametrize("version", [1, 2, 3, 4, 6, 99, -5, "5", None, [5]])
 def test_manifest_unsupported_version(bundle: Path, capsys: pytest.CaptureFixture[str], version: Any) -> None:
     edit_manifest(bundle, "version", version)
     line = audit_bad(capsys, bundle, "manifest.json", "unsupported bundle version")
@@ -209,8 +209,8 @@ def test_manifest_unsupported_version(bundle: Path, capsys: pytest.CaptureFixtur
 
 
 def test_manifest_version_as_float(bundle: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """4.0 equals 4 in Python but is not the integer the format asks for."""
-    edit_manifest(bundle, "version", 4.0)
+    """5.0 equals 5 in Python but is not the integer the format asks for."""
+    edit_manifest(bundle, "version", 5.0)
     audit_bad(capsys, bundle, "manifest.json", "version")
 
 

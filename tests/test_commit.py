@@ -58,6 +58,39 @@ def test_record_is_independent_of_layout() -> None:
     assert commit.tensor_digest("w", t) == commit.tensor_digest("w", t.contiguous())
 
 
+def test_a_state_hash_is_the_documented_encoding_written_out() -> None:
+    """docs/verifiable.md's encoding, written out here without commit.py's helpers: the state tag, the
+    tensor count, each tensor's record (tag, name, dtype, shape, byte count, BLAKE3 of its raw bytes) in
+    name order, then the blobs. A change of the encoding must change this test and the bundle version."""
+    import struct
+
+    import blake3
+
+    tensors = {
+        "b": torch.arange(6, dtype=torch.float64).reshape(2, 3).t(),
+        "a": torch.ones(3, dtype=torch.bfloat16),
+    }
+
+    def record(name: str, t: torch.Tensor) -> bytes:
+        raw = (
+            t.contiguous().view(torch.uint8).numpy().tobytes()
+            if t.dtype == torch.bfloat16
+            else t.contiguous().numpy().tobytes()
+        )
+        dtype = {torch.float64: b"float64", torch.bfloat16: b"bfloat16"}[t.dtype]
+        return (
+            b"detrl/tensor/v3\0" + struct.pack("<I", len(name)) + name.encode() + struct.pack("<I", len(dtype))
+            + dtype + struct.pack("<I", t.dim()) + b"".join(struct.pack("<Q", n) for n in t.shape)
+            + struct.pack("<Q", len(raw)) + blake3.blake3(raw).digest()
+        )  # fmt: skip
+
+    body = b"detrl/state/v3\0" + struct.pack("<Q", 2) + record("a", tensors["a"]) + record("b", tensors["b"])
+    body += struct.pack("<Q", 1) + struct.pack("<I", 7) + b"sources" + struct.pack("<Q", 3) + b"xyz"
+    assert commit.state_hash(tensors, b"xyz", {}) == blake3.blake3(body).digest()
+    assert commit.state_hash(tensors, b"xyz", {}, commit.DigestCache()) == blake3.blake3(body).digest()
+    assert commit.tensor_digest("b", tensors["b"]) == blake3.blake3(record("b", tensors["b"])).digest()
+
+
 def test_state_encoding_separates_tensors_from_extras_and_names_from_blobs() -> None:
     a = torch.ones(2)
     base = commit.hash_tensors({"a": a}, [("x", b"12")])
@@ -139,20 +172,20 @@ def test_cache_matches_uncached_hash_through_optimizer_steps(mode: str) -> None:
 def test_cache_single_element_change_in_a_large_tensor() -> None:
     t = torch.zeros(1 << 16, dtype=torch.float64)
     cache = commit.DigestCache()
-    d0 = cache.digest("t", t)
+    d0 = cache.record("t", t)
     for idx in (0, 12345, (1 << 16) - 1):
         t.view(torch.int64)[idx] ^= 1  # one bit of one element, through an integer view
-        d = cache.digest("t", t)
-        assert d != d0 and d == commit.tensor_digest("t", t)
+        d = cache.record("t", t)
+        assert d != d0 and d == commit.tensor_record("t", t)
         d0 = d
 
 
 def test_cache_detects_dtype_and_shape_change_with_same_bytes() -> None:
     cache = commit.DigestCache()
     x = torch.arange(4, dtype=torch.float32)
-    cache.digest("w", x)
-    assert cache.digest("w", x.view(torch.int32)) == commit.tensor_digest("w", x.view(torch.int32))
-    assert cache.digest("w", x.reshape(2, 2)) == commit.tensor_digest("w", x.reshape(2, 2))
+    cache.record("w", x)
+    assert cache.record("w", x.view(torch.int32)) == commit.tensor_record("w", x.view(torch.int32))
+    assert cache.record("w", x.reshape(2, 2)) == commit.tensor_record("w", x.reshape(2, 2))
 
 
 def test_cache_budget_and_drop_rule() -> None:
@@ -163,13 +196,13 @@ def test_cache_budget_and_drop_rule() -> None:
     small = torch.zeros(50, dtype=torch.float64)  # 400 bytes
     for _ in range(40):
         small += 1.0
-        assert cache.digest("big", big) == commit.tensor_digest("big", big)
-        assert cache.digest("small", small) == commit.tensor_digest("small", small)
+        assert cache.record("big", big) == commit.tensor_record("big", big)
+        assert cache.record("small", small) == commit.tensor_record("small", small)
         assert cache.copy_bytes <= cache.budget_bytes
     assert cache.hits == 0
     # Once it stops changing it is copied again (after at most the first backoffs) and then reused.
     for _ in range(40):
-        cache.digest("small", small)
+        cache.record("small", small)
     assert cache.hits > 0 and cache._entries["small"].copy is not None
     assert cache._entries["big"].copy is None
 
@@ -180,13 +213,13 @@ def test_cache_follows_storage_swaps_and_in_place_layout_changes() -> None:
     p = torch.nn.Parameter(torch.arange(9, dtype=torch.float64).reshape(3, 3))
     cache = commit.DigestCache()
     for _ in range(2):
-        cache.digest("p", p)
+        cache.record("p", p)
     p.data = torch.arange(9, dtype=torch.float64).reshape(3, 3) + 1.0
-    assert cache.digest("p", p) == commit.tensor_digest("p", p)
+    assert cache.record("p", p) == commit.tensor_record("p", p)
     t = torch.arange(9, dtype=torch.float64).reshape(3, 3)
-    cache.digest("t", t)
+    cache.record("t", t)
     t.t_()
-    assert cache.digest("t", t) == commit.tensor_digest("t", t) != commit.tensor_digest("t", t.t())
+    assert cache.record("t", t) == commit.tensor_record("t", t) != commit.tensor_record("t", t.t())
 
 
 def test_an_optimizer_state_that_is_not_tensors_and_numbers_is_refused_in_one_line(tmp_path) -> None:
@@ -216,17 +249,17 @@ def test_cache_follows_a_swap_of_a_tensor_written_at_every_commitment() -> None:
     for _ in range(5):
         with torch.no_grad():
             p.add_(1.0)
-        assert cache.digest("p", p) == commit.tensor_digest("p", p)
+        assert cache.record("p", p) == commit.tensor_record("p", p)
     entry = cache._entries["p"]
     assert entry.copy is None and entry.retry_in > 0  # the steady state of a written tensor
     p.data = torch.arange(12, dtype=torch.float64).reshape(3, 4) * 2.0  # another storage
-    assert cache.digest("p", p) == commit.tensor_digest("p", p)
+    assert cache.record("p", p) == commit.tensor_record("p", p)
     with torch.no_grad():
         p.add_(1.0)
-    assert cache.digest("p", p) == commit.tensor_digest("p", p)
+    assert cache.record("p", p) == commit.tensor_record("p", p)
     t = p.data
     t.t_()  # same memory, other strides
-    assert cache.digest("p", t) == commit.tensor_digest("p", t)
+    assert cache.record("p", t) == commit.tensor_record("p", t)
     with torch.no_grad():
         t.resize_(2, 2)  # same storage, fewer elements
-    assert cache.digest("p", t) == commit.tensor_digest("p", t)
+    assert cache.record("p", t) == commit.tensor_record("p", t)

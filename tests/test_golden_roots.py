@@ -10,6 +10,11 @@ revision 3 (Adam and the target update per tensor: a lerp's FP32 midpoints are d
 by torch's lerp kernel; a revision 2 recording still gives ``b861085e...``). It was recorded on one AMD
 EPYC only, so the next machine of another kind to run this test confirms it.
 
+Every root moved at bundle version 5, which hashes each tensor's bytes apart from its record header, and
+nothing else: under version 4 the same recordings gave ``0c9dd781...``, ``802464b2...``, ``0a388816...`` and
+``b8abc209...`` (in the order below), which two machines had agreed on. A root is a function of the
+committed states' bytes, so machines that agreed on those states agree on these roots.
+
 Plain FP32 roots are machine-dependent and held nowhere: the FP32 digits CNN gave
 ``77960b96...`` on one AMD EPYC and ``a5e0be2a...`` on another (a different vector unit, other kernels).
 """
@@ -25,10 +30,10 @@ from detrl.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = {
-    "configs/supervised/digits_cnn.yaml": "0c9dd781e1c22e047598aaa990f4aa2d553531507949f64605e2d7cfeb53469c",
-    "configs/dqn/tiny.yaml": "802464b2d2273762d32afb196d08315d6c75ece1414b323a60c676db472b2fa8",
-    "configs/supervised/resnet50_tiny.yaml": "0a388816ae4490ed63826fab116aa212e3b264c3ad337b0017f98d4e31a141a2",
-    "configs/supervised/gpt2_tiny.yaml": "b8abc209af7fd1d2de9d25b036c54f1feab0ef84e62964b3f848981fb94e2533",
+    "configs/supervised/digits_cnn.yaml": "4cb23aca883c8ccf8cc16a1d87d19ba6dd01e5c1fe8bc8cd1ff57427d03c3076",
+    "configs/dqn/tiny.yaml": "4c510c928a429117acd69177c2ec3acaca1e6f2822d56fb7d79e0f454fe94ca5",
+    "configs/supervised/resnet50_tiny.yaml": "b5cb79c560be0f768cc19ee4448c807fb96901d7500fcb4f3be515227d6fb38d",
+    "configs/supervised/gpt2_tiny.yaml": "3650a30ba9e7d8d476dd1869ee36f3942f79c5e91d048b9f4ff2a12d3a448ea8",
 }
 
 

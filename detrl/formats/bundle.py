@@ -61,7 +61,9 @@ FORMAT = "detrl-bundle"
 #: durable point and a status, checkpoints listed with their SHA-256, rounding log v2 (no trailer).
 #: 4: commitments (state, batch, Merkle leaves and nodes) are BLAKE3 over length-prefixed records with
 #: v2 domain tags (detrl/formats/commit.py); checkpoint files keep their SHA-256.
-VERSION = 4
+#: 5: a tensor record holds the BLAKE3 of the tensor's bytes instead of the bytes (tensor, state and batch
+#: tags v3), and a state holds its records instead of their digests; leaves and nodes are unchanged.
+VERSION = 5
 MANIFEST = "manifest.json"
 COMMITMENTS = "commitments"
 ROUNDLOG = "roundlog"
