@@ -1,4 +1,4 @@
-"""Defective bundles (bundle format version 3; rounding log version 4, and 3 where a test says so) to
+"""Defective bundles (bundle format version 5; rounding log version 4, and 3 where a test says so) to
 ``detrl audit``: exit code 2, one line naming the file and the problem, no traceback, nothing unpickled.
 
 One small digits_cnn bundle is recorded per module (8 steps, checkpoints at 4 and 8) and copied into

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 FORMAT = "detrl-merkle-proof"
-#: 1: leaves and nodes as in bundle version 4 (``detrl/leaf/v2``, ``detrl/node/v2``, BLAKE3).
+#: 1: leaves and nodes as in bundle versions 4 and 5 (``detrl/leaf/v2``, ``detrl/node/v2``, BLAKE3).
 VERSION = 1
 #: Largest proof file read (bytes). The largest valid proof, two paths of 40 siblings, is under 8 KiB.
 MAX_PROOF_BYTES = 64 << 10
