@@ -8,8 +8,8 @@ unless asked (the attribute is ``None`` while recording), and digests never ente
 
 Positions count every op of the step whose float output the rounding mode rounded, logged or exact (views
 and ops that only move values are not counted; a decomposed op counts once, for its outputs). The digest
-of an op is BLAKE3 over the canonical records (:func:`detrl.formats.commit.tensor_digest`: dtype, shape,
-raw bytes) of its rounded outputs, so an op of another shape or dtype never shares a digest.
+of an op is BLAKE3 over its rounded outputs' record digests (:func:`detrl.formats.commit.tensor_digest`:
+dtype, shape and the BLAKE3 of the raw bytes), so an op of another shape or dtype never shares a digest.
 """
 
 from __future__ import annotations
