@@ -6,9 +6,11 @@ their memory layout or device. A record holds its bytes' digest, not the bytes: 
 then hashed from their first byte, where BLAKE3 hashes chunks side by side (an 80-byte header in front
 made a small tensor's hash 2.7x slower), and a state hash is one BLAKE3 call per tensor.
 
-Every hash input starts with one of the tags below. They are distinct and none is a prefix of another,
-so a tensor record, a state, a batch, a Merkle leaf and a Merkle node can never be the same byte string:
-a collision between two kinds is a BLAKE3 collision. The security argument is in docs/verifiable.md.
+Every hash input but a tensor's raw bytes starts with one of the tags below. They are distinct and none is
+a prefix of another, so a tensor record, a state, a batch, a Merkle leaf and a Merkle node can never be the
+same byte string: a collision between two kinds is a BLAKE3 collision. The raw bytes' digest needs no tag:
+it appears only inside a tensor record, at the place the record's parse fixes. The security argument is
+in docs/verifiable.md.
 """
 
 from __future__ import annotations
