@@ -79,11 +79,16 @@ def _record_header(name: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes
     )
 
 
+def _record(header: bytes, data: np.ndarray) -> bytes:
+    """A tensor's record: its header (:func:`_record_header`), then the BLAKE3 (32 bytes) of its raw bytes."""
+    return header + _hasher(data).digest()
+
+
 def tensor_record(name: str, t: torch.Tensor) -> bytes:
     """One named tensor's canonical record: its header (:func:`_record_header`: name, dtype, shape, byte
     count), then the BLAKE3 (32 bytes) of its raw bytes."""
     data = _tensor_buffer(t)
-    return _record_header(name, t.dtype, tuple(t.shape), data.nbytes) + _hasher(data).digest()
+    return _record(_record_header(name, t.dtype, tuple(t.shape), data.nbytes), data)
 
 
 def tensor_digest(name: str, t: torch.Tensor) -> bytes:
@@ -155,7 +160,7 @@ class DigestCache:
                 e.retry_in -= 1
                 e.changed_run += 1
                 self.misses += 1
-                e.record = e.header + _hasher(data).digest()
+                e.record = _record(e.header, data)
                 return e.record
         else:
             data = _tensor_buffer(t)
@@ -171,7 +176,7 @@ class DigestCache:
             return e.record
         self.misses += 1
         header = _record_header(name, t.dtype, tuple(t.shape), data.nbytes)
-        record = header + _hasher(data).digest()
+        record = _record(header, data)
         if e is None:
             e = self._entries[name] = _Entry(record, t.dtype, t.shape)
         else:
