@@ -1,5 +1,6 @@
 """Builds the C++ extensions that need torch's headers at install time: the native dispatch route of verifiable
-precision (detrl/core/native_dispatch.cpp) and the DQN's MLP action and update (agents/mlp_native.cpp).
+precision (detrl/core/native_dispatch.cpp), the commitments' rehash of a state's steady tensors
+(detrl/core/state_records.cpp) and the DQN's MLP action and update (agents/mlp_native.cpp).
 
 Everything else about the package is in pyproject.toml. Each extension compiles against the torch already
 installed in the environment being installed into (the README installs torch first), found on disk rather
@@ -30,6 +31,7 @@ def _torch_dir() -> Path | None:
 #: (module, source) of each extension.
 EXTENSIONS = [
     ("detrl.core._native_dispatch", "detrl/core/native_dispatch.cpp"),
+    ("detrl.core._state_records", "detrl/core/state_records.cpp"),
     ("agents._mlp_native", "agents/mlp_native.cpp"),
 ]
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -263,3 +264,96 @@ def test_cache_follows_a_swap_of_a_tensor_written_at_every_commitment() -> None:
     with torch.no_grad():
         t.resize_(2, 2)  # same storage, fewer elements
     assert cache.record("p", t) == commit.tensor_record("p", t)
+
+
+def _steady_records() -> type:
+    from detrl.core import extensions
+
+    steady = extensions.steady_records()
+    if steady is None:
+        pytest.skip("the state records extension is not built (no C++ compiler)")
+    return steady
+
+
+def test_steady_plan_gives_the_records_and_counters_of_the_per_tensor_path() -> None:
+    """The one-call rehash of a state's steady tensors (``DigestCache(steady=...)``) gives the state hash of
+    the per-tensor path at every commitment, through storage swaps, in-place transposes and resizes, tensors
+    added, dropped and replaced, and tensors that stop changing; and leaves every entry's counters as that
+    path does."""
+    steady = _steady_records()
+    made = []
+
+    def counting(*args: object) -> object:
+        made.append(1)
+        return steady(*args)
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(i + 2, 3, dtype=torch.float64) for i in range(6)}
+    state["half"] = torch.randn(5, dtype=torch.float32).to(torch.bfloat16)
+    state["count"] = torch.zeros((), dtype=torch.int64)
+    fast, slow = commit.DigestCache(drop_after=2, steady=counting), commit.DigestCache(drop_after=2)
+    plan_calls = 0
+    for step in range(400):
+        with torch.no_grad():
+            for i, t in enumerate(state.values()):
+                if not (step >= 200 and i % 3 == 0):  # from step 200 a third of them stop changing
+                    t.add_(1)
+        if step == 30:
+            state["w1"].data = torch.randn(3, 3, dtype=torch.float64)  # another storage, same tensor object
+        if step == 50:
+            state["w2"].t_()  # same memory, other strides
+        if step == 70:
+            state["w3"].resize_(2, 3)  # same storage, fewer elements
+        if step == 90:
+            state["extra"] = torch.ones(4, dtype=torch.float64)
+        if step == 110:
+            del state["extra"]
+        if step == 130:
+            state["w4"] = state["w4"].clone()  # another tensor under the same name
+        plan_calls += fast._plan is not None
+        want = commit.hash_tensors(state)
+        given = types.MappingProxyType(state) if step == 150 else state  # a mapping that is not a dict
+        assert commit.hash_tensors(given, cache=fast) == commit.hash_tensors(state, cache=slow) == want, step
+    assert len(made) > 5 and plan_calls > 200  # the plan served most commitments, and was remade
+    assert (fast.hits, fast.misses) == (slow.hits, slow.misses)
+    if fast._plan is not None:
+        fast._settle()
+    for name in state:
+        a, b = fast._entries[name], slow._entries[name]
+        assert (a.record, a.retry_in, a.changed_run, a.backoff, a.copy is None) == (
+            b.record,
+            b.retry_in,
+            b.changed_run,
+            b.backoff,
+            b.copy is None,
+        ), name
+
+
+def test_steady_records_decline_a_changed_state() -> None:
+    """``SteadyRecords.records`` gives the records ``tensor_record`` gives, and None for a state that is not
+    the one it was made for: a name missing or added, another tensor object, or the same one with other
+    memory, strides or sizes."""
+    steady = _steady_records()
+    t = {"a": torch.arange(6, dtype=torch.float64).reshape(2, 3), "b": torch.ones(3, dtype=torch.float32)}
+    names = sorted(t)
+    views = [commit._tensor_buffer(t[n]) for n in names]
+    headers = [
+        commit._record_header(n, t[n].dtype, tuple(t[n].shape), v.nbytes) for n, v in zip(names, views)
+    ]
+    plan = steady(names, [t[n] for n in names], headers, views, commit._hasher, len(names))
+    assert plan.records(t) == [commit.tensor_record(n, t[n]) for n in names]
+    with torch.no_grad():
+        t["a"].mul_(3.0)  # written in place: the same memory, read anew
+    assert plan.records(t) == [commit.tensor_record(n, t[n]) for n in names]
+    assert plan.records({"a": t["a"]}) is None
+    assert plan.records({**t, "c": t["b"]}) is None
+    assert plan.records({"a": t["a"], "b": t["b"].clone()}) is None
+    a = t["a"]
+    a.t_()
+    assert plan.records(t) is None
+    a.t_()
+    assert plan.records(t) is not None
+    a.resize_(1, 3)
+    assert plan.records(t) is None
+    a.data = torch.zeros(2, 3, dtype=torch.float64)
+    assert plan.records(t) is None

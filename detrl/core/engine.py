@@ -37,7 +37,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
-from detrl.core import calibrate, native, portable
+from detrl.core import calibrate, extensions, native, portable
 from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
 from detrl.core.oprules import RULES_REVISION
@@ -415,7 +415,7 @@ class Session:
         self.route_random_ops = route_random_ops
         self.parts: dict[str, StatePart] = {}
         # Recorder and auditor alike: the cache reuses a digest only for bytes it has compared equal.
-        self._digests = commit.DigestCache() if mode != "off" else None
+        self._digests = commit.DigestCache(steady=extensions.steady_records()) if mode != "off" else None
         self._committed_parts: dict[str, bytes] = {}  # each part's digest in the last commitment
         self._tracker: _OrderedTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":

@@ -9,6 +9,7 @@ not worth it), the caller takes its Python path, which gives the same bits.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -45,3 +46,14 @@ def load(prebuilt: str, source: Path, purpose: str) -> ModuleType | None:
     except Exception as e:  # noqa: BLE001 - any build failure means: the Python path
         print(f"detrl: {purpose} did not build ({type(e).__name__}); using the Python path", file=sys.stderr)
         return None
+
+
+@functools.cache
+def steady_records() -> type | None:
+    """``SteadyRecords`` (detrl/core/state_records.cpp): the digest cache's check and rehash of a state's
+    steady tensors in one call (:class:`detrl.formats.commit.DigestCache`), or None: the cache then takes
+    its Python path, which gives the same records."""
+    module = load(
+        "detrl.core._state_records", Path(__file__).with_name("state_records.cpp"), "the state records helper"
+    )
+    return None if module is None else module.SteadyRecords

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import blake3
@@ -121,6 +121,21 @@ class _Entry:
     backoff: int = 0  # the next wait after a drop (doubles each time)
 
 
+@dataclasses.dataclass
+class _SteadyPlan:
+    """The steady tensors of a state, rehashed in one call (:meth:`DigestCache.records`)."""
+
+    records: Any  # the native SteadyRecords, over the steady names
+    names: list[str]  # every name of the state, sorted
+    steady_at: list[int]  # the positions in ``names`` of the steady ones
+    entries: list[_Entry]  # theirs, in that order
+    members: frozenset[str]  # their names
+    others: list[tuple[int, str]]  # the rest: (position, name), each taken by record()
+    lasts: int  # the calls it serves: the least retry_in among its entries
+    last: list[bytes]  # the steady records of its last call
+    calls: int = 0
+
+
 class DigestCache:
     """Per-tensor records of the last commitment, reused for a tensor whose bytes did not change.
 
@@ -138,17 +153,84 @@ class DigestCache:
     ``8, 16, ..., 1024`` commitments, so a model whose layers stop changing (frozen in fine-tuning) is
     found again. The cache holds a reference to each tensor it has a view of (until the name's next
     commitment sees another tensor).
+
+    ``steady``: where given (the native extension's ``SteadyRecords``, passed in by the engine), the tensors
+    of a state in the steady state of one written at each commitment (no copy, a kept view) are checked and
+    rehashed in one call (:meth:`records`), the others one by one, until one of them is due for a copy
+    again or another joins them: in a training loop the per-tensor Python of :meth:`record` cost as much as
+    the hashing. The records are the same bytes either way.
     """
 
-    def __init__(self, budget_bytes: int = 64 << 20, drop_after: int = 2) -> None:
+    def __init__(
+        self, budget_bytes: int = 64 << 20, drop_after: int = 2, steady: Callable[..., Any] | None = None
+    ) -> None:
         self.budget_bytes = int(budget_bytes)
         self.drop_after = int(drop_after)
         self.copy_bytes = 0
         self.hits = self.misses = 0  # records reused / hashed (for tests and benchmarks)
         self._entries: dict[str, _Entry] = {}
+        self._steady = steady
+        self._plan: _SteadyPlan | None = None
+
+    def records(self, tensors: Mapping[str, torch.Tensor]) -> list[bytes]:
+        """The record of each tensor (:meth:`record`), in name order."""
+        plan = self._plan
+        if plan is not None:
+            got = plan.records.records(tensors) if type(tensors) is dict else None  # it reads a dict's items
+            if got is not None and all(name in tensors for _, name in plan.others):
+                plan.last, plan.calls = got, plan.calls + 1
+                self.misses += len(got)
+                joined = False  # whether one of the others is steady now
+                if plan.others:
+                    out = [b""] * len(plan.names)
+                    for i, record in zip(plan.steady_at, got):
+                        out[i] = record
+                    for i, name in plan.others:
+                        out[i] = self.record(name, tensors[name])
+                        joined = joined or _steady(self._entries[name], tensors[name])
+                else:
+                    out = got
+                if joined or plan.calls == plan.lasts:  # the first due for a copy leaves: record() takes it
+                    self._settle()
+                    self._plan_for(plan.names, tensors, out)
+                return out
+            self._settle()  # another state (a tensor swapped, resized, added or gone): record() sees it
+        names = sorted(tensors)
+        out = [self.record(name, tensors[name]) for name in names]
+        if self._steady is not None:
+            self._plan_for(names, tensors, out)
+        return out
+
+    def _plan_for(self, names: list[str], tensors: Mapping[str, torch.Tensor], out: list[bytes]) -> None:
+        """Start a plan for the tensors of ``names`` that would take :meth:`record`'s steady path next time
+        (at least two: one is no call saved)."""
+        steady_at = [i for i, name in enumerate(names) if _steady(self._entries[name], tensors[name])]
+        if len(steady_at) < 2:
+            return
+        steady = [names[i] for i in steady_at]
+        entries = [self._entries[name] for name in steady]
+        sources = [e.src for e in entries]
+        headers, views = [e.header for e in entries], [e.view for e in entries]
+        records = self._steady(steady, sources, headers, views, _hasher, len(names))
+        members = frozenset(steady)
+        others = [(i, name) for i, name in enumerate(names) if name not in members]
+        last = [out[i] for i in steady_at]
+        lasts = min(e.retry_in for e in entries)
+        self._plan = _SteadyPlan(records, names, steady_at, entries, members, others, lasts, last)
+
+    def _settle(self) -> None:
+        """End the plan: each entry as the plan's calls of :meth:`record`'s steady path would have left it."""
+        plan, self._plan = self._plan, None
+        assert plan is not None
+        for e, record in zip(plan.entries, plan.last):
+            e.retry_in -= plan.calls
+            e.changed_run += plan.calls
+            e.record = record
 
     def record(self, name: str, t: torch.Tensor) -> bytes:
         """``t``'s record under ``name`` (:func:`tensor_record`), reused if its bytes did not change."""
+        if self._plan is not None and name in self._plan.members:  # its counters are the plan's till then
+            self._settle()
         e = self._entries.get(name)
         layout = (t.data_ptr(), t.dtype, t.shape, t.stride())  # what the kept view depends on
         if e is not None and e.src is t and e.layout == layout:
@@ -215,6 +297,12 @@ class DigestCache:
         e.retry_in = e.backoff
 
 
+def _steady(e: _Entry, t: torch.Tensor) -> bool:
+    """Whether :meth:`DigestCache.record` would take its steady path for ``t`` next: no copy to compare, a
+    wait before the next copy, and a view of ``t``'s memory kept."""
+    return e.copy is None and e.retry_in > 0 and e.src is t and e.view is not None
+
+
 def _same_bytes(copy: bytes | np.ndarray, data: np.ndarray) -> bool:
     """Whether ``data`` (1-d uint8) holds the bytes of ``copy``. Large ones are compared as 8-byte words
     when they divide evenly (numpy's compare costs per element; its bool temporary is 8x smaller)."""
@@ -241,8 +329,11 @@ def hash_tensors(
     byte comparison decides, never a claim of the caller's).
     """
     h = _hasher(tag + struct.pack("<Q", len(tensors)))
-    record = cache.record if cache is not None else tensor_record
-    h.update(b"".join([record(name, tensors[name]) for name in sorted(tensors)]))  # one call, not one each
+    if cache is not None:
+        records = cache.records(tensors)
+    else:
+        records = [tensor_record(name, tensors[name]) for name in sorted(tensors)]
+    h.update(b"".join(records))  # one call, not one each
     blobs = sorted(extra)
     h.update(struct.pack("<Q", len(blobs)))
     for name, blob in blobs:
