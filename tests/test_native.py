@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -941,3 +942,29 @@ def test_a_convolution_exact_in_every_order_logs_alike_on_the_route_and_in_the_m
     assert on == off
     assert [op for op, *_ in on[2]] == [1]  # the second convolution's entries only
     assert [op for op, *_ in older[2]] == [0, 1]  # revision 2: the first one's ties too
+
+
+@needs_native
+def test_layer_norms_statistics_loops_give_the_torch_ops_bits() -> None:
+    """The written-out layer norm's row statistics against the torch ops they replace, bit for bit, on values
+    of every kind: the means ``(exact ? sums : logged) / n`` (with and without the exact rows) and
+    ``rstd = (1 / sqrt(spread / n + eps)) * 1`` (decompose.Steps.inv_sqrt, with a correctly rounded root)."""
+    module = native._module()
+    g = torch.Generator().manual_seed(11)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int64)
+
+    for shape, n in (((4, 6), 32), ((9,), 7), ((1,), 1), ((3, 2), 768)):
+        sums, logged, spread = (_special_values(shape, g) for _ in range(3))
+        exact = torch.rand(shape, generator=g) < 0.5
+        want = torch.div(torch.where(exact, sums, logged), n).unsqueeze(-1)
+        assert torch.equal(bits(module.row_means(exact, sums, logged, n)), bits(want))
+        want = torch.div(logged, n).unsqueeze(-1)
+        assert torch.equal(bits(module.row_means(None, sums, logged, n)), bits(want))
+        for eps in (1e-5, 1e-12, 0.0):
+            var = torch.div(spread, n).unsqueeze(-1) + eps
+            with np.errstate(invalid="ignore"):  # numpy's root is the processor's, correctly rounded
+                roots = torch.from_numpy(np.sqrt(var.numpy()))
+            want = torch.mul(torch.reciprocal(roots), 1.0)
+            assert torch.equal(bits(module.inverse_deviations(spread, n, eps)), bits(want))

@@ -1870,6 +1870,41 @@ at::Tensor layer_norm_scaled(const at::Tensor& centred, const at::Tensor& rstd, 
   return out;
 }
 
+// A layer norm's per-row statistic from its row sums (*B), dense (*B, 1): sum / n, and where exact is given
+// (a bool mask (*B)), exact rows' sums from `sums` instead of `logged`; as
+// at::div(at::where(exact, sums, logged), n).unsqueeze(-1), in one loop where torch takes three ops and a copy
+// (a correctly rounded division either way: torch's CPU kernel divides by a scalar, it does not multiply).
+at::Tensor row_means(const at::Tensor& exact, const at::Tensor& sums, const at::Tensor& logged, int64_t n) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const at::Tensor dense = logged.contiguous();
+  std::vector<int64_t> shape(dense.sizes().begin(), dense.sizes().end());
+  shape.push_back(1);
+  at::Tensor out = at::empty(shape, dense.options());
+  const double* pl = dense.const_data_ptr<double>();
+  const double* ps = exact.defined() ? sums.const_data_ptr<double>() : nullptr;
+  const bool* pe = exact.defined() ? exact.const_data_ptr<bool>() : nullptr;
+  double* po = out.data_ptr<double>();
+  const double d = static_cast<double>(n);
+  for (int64_t r = 0, count = dense.numel(); r < count; ++r) po[r] = (pe != nullptr && pe[r] ? ps[r] : pl[r]) / d;
+  return out;
+}
+
+// A layer norm's rstd from its rows' summed squared deviations (*B), dense (*B, 1):
+// (1 / sqrt(spread / n + eps)) * 1, as decompose's at::div, at::add, ieee_sqrt, at::reciprocal and at::mul
+// (Steps.inv_sqrt), each correctly rounded in the same order.
+at::Tensor inverse_deviations(const at::Tensor& spread, int64_t n, double eps) {
+  c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
+  const at::Tensor dense = spread.contiguous();
+  std::vector<int64_t> shape(dense.sizes().begin(), dense.sizes().end());
+  shape.push_back(1);
+  at::Tensor out = at::empty(shape, dense.options());
+  const double* pv = dense.const_data_ptr<double>();
+  double* po = out.data_ptr<double>();
+  const double d = static_cast<double>(n);
+  for (int64_t r = 0, count = dense.numel(); r < count; ++r) po[r] = (1.0 / std::sqrt(pv[r] / d + eps)) * 1.0;
+  return out;
+}
+
 // decompose.layer_norm: (out, mean, rstd), mean and rstd (*B, 1, ..., 1). Rows every order sums exactly
 // (decompose._exact_rows, the C kernel's pass) are summed here and reach the logged row sum as zeros. The
 // element passes are the loops above where the weight and bias are dense, else torch's ops.
@@ -1900,22 +1935,23 @@ std::vector<at::Tensor> layer_norm(Step* step, const at::Tensor& x, size_t norma
     at::Tensor logged = at::sum(masked, {-1});
     {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-      mean = at::div(at::where(exact, loops ? sums : rows.sum(-1), logged), wrapped(n)).unsqueeze(-1);
       if (loops) {
-        mean = mean.contiguous();
+        mean = row_means(exact, sums, logged, n);
         std::tie(centred, squares) = layer_norm_centred(rows, mean);
       } else {
+        mean = at::div(at::where(exact, rows.sum(-1), logged), wrapped(n)).unsqueeze(-1);
         centred = at::sub(rows, mean);
         squares = at::mul(centred, centred);
       }
     }
     at::Tensor spread = at::sum(squares, {-1});
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-    var = at::div(spread, wrapped(n)).unsqueeze(-1);
-    rstd = at::mul(at::reciprocal(ieee_sqrt(at::add(var, wrapped(eps)))), wrapped(1.0));  // Steps.inv_sqrt
     if (loops) {
-      out = layer_norm_scaled(centred, rstd.contiguous(), weight, bias);
+      rstd = inverse_deviations(spread, n, eps);
+      out = layer_norm_scaled(centred, rstd, weight, bias);
     } else {
+      var = at::div(spread, wrapped(n)).unsqueeze(-1);
+      rstd = at::mul(at::reciprocal(ieee_sqrt(at::add(var, wrapped(eps)))), wrapped(1.0));  // Steps.inv_sqrt
       out = centred.mul_(rstd);
       if (weight.defined()) out.mul_(weight.reshape({n}));
       if (bias.defined()) out.add_(bias.reshape({n}));
@@ -2009,18 +2045,20 @@ std::vector<at::Tensor> layer_norm_backward(Step* step, const at::Tensor& grad_o
       gw = weight.defined() ? at::mul(g, weight.reshape({n})) : g;
     }
     at::Tensor total_g = at::sum(gw, {-1});
-    at::Tensor mean_g, mean_gx;
-    {
+    if (!loops) {
       c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-      mean_g = at::div(total_g, wrapped(n)).unsqueeze(-1);
-      if (!loops) weighted = at::mul(gw, xhat);
+      weighted = at::mul(gw, xhat);
     }
     at::Tensor total_gx = at::sum(weighted, {-1});
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-    mean_gx = at::div(total_gx, wrapped(n)).unsqueeze(-1);
     if (loops) {
-      grad_x = layer_norm_grad_input(gw, xhat, mean_g.contiguous(), mean_gx.contiguous(), rstd).reshape(x.sizes());
+      const at::Tensor none;
+      grad_x = layer_norm_grad_input(gw, xhat, row_means(none, none, total_g, n), row_means(none, none, total_gx, n),
+                                     rstd)
+                   .reshape(x.sizes());
     } else {
+      const at::Tensor mean_g = at::div(total_g, wrapped(n)).unsqueeze(-1);
+      const at::Tensor mean_gx = at::div(total_gx, wrapped(n)).unsqueeze(-1);
       grad_x = at::sub(gw, mean_g).sub_(at::mul(xhat, mean_gx)).mul_(rstd).reshape(x.sizes());
     }
   }
@@ -2456,6 +2494,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const int64_t count = gw.dim() >= 1 && gw.numel() > 0 ? gw.numel() / gw.size(-1) : -1;
     TORCH_CHECK(xhat.sizes() == gw.sizes() && a.numel() == count && b.numel() == count && s.numel() == count);
     return layer_norm_grad_input(gw, xhat, a, b, s);
+  });
+  m.def("row_means", [dense_args](std::optional<at::Tensor> exact, const at::Tensor& sums, const at::Tensor& logged,
+                                  int64_t n) {
+    const at::Tensor e = exact.value_or(at::Tensor());
+    dense_args({&sums, &logged});
+    TORCH_CHECK(sums.sizes() == logged.sizes() && n > 0 &&
+                (!e.defined() || (e.scalar_type() == c10::ScalarType::Bool && e.is_contiguous() &&
+                                  e.sizes() == logged.sizes())));
+    return row_means(e, sums, logged, n);
+  });
+  m.def("inverse_deviations", [dense_args](const at::Tensor& spread, int64_t n, double eps) {
+    dense_args({&spread});
+    TORCH_CHECK(n > 0);
+    return inverse_deviations(spread, n, eps);
   });
   m.def("layer_norm_masked", [dense_args](const at::Tensor& rows, const at::Tensor& exact) {
     dense_args({&rows});
