@@ -1870,16 +1870,21 @@ at::Tensor layer_norm_scaled(const at::Tensor& centred, const at::Tensor& rstd, 
   return out;
 }
 
+// A per-row tensor (*B) made dense, and an uninitialised (*B, 1) FP64 tensor for what is computed from it.
+std::pair<at::Tensor, at::Tensor> dense_and_column(const at::Tensor& per_row) {
+  at::Tensor dense = per_row.contiguous();
+  std::vector<int64_t> shape(dense.sizes().begin(), dense.sizes().end());
+  shape.push_back(1);
+  return {dense, at::empty(shape, dense.options())};
+}
+
 // A layer norm's per-row statistic from its row sums (*B), dense (*B, 1): sum / n, and where exact is given
 // (a bool mask (*B)), exact rows' sums from `sums` instead of `logged`; as
 // at::div(at::where(exact, sums, logged), n).unsqueeze(-1), in one loop where torch takes three ops and a copy
 // (a correctly rounded division either way: torch's CPU kernel divides by a scalar, it does not multiply).
 at::Tensor row_means(const at::Tensor& exact, const at::Tensor& sums, const at::Tensor& logged, int64_t n) {
   c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-  const at::Tensor dense = logged.contiguous();
-  std::vector<int64_t> shape(dense.sizes().begin(), dense.sizes().end());
-  shape.push_back(1);
-  at::Tensor out = at::empty(shape, dense.options());
+  const auto [dense, out] = dense_and_column(logged);
   const double* pl = dense.const_data_ptr<double>();
   const double* ps = exact.defined() ? sums.const_data_ptr<double>() : nullptr;
   const bool* pe = exact.defined() ? exact.const_data_ptr<bool>() : nullptr;
@@ -1894,10 +1899,7 @@ at::Tensor row_means(const at::Tensor& exact, const at::Tensor& sums, const at::
 // (Steps.inv_sqrt), each correctly rounded in the same order.
 at::Tensor inverse_deviations(const at::Tensor& spread, int64_t n, double eps) {
   c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
-  const at::Tensor dense = spread.contiguous();
-  std::vector<int64_t> shape(dense.sizes().begin(), dense.sizes().end());
-  shape.push_back(1);
-  at::Tensor out = at::empty(shape, dense.options());
+  const auto [dense, out] = dense_and_column(spread);
   const double* pv = dense.const_data_ptr<double>();
   double* po = out.data_ptr<double>();
   const double d = static_cast<double>(n);
