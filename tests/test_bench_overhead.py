@@ -89,3 +89,26 @@ def test_a_profile_runs_every_variant_on_it_and_an_absent_gpu_is_one_line(capsys
         assert lines == [
             "detrl: error: hardware profile 'cuda' needs a CUDA device, but no CUDA device is available"
         ]
+
+
+def test_step_by_step_runs_fp64_and_the_recording_in_turn_in_one_process():
+    """The verdict's process: after each variant's warm-up, a timed step of each in turn, the first of the pair
+    alternating, so that a drifting machine slows both alike."""
+    out = performance._interleaved_worker({"model": "digits_cnn", "steps": 3, "warmup": 1, "threads": 1,
+                                           "tau": None})  # fmt: skip
+    first, second = performance.INTERLEAVED
+    assert (first, second) == ("fp64", performance.PAIRED)
+    assert out["order"] == [first, second, second, first, first, second]
+    for v in performance.INTERLEAVED:
+        assert len(out["times"][v]) == 3 and all(t > 0 for t in out["times"][v])
+
+
+def test_the_step_by_step_ratio_pairs_each_step_with_the_one_beside_it():
+    runs = [{"times": {"fp64": [1.0, 2.0], "verifiable record": [1.5, 2.0]}},
+            {"times": {"fp64": [1.0, 1.0], "verifiable record": [1.2, 1.4]}}]  # fmt: skip
+    assert performance._step_ratios(runs) == pytest.approx([1.5, 1.0, 1.2, 1.4])
+    column = performance._step_by_step_column(runs, 1.3)  # the median: between 1.2 and 1.4
+    assert column.startswith("1.30x (") and column.endswith("(goal <= 1.3x: MET)")
+    slower = [{"times": {"fp64": [1.0], "verifiable record": [1.5]}}]
+    assert performance._step_by_step_column(slower, 1.3) == "1.50x (1.50..1.50) (goal <= 1.3x: MISSED)"
+    assert performance._step_by_step_column([], 1.3) == "-"

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -14,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,38 +87,38 @@ COMMIT_PARTS = [
 ]
 
 
-def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run ``warmup + steps`` training steps of one variant in this (fresh) process; time and measure it."""
-    torch.set_num_threads(spec["threads"])
-    mode, precision, kernel_on, native_on = VARIANTS[spec["variant"]]
-    kernel.set_enabled(kernel_on)  # this process is this variant's alone
-    native.set_enabled(native_on)
-    warmup, steps = spec["warmup"], spec["steps"]
-    cfg = make_config(spec["model"], precision, warmup + steps, spec["threads"])
+@dataclasses.dataclass
+class _Loop:
+    """A benchmark's training loop (:func:`_training_loop`): ``step(clock)`` runs the next training step and
+    appends a clock read after each phase (:data:`PHASES`) to ``clock``, which holds the read before it."""
+
+    session: Session
+    baseline_kb: int  # VmRSS with torch imported and the data loaded, before the model is built
+    step: Callable[[list[float]], None]
+
+
+@contextlib.contextmanager
+def _training_loop(spec: dict[str, Any], variant: str, steps: int) -> Iterator[_Loop]:
+    """A Session of ``variant`` for ``spec``'s model, set up for ``steps`` steps. The bundle's directory, where
+    it records, goes on exit."""
+    mode, precision, _, _ = VARIANTS[variant]
+    cfg = make_config(spec["model"], precision, steps, spec["threads"])
     x, y = train.load_data(cfg)
     thresholds: Any = "calibrate" if spec["tau"] is None else Thresholds(default=spec["tau"])
     tmp = tempfile.mkdtemp(prefix="detrl-bench-") if mode == "record" else None
-    baseline_kb = status_kb("VmRSS")  # torch imported, data loaded, no model yet
     hardware = spec.get("hardware", "native")
-    session = sessions.session_for(
-        cfg, tmp, mode, hardware=hardware, checkpoint_every=0, thresholds=thresholds, force=True
-    )
-    times: list[float] = []
-    phases = dict.fromkeys(PHASES, 0.0)  # seconds over the timed steps
-    timer = PartTimer()
-    reset_ok, first_peak_kb = False, 0
+    baseline_kb = status_kb("VmRSS")
     try:
-        with session, timed_parts(timer, COMMIT_PARTS if spec.get("breakdown") else []):
+        session = sessions.session_for(
+            cfg, tmp, mode, hardware=hardware, checkpoint_every=0, thresholds=thresholds, force=True
+        )
+        with session:
             model = session.init(train.model_builder(cfg, x))
             opt = session.track(train.make_optimizer(cfg, model))
             model.train()
-            batches = iter(session.loader((x, y), batch_size=cfg.train.batch_size, steps=warmup + steps))
-            for i in range(warmup + steps):
-                if i == warmup:
-                    first_peak_kb = status_kb("VmHWM")
-                    reset_ok = reset_peak_rss()
-                    timer.seconds = dict.fromkeys(timer.seconds, 0.0)  # the timed steps' only
-                clock = [time.perf_counter()]
+            batches = iter(session.loader((x, y), batch_size=cfg.train.batch_size, steps=steps))
+
+            def step(clock: list[float]) -> None:
                 batch = next(batches)
                 clock.append(time.perf_counter())
                 with session.step():
@@ -131,32 +133,89 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 clock.append(time.perf_counter())  # the exit: the commit and the log write
                 float(loss.detach())
                 clock.append(time.perf_counter())
-                times.append(clock[-1] - clock[0])
-                if i >= warmup:
-                    for name, a, b in zip(PHASES, clock, clock[1:]):
-                        phases[name] += b - a
-            peak_kb = status_kb("VmHWM")
+
+            yield _Loop(session, baseline_kb, step)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run ``warmup + steps`` training steps of one variant in this (fresh) process; time and measure it."""
+    torch.set_num_threads(spec["threads"])
+    _, _, kernel_on, native_on = VARIANTS[spec["variant"]]
+    kernel.set_enabled(kernel_on)  # this process is this variant's alone
+    native.set_enabled(native_on)
+    warmup, steps = spec["warmup"], spec["steps"]
+    times: list[float] = []
+    phases = dict.fromkeys(PHASES, 0.0)  # seconds over the timed steps
+    timer = PartTimer()
+    reset_ok, first_peak_kb = False, 0
+    parts = COMMIT_PARTS if spec.get("breakdown") else []
+    with timed_parts(timer, parts), _training_loop(spec, spec["variant"], warmup + steps) as loop:
+        for i in range(warmup + steps):
+            if i == warmup:
+                first_peak_kb = status_kb("VmHWM")
+                reset_ok = reset_peak_rss()
+                timer.seconds = dict.fromkeys(timer.seconds, 0.0)  # the timed steps' only
+            clock = [time.perf_counter()]
+            loop.step(clock)
+            times.append(clock[-1] - clock[0])
+            if i >= warmup:
+                for name, a, b in zip(PHASES, clock, clock[1:]):
+                    phases[name] += b - a
+        peak_kb = status_kb("VmHWM")
     return {
         "phases": {name: t / max(1, steps) for name, t in {**phases, **timer.seconds}.items()},
         "times": times[warmup:],
         "first": times[:warmup],
-        "baseline_kb": baseline_kb,
+        "baseline_kb": loop.baseline_kb,
         "peak_kb": peak_kb,
         "first_peak_kb": first_peak_kb,
         "reset_ok": reset_ok,
-        "logged": [s.logged for s in session.step_stats[warmup:]],
-        "log_bytes": session.log_bytes[-steps:]
+        "logged": [s.logged for s in loop.session.step_stats[warmup:]],
+        "log_bytes": loop.session.log_bytes[-steps:]
         if steps
         else [],  # the timed steps' (the list starts at step 0)
     }
 
 
+#: The variants a step-by-step process runs side by side (:func:`_interleaved_worker`): fp64 and the recording.
+INTERLEAVED = ("fp64", "verifiable record")
+
+
+def _interleaved_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run :data:`INTERLEAVED`'s two variants in this one process, a training step of each in turn (which of
+    the two goes first alternates from step to step), after ``warmup`` steps of each: a shared machine's
+    drift, which moves separate processes' medians by 10-40 %, then reaches both alike, and each step pairs
+    with the other's next to it. Returns each variant's timed steps (seconds) and the order they ran in."""
+    torch.set_num_threads(spec["threads"])
+    flags = {VARIANTS[v][2:] for v in INTERLEAVED}
+    assert len(flags) == 1, "step by step, the variants must share the process's kernel and route settings"
+    ((kernel_on, native_on),) = flags
+    kernel.set_enabled(kernel_on)
+    native.set_enabled(native_on)
+    warmup, steps = spec["warmup"], spec["steps"]
+    times: dict[str, list[float]] = {v: [] for v in INTERLEAVED}
+    order: list[str] = []
+    with contextlib.ExitStack() as stack:
+        loops = {v: stack.enter_context(_training_loop(spec, v, warmup + steps)) for v in INTERLEAVED}
+        for v in INTERLEAVED:  # each variant's warm-up (the recording's calibrates) before any timed step
+            for _ in range(warmup):
+                loops[v].step([time.perf_counter()])
+        for i in range(steps):
+            for v in INTERLEAVED if i % 2 == 0 else reversed(INTERLEAVED):
+                clock = [time.perf_counter()]
+                loops[v].step(clock)
+                times[v].append(clock[-1] - clock[0])
+                order.append(v)
+    return {"times": times, "order": order}
+
+
 def _worker_main() -> None:
     spec = json.loads(sys.argv[1])
-    print("RESULT " + json.dumps(_overhead_worker(spec)), flush=True)
+    worker = _interleaved_worker if spec["variant"] == "interleaved" else _overhead_worker
+    print("RESULT " + json.dumps(worker(spec)), flush=True)
 
 
 def _spawn_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -213,6 +272,12 @@ def bench_overhead(rest: list[str]) -> int:
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
+        "--no-step-by-step",
+        action="store_true",
+        help="skip the process per repeat that runs fp64 and verifiable record a step of each in turn (the "
+        "verdict's ratio; small models only: resnet50 and gpt2 are judged by their processes' medians)",
+    )
+    p.add_argument(
         "--hardware",
         default="native",
         help="the profile every variant runs on (cuda: the GPU, where torch sees one; see `detrl profiles`); "
@@ -248,17 +313,25 @@ def bench_overhead(rest: list[str]) -> int:
                 "a calibrated run)"
             )
         res: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+        step_by_step: list[dict[str, Any]] = []  # the repeats' interleaved processes (small models)
         for r in range(repeats):
+            spec = {"model": model, "steps": steps, "warmup": args.warmup, "threads": args.threads, "tau": tau,
+                    "breakdown": args.breakdown, "hardware": args.hardware}  # fmt: skip
             for v in run_order(r):
                 t0 = time.perf_counter()
-                spec = {"model": model, "variant": v, "steps": steps, "warmup": args.warmup,
-                        "threads": args.threads, "tau": tau, "breakdown": args.breakdown,
-                        "hardware": args.hardware}  # fmt: skip
-                out = _spawn_worker(spec)
+                out = _spawn_worker({**spec, "variant": v})
                 res[v].append(out)
                 progress(
                     f"{model} repeat {r + 1}/{repeats} {v}: median "
                     f"{statistics.median(out['times']) * 1e3:.1f} ms/step ({time.perf_counter() - t0:.0f} s)"
+                )
+            if not big and not args.no_step_by_step:
+                t0 = time.perf_counter()
+                out = _spawn_worker({**spec, "variant": "interleaved"})
+                step_by_step.append(out)
+                progress(
+                    f"{model} repeat {r + 1}/{repeats} {' and '.join(INTERLEAVED)} step by step: median ratio "
+                    f"{statistics.median(_step_ratios([out])):.2f}x ({time.perf_counter() - t0:.0f} s)"
                 )
         med = {v: statistics.median([t for o in res[v] for t in o["times"]]) for v in VARIANTS}
         mem = {
@@ -279,6 +352,9 @@ def bench_overhead(rest: list[str]) -> int:
             logged = [n for o in res[v] for n in o["logged"]]
             recording = v == "verifiable record"
             goal = OVERHEAD_GOALS.get(model) if recording else None
+            paired = v == PAIRED and bool(
+                step_by_step
+            )  # the verdict is the step-by-step ratio's, where measured
             calibration, own, log = "-", "-", "-"
             if args.warmup >= 1 and all(o["times"] for o in res[v]):
                 # step 1 against the same process's later steps: one-off costs (lazy imports, first calls)
@@ -292,22 +368,26 @@ def bench_overhead(rest: list[str]) -> int:
                 log = _log_column(model, [b for o in res[v] for b in o["log_bytes"]])
             rows.append([
                 model, v, str(len(res[v]) * steps), f"{med[v] * 1e3:.1f}",
-                f"{med[v] / med['fp64']:.2f}x{_verdict(med[v] / med['fp64'], goal)}",
+                f"{med[v] / med['fp64']:.2f}x{_verdict(med[v] / med['fp64'], None if paired else goal)}",
+                _step_by_step_column(step_by_step, goal) if paired else "-",
                 _paired_column(res[v], res["fp64"]) if v == PAIRED else "-", f"{med[v] / med['fp32']:.2f}x",
                 f"{mem[v]:.0f}", f"{mem[v] / mem['fp64']:.2f}x" if mem["fp64"] > 0 else "-",
                 f"{mem1[v]:.0f}", f"{absmem[v]:.0f}", f"{statistics.median(logged):.0f}" if logged else "-",
                 calibration, own, log,
             ])  # fmt: skip
-    headers = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp64 per repeat: median (min..max)", "/fp32",
+    headers = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp64 step by step: median (q1..q3)",
+               "/fp64 per repeat: median (min..max)", "/fp32",
                "peak MB", "peak /fp64", "peak MB incl. step 1", "abs. peak RSS MB", "logged/step",
                "step 1 / later", "calibration's own, in later steps", "log KB/step (first..last)"]  # fmt: skip
     print(table(headers, rows))
     for n in notes:
         print("note: " + n)
     print(
-        "/fp64: the median step of every process of the variant over fp64's (the verdict); per repeat: each "
-        f"repeat runs {PAIRED} and fp64 back to back, and its ratio is theirs alone, so its spread is the "
-        "machine's drift between repeats"
+        "/fp64: the median step of every process of the variant over fp64's; step by step (the verdict where "
+        f"shown): each repeat also runs fp64 and {PAIRED} in one process, a step of each in turn, and this is "
+        "the median and quartiles of every step's ratio to the fp64 step beside it, which a drifting machine "
+        f"moves far less than separate processes; per repeat: each repeat runs {PAIRED} and fp64 back to back, "
+        "and its ratio is theirs alone, so its spread is the machine's drift between repeats"
     )
     print(
         "calibration's own: (step 1 of verifiable record - step 1 of verifiable off) / a later step of verifiable "
@@ -379,6 +459,23 @@ def _paired_column(paired: list[dict[str, Any]], fp64: list[dict[str, Any]]) -> 
     if not ratios:
         return "-"
     return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f})"
+
+
+def _step_ratios(step_by_step: list[dict[str, Any]]) -> list[float]:
+    """Each timed step's ratio of :data:`INTERLEAVED`'s second variant to its first, over every process of
+    :func:`_interleaved_worker` (step i of one beside step i of the other)."""
+    first, second = INTERLEAVED
+    return [b / a for out in step_by_step for a, b in zip(out["times"][first], out["times"][second])]
+
+
+def _step_by_step_column(step_by_step: list[dict[str, Any]], goal: float | None) -> str:
+    """``median (q1..q3)`` of :func:`_step_ratios`, with the verdict against ``goal``."""
+    ratios = _step_ratios(step_by_step)
+    if not ratios:
+        return "-"
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    median = statistics.median(ratios)
+    return f"{median:.2f}x ({q1:.2f}..{q3:.2f}){_verdict(median, goal)}"
 
 
 def _calibration_own(recorded: list[dict[str, Any]], off: list[dict[str, Any]]) -> float:
