@@ -357,3 +357,109 @@ def test_steady_records_decline_a_changed_state() -> None:
     assert plan.records(t) is None
     a.data = torch.zeros(2, 3, dtype=torch.float64)
     assert plan.records(t) is None
+
+
+def _net_and_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    net.register_buffer("scale", torch.ones(2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    return net, opt
+
+
+def _train_step(net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    net(torch.randn(3, 4)).square().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _same_listing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return list(got) == list(want) and all(got[k] is want[k] for k in want)
+
+
+def test_the_state_tensor_cache_answers_as_state_tensors_and_walks_the_model_once_in_a_loop() -> None:
+    net, opt = _net_and_adam()
+    cache = commit.StateTensorCache()
+    for _ in range(5):
+        _train_step(net, opt)
+        got = cache(net, [opt])
+        assert _same_listing(got, commit.state_tensors(net, [opt]))
+        got.clear()  # each call's dict is the caller's
+    assert cache.rebuilds == 1
+    assert len(cache(net, [opt])) == len(commit.state_tensors(net, [opt])) > 0
+
+
+def _replace_weight(net, opt):
+    net[0].weight = torch.nn.Parameter(net[0].weight.detach().clone())
+
+
+def _new_buffer(net, opt):
+    net[1].register_buffer("extra", torch.zeros(1))
+
+
+def _buffer_gone(net, opt):
+    del net._buffers["scale"]
+
+
+def _new_submodule(net, opt):
+    net[1].add_module("inner", torch.nn.Linear(1, 1))
+
+
+def _equal_state_in_a_new_tensor(net, opt):  # same values, a new object: equality must not be asked
+    state = opt.state[net[0].bias]
+    state["step"] = state["step"].clone()
+
+
+def _state_reloaded(net, opt):  # load_state_dict builds a new opt.state
+    opt.load_state_dict(opt.state_dict())
+
+
+def _class_changed(net, opt):
+    net[1].__class__ = type("Norm", (torch.nn.LayerNorm,), {})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_replace_weight, _new_buffer, _buffer_gone, _new_submodule, _equal_state_in_a_new_tensor, _state_reloaded,
+     _class_changed],
+)  # fmt: skip
+def test_the_state_tensor_cache_sees_every_change_to_what_the_listing_reads(change) -> None:
+    net, opt = _net_and_adam()
+    cache = commit.StateTensorCache()
+    _train_step(net, opt)
+    cache(net, [opt])
+    cache(net, [opt])
+    assert cache.rebuilds == 1
+    change(net, opt)
+    assert _same_listing(cache(net, [opt]), commit.state_tensors(net, [opt]))
+    assert cache.rebuilds == 2
+
+
+def test_the_state_tensor_cache_reads_afresh_where_it_cannot_check() -> None:
+    """A module class that lists its own parameters, a number in an optimizer's state, and another model or
+    optimizer object: every call walks them."""
+
+    class Listing(torch.nn.Linear):
+        def named_parameters(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return super().named_parameters(*args, **kwargs)
+
+    net, opt = _net_and_adam()
+    net.append(Listing(2, 2))
+    cache = commit.StateTensorCache()
+    for _ in range(3):
+        assert _same_listing(cache(net), commit.state_tensors(net))
+    assert cache.rebuilds == 3
+
+    net, opt = _net_and_adam()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _train_step(net, sgd)
+    sgd.state[net[0].weight]["count"] = 1  # a number: committed as a new 0-d tensor each time
+    for _ in range(2):
+        assert cache(net, [sgd])["0.opt.0.weight.count"].item() == 1.0
+    assert cache.rebuilds == 5
+
+    other = torch.optim.Adam(net.parameters())
+    cache(net, [opt])
+    cache(net, [other])
+    cache(_net_and_adam()[0], [other])
+    assert cache.rebuilds == 8

@@ -81,7 +81,7 @@ PHASES = [
 ]
 #: What ``--breakdown`` times inside a step's exit (its commitment): (owner, attribute, label).
 COMMIT_PARTS = [
-    (commit, "state_tensors", "step exit: the state's tensor list"),
+    (commit.StateTensorCache, "__call__", "step exit: the state's tensor list"),
     (Session, "_state_hash", "step exit: the state hash (switchboard bytes included)"),
     (bundle_mod.BundleWriter, "append_step", "step exit: the log segment and commitment record"),
 ]

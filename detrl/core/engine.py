@@ -416,6 +416,7 @@ class Session:
         self.parts: dict[str, StatePart] = {}
         # Recorder and auditor alike: the cache reuses a digest only for bytes it has compared equal.
         self._digests = commit.DigestCache(steady=extensions.steady_records()) if mode != "off" else None
+        self._state_list = commit.StateTensorCache()  # the per-step commitment's tensor list
         self._committed_parts: dict[str, bytes] = {}  # each part's digest in the last commitment
         self._tracker: _OrderedTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":
@@ -904,7 +905,7 @@ class Session:
         assert self.model is not None
         if self.mode == "off":  # no bundle: nobody reads a commitment, so don't pay for hashing
             return
-        tensors = commit.state_tensors(self.model, self.optimizers)
+        tensors = self._state_list(self.model, self.optimizers)
         state_hash = self._state_hash(tensors)
         if self.mode == "replay":
             assert self.bundle is not None

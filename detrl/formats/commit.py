@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import operator
 import struct
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -387,6 +389,96 @@ def state_tensors(
         for k, v in optimizer_tensors(opt, names).items():
             out[f"{i}.{k}"] = v
     return out
+
+
+#: The ``torch.nn.Module`` methods :func:`state_tensors`' answer comes from: a module class that overrides one
+#: of them may answer differently with the same dictionaries, so :class:`StateTensorCache` does not cache it.
+_LISTING_METHODS = ("named_parameters", "named_buffers", "named_modules", "_named_members", "named_children")
+
+
+class StateTensorCache:
+    """:func:`state_tensors` for one training loop, rebuilt only when what it is read from may have changed.
+
+    In a small model's loop, walking the modules and the optimizers' state at every commitment cost about
+    0.15-0.19 ms of a 10 ms step (the tiny transformer's 72 tensors). The answer depends only on, for every
+    module in the tree, its class and its ``_modules``, ``_parameters`` and ``_buffers`` dictionaries, and
+    on each optimizer's ``state`` and the per-parameter dictionaries in it. This keeps the size of each, and
+    its keys and the very objects it held, and checks them by identity at each call, reading the model's and
+    the optimizers' dictionaries afresh: a submodule, parameter, buffer or state entry added, removed or
+    replaced anywhere, or a dictionary replaced by one holding other objects, shows. Identity, never ``==``:
+    a tensor's is elementwise, and equal values in a new tensor are a new state entry. It does not cache
+    where a module class overrides one of the listing methods (:data:`_LISTING_METHODS`), or where an
+    optimizer's state holds a number (committed as a new 0-d tensor each time): those are read afresh at
+    every call. It holds references to what it checks, so that no object's id can be reused under it. Each
+    call returns a new dict.
+    """
+
+    def __init__(self) -> None:
+        self._model: torch.nn.Module | None = None
+        self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        self._modules: list[torch.nn.Module] = []
+        self._classes: list[type] = []
+        self._per_parameter: list[dict[str, Any]] = []  # each optimizer's per-parameter state dicts, in order
+        self._sizes: list[int] = []
+        self._keys: list[Any] = []
+        self._values: list[Any] = []
+        self._out: dict[str, torch.Tensor] | None = None
+        self.rebuilds = 0  # calls that walked the model (for tests)
+
+    def __call__(
+        self, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()
+    ) -> dict[str, torch.Tensor]:
+        optimizers = tuple(optimizers)
+        if self._out is not None and self._unchanged(model, optimizers):
+            return dict(self._out)
+        self.rebuilds += 1
+        out = state_tensors(model, optimizers)
+        self._out = dict(out) if self._snapshot(model, optimizers) else None
+        return out
+
+    def _dicts(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Mapping[Any, Any]]:
+        """The dictionaries the listing reads, as they are now (the per-parameter ones: those kept, which
+        the optimizers' ``state`` values are checked to be)."""
+        modules = itertools.chain.from_iterable(map(_MODULE_DICTS, self._modules))
+        return [*modules, *(opt.state for opt in optimizers), *self._per_parameter]
+
+    def _unchanged(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+        if model is not self._model or len(optimizers) != len(self._optimizers):
+            return False
+        if not all(map(operator.is_, optimizers, self._optimizers)):
+            return False
+        if not all(map(operator.is_, map(type, self._modules), self._classes)):
+            return False
+        dicts = self._dicts(optimizers)
+        if list(map(len, dicts)) != self._sizes:
+            return False
+        keys = itertools.chain.from_iterable(dicts)
+        values = itertools.chain.from_iterable(map(_values, dicts))
+        return all(map(operator.is_, keys, self._keys)) and all(map(operator.is_, values, self._values))
+
+    def _snapshot(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+        """Keep what :meth:`_unchanged` checks; False where the answer must be read afresh each time."""
+        self._model, self._optimizers = model, optimizers
+        # the walk named_parameters and named_buffers make
+        self._modules = [m for _, m in model.named_modules()]
+        self._classes = [type(m) for m in self._modules]
+        for cls in set(self._classes):
+            if any(getattr(cls, name) is not getattr(torch.nn.Module, name) for name in _LISTING_METHODS):
+                return False
+        self._per_parameter = [state for opt in optimizers for state in opt.state.values()]
+        for state in self._per_parameter:
+            if not all(isinstance(v, torch.Tensor) for v in state.values()):
+                return False
+        dicts = self._dicts(optimizers)
+        self._sizes = list(map(len, dicts))
+        self._keys = list(itertools.chain.from_iterable(dicts))
+        self._values = list(itertools.chain.from_iterable(map(_values, dicts)))
+        return True
+
+
+#: A module's dictionaries that :func:`state_tensors` reads (:class:`StateTensorCache`).
+_MODULE_DICTS = operator.attrgetter("_modules", "_parameters", "_buffers")
+_values = operator.methodcaller("values")
 
 
 def leaf(step: int, state_hash: bytes, batch_hash: bytes) -> bytes:
