@@ -352,9 +352,8 @@ def bench_overhead(rest: list[str]) -> int:
             logged = [n for o in res[v] for n in o["logged"]]
             recording = v == "verifiable record"
             goal = OVERHEAD_GOALS.get(model) if recording else None
-            paired = v == PAIRED and bool(
-                step_by_step
-            )  # the verdict is the step-by-step ratio's, where measured
+            # the verdict is the step-by-step ratio's, where it was measured
+            by_step = v == PAIRED and bool(step_by_step)
             calibration, own, log = "-", "-", "-"
             if args.warmup >= 1 and all(o["times"] for o in res[v]):
                 # step 1 against the same process's later steps: one-off costs (lazy imports, first calls)
@@ -368,8 +367,8 @@ def bench_overhead(rest: list[str]) -> int:
                 log = _log_column(model, [b for o in res[v] for b in o["log_bytes"]])
             rows.append([
                 model, v, str(len(res[v]) * steps), f"{med[v] * 1e3:.1f}",
-                f"{med[v] / med['fp64']:.2f}x{_verdict(med[v] / med['fp64'], None if paired else goal)}",
-                _step_by_step_column(step_by_step, goal) if paired else "-",
+                f"{med[v] / med['fp64']:.2f}x{_verdict(med[v] / med['fp64'], None if by_step else goal)}",
+                _step_by_step_column(step_by_step, goal) if by_step else "-",
                 _paired_column(res[v], res["fp64"]) if v == PAIRED else "-", f"{med[v] / med['fp32']:.2f}x",
                 f"{mem[v]:.0f}", f"{mem[v] / mem['fp64']:.2f}x" if mem["fp64"] > 0 else "-",
                 f"{mem1[v]:.0f}", f"{absmem[v]:.0f}", f"{statistics.median(logged):.0f}" if logged else "-",
