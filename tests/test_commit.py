@@ -463,3 +463,32 @@ def test_the_state_tensor_cache_reads_afresh_where_it_cannot_check() -> None:
     cache(net, [other])
     cache(_net_and_adam()[0], [other])
     assert cache.rebuilds == 8
+
+
+def _equal_listing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_loop_found_uncacheable_is_not_walked_a_second_time_to_check(monkeypatch) -> None:
+    """Once a model and its optimizers cannot be cached, each call only lists them: the check's own walk is
+    not repeated, the listing still follows every change, and another loop is cached again."""
+    snapshots = []
+    snapshot = commit.StateTensorCache._snapshot
+    monkeypatch.setattr(commit.StateTensorCache, "_snapshot", lambda *a: snapshots.append(1) or snapshot(*a))
+    net, _ = _net_and_adam()
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _train_step(net, sgd)
+    sgd.state[net[0].weight]["count"] = 1
+    cache = commit.StateTensorCache()
+    for _ in range(3):
+        assert _equal_listing(cache(net, [sgd]), commit.state_tensors(net, [sgd]))
+    _new_buffer(net, sgd)
+    assert _equal_listing(cache(net, [sgd]), commit.state_tensors(net, [sgd]))
+    assert "buffer.1.extra" in cache(net, [sgd])
+    assert len(snapshots) == 1
+
+    other, adam = _net_and_adam()
+    _train_step(other, adam)
+    for _ in range(3):
+        assert _same_listing(cache(other, [adam]), commit.state_tensors(other, [adam]))
+    assert len(snapshots) == 2 and cache.rebuilds == 6

@@ -409,8 +409,9 @@ class StateTensorCache:
     a tensor's is elementwise, and equal values in a new tensor are a new state entry. It does not cache
     where a module class overrides one of the listing methods (:data:`_LISTING_METHODS`), or where an
     optimizer's state holds a number (committed as a new 0-d tensor each time): those are read afresh at
-    every call. It holds references to what it checks, so that no object's id can be reused under it. Each
-    call returns a new dict.
+    every call, and, once found so, that model and those optimizers are read afresh for good, without
+    walking them a second time to check. It holds references to what it checks, so that no object's id can
+    be reused under it. Each call returns a new dict.
     """
 
     def __init__(self) -> None:
@@ -423,6 +424,7 @@ class StateTensorCache:
         self._keys: list[Any] = []
         self._values: list[Any] = []
         self._out: dict[str, torch.Tensor] | None = None
+        self._uncacheable = False  # the model and optimizers kept are read afresh at every call
         self.rebuilds = 0  # calls that walked the model (for tests)
 
     def __call__(
@@ -432,9 +434,20 @@ class StateTensorCache:
         if self._out is not None and self._unchanged(model, optimizers):
             return dict(self._out)
         self.rebuilds += 1
+        if self._uncacheable and self._same_loop(model, optimizers):
+            return state_tensors(model, optimizers)
         out = state_tensors(model, optimizers)
-        self._out = dict(out) if self._snapshot(model, optimizers) else None
+        cacheable = self._snapshot(model, optimizers)
+        self._out = dict(out) if cacheable else None
+        self._uncacheable = not cacheable
         return out
+
+    def _same_loop(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+        return (
+            model is self._model
+            and len(optimizers) == len(self._optimizers)
+            and all(map(operator.is_, optimizers, self._optimizers))
+        )
 
     def _dicts(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Mapping[Any, Any]]:
         """The dictionaries the listing reads, as they are now (the per-parameter ones: those kept, which
@@ -443,9 +456,7 @@ class StateTensorCache:
         return [*modules, *(opt.state for opt in optimizers), *self._per_parameter]
 
     def _unchanged(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
-        if model is not self._model or len(optimizers) != len(self._optimizers):
-            return False
-        if not all(map(operator.is_, optimizers, self._optimizers)):
+        if not self._same_loop(model, optimizers):
             return False
         if not all(map(operator.is_, map(type, self._modules), self._classes)):
             return False
