@@ -368,9 +368,9 @@ def scope(
         yield
         return
 
-    def number(name: str) -> None:  # a logged op the fallback rounded takes the next op position
-        step.seq += 1
-        step.op_names.append(name)
+    def numbered(names: list[str]) -> None:  # logged ops the fallback rounded take the next op positions
+        step.seq += len(names)
+        step.op_names.extend(names)
 
     def entries(name: str, *arrays: np.ndarray) -> None:  # ... and one the fallback rounded with log entries
         entry = OpEntries(step.seq, *arrays)
@@ -392,10 +392,13 @@ def scope(
 
         hooks = (routes.declined(module), tally, declined_call)
     table = routes.table(module, profile, thresholds, rules_revision)
-    module.enter(table, logs, number, round_logged, kernel.c_api(), entries, learned, nesting, *hooks)
+    module.enter(table, logs, numbered, round_logged, kernel.c_api(), entries, learned, nesting, *hooks)
+    # The fallback numbers the ops it rounds in batches: whatever numbers one in Python takes them first.
+    flush, step.flush_numbers = step.flush_numbers, module.flush_numbers
     try:
         yield
     finally:
+        step.flush_numbers = flush
         rounded, native_ops, python_ops, entry_ops, one_pass = module.leave()
         step.stats.rounded_elements += rounded
         counts.update(native=native_ops, python=python_ops, entries=entry_ops, one_pass=one_pass)

@@ -37,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -147,9 +148,14 @@ struct Step {
   // as the calibrator counts one it declines.
   Declined* declined = nullptr;
   py::object tally, declined_call;
-  // (name) -> None: a logged op rounded here takes the next op position. At once, not batched: the mode
-  // may number the next logged op on another thread (autograd's device threads take the Python route).
-  py::object number;
+  // (names) -> None: the logged ops rounded here since the last call take the next op positions, in order.
+  // They wait in `pending` (each op's name, the table's own str) and go over in one call, not one each:
+  // taking the GIL and calling Python for every op cost about 1 us of a logged op's few. Whatever numbers
+  // an op in Python first hands them over (flush_numbers): the entries callback below, the mode's logged
+  // rounding on any thread (autograd's device threads take the Python route), and leave().
+  py::object numbered;
+  std::mutex pending_mutex;  // a device thread's mode may flush while this thread runs
+  std::vector<PyObject*> pending;
   // (OpOverload, elementwise, tensor, args, tau) -> None: the mode's logged rounding (args: what its unit
   // or its exact elements need: a matrix product's two inputs, a sum's arguments, else empty)
   py::object round_logged;
@@ -174,6 +180,49 @@ struct Step {
 };
 
 thread_local Step* current = nullptr;
+
+// Every entered step, on any thread: the mode's logged rounding hands their pending numbers over first.
+std::mutex live_mutex;
+std::vector<Step*> live_steps;
+
+// A logged op rounded here takes the next op position (Step::numbered). No GIL needed.
+void number_later(Step* step, const py::object& name) {
+  std::lock_guard<std::mutex> lock(step->pending_mutex);
+  step->pending.push_back(name.ptr());
+}
+
+// Hands the step's pending numbers to the Python side. The GIL must be held.
+void flush_numbers(Step* step) {
+  py::list names;
+  {
+    std::lock_guard<std::mutex> lock(step->pending_mutex);
+    if (step->pending.empty()) return;
+    names = py::list(step->pending.size());
+    for (size_t i = 0; i < step->pending.size(); ++i) {
+      names[i] = py::reinterpret_borrow<py::object>(step->pending[i]);
+    }
+    step->pending.clear();
+  }
+  step->numbered(names);
+}
+
+// flush_numbers of every entered step (the mode's, before it numbers an op). The GIL must be held. Each
+// step is looked up again before its flush: the Python call of the one before may let another thread leave
+// its scope (which takes the GIL too) and end it.
+void flush_all_numbers() {
+  std::vector<Step*> steps;
+  {
+    std::lock_guard<std::mutex> lock(live_mutex);
+    steps = live_steps;
+  }
+  for (Step* step : steps) {
+    {
+      std::lock_guard<std::mutex> lock(live_mutex);
+      if (std::find(live_steps.begin(), live_steps.end(), step) == live_steps.end()) continue;
+    }
+    flush_numbers(step);
+  }
+}
 
 const Entry& entry_of(Table* table, const c10::OperatorHandle& op) {
   const void* key = &op.schema();
@@ -746,8 +795,7 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
   if (products != nullptr && products_exact(*products)) {
     round_dense(x, n);
     count_rounded(step, n);
-    py::gil_scoped_acquire gil;
-    step->number(e.name);
+    number_later(step, e.name);
     return;
   }
   Layout l{1, 1, n};
@@ -805,12 +853,13 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
     n_kept = k, n_pinned = p, n_short = q;
   }
   count_rounded(step, n);
-  py::gil_scoped_acquire gil;
   if (n_kept == 0 && n_pinned == 0 && n_short == 0) {
-    step->number(e.name);
+    number_later(step, e.name);
     return;
   }
   ++step->entry_ops;
+  py::gil_scoped_acquire gil;
+  flush_numbers(step);  // the ops before it take their positions first
   step->entries(e.name, array_of<int64_t>(found.kept.data(), n_kept), array_of<bool>(found.up.data(), n_kept),
                 array_of<int64_t>(found.pinned.data(), n_pinned),
                 array_of<float>(found.pinned_values.data(), n_pinned),
@@ -1162,8 +1211,7 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
     if (!near) {
       round_runs(targets[0], runs);
       count_rounded(step, targets[0].numel());
-      py::gil_scoped_acquire gil;
-      step->number(e.name);
+      number_later(step, e.name);
       return;
     }
   }
@@ -1260,8 +1308,7 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
       } else {
         round_dense(d.data_ptr<double>(), d.numel());
         count_rounded(step, t.numel());
-        py::gil_scoped_acquire gil;
-        step->number(e.name);
+        number_later(step, e.name);
       }
       if (!d.is_same(t)) {
         c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);
@@ -2357,8 +2404,13 @@ struct Scope {
   // destroyed with the thread's locals, after the interpreter is gone: its Python references are left
   // alone then, since releasing them would touch freed memory.
   ~Scope() {
+    {  // left without leave() (the thread ended inside a step): no flush may reach it any more
+      std::lock_guard<std::mutex> lock(live_mutex);
+      auto found = std::find(live_steps.begin(), live_steps.end(), &step);
+      if (found != live_steps.end()) live_steps.erase(found);
+    }
     if (Py_IsInitialized()) return;
-    for (py::object* o : {&table_owner, &declined_owner, &step.tally, &step.declined_call, &step.number,
+    for (py::object* o : {&table_owner, &declined_owner, &step.tally, &step.declined_call, &step.numbered,
                            &step.round_logged, &step.entries, &step.learned, &step.nesting}) {
       o->release();
     }
@@ -2367,7 +2419,7 @@ struct Scope {
 
 thread_local std::vector<std::unique_ptr<Scope>> scopes;
 
-void enter(py::object table, bool logs, py::object number_fn, py::object round_logged_fn, py::object kernel,
+void enter(py::object table, bool logs, py::object numbered_fn, py::object round_logged_fn, py::object kernel,
            py::object entries_fn, py::object learned, py::object nesting, py::object declined, py::object tally,
            py::object declined_call) {
   auto scope = std::make_unique<Scope>();
@@ -2380,7 +2432,7 @@ void enter(py::object table, bool logs, py::object number_fn, py::object round_l
     scope->step.tally = std::move(tally);
     scope->step.declined_call = std::move(declined_call);
   }
-  scope->step.number = std::move(number_fn);
+  scope->step.numbered = std::move(numbered_fn);
   scope->step.round_logged = std::move(round_logged_fn);
   scope->step.learned = std::move(learned);
   scope->step.nesting = std::move(nesting);
@@ -2396,6 +2448,10 @@ void enter(py::object table, bool logs, py::object number_fn, py::object round_l
   scope->include = std::make_unique<c10::impl::IncludeDispatchKeyGuard>(kOurs);
   scope->exclude = std::make_unique<c10::impl::ExcludeDispatchKeyGuard>(c10::DispatchKey::Python);
   current = &scope->step;
+  {
+    std::lock_guard<std::mutex> lock(live_mutex);
+    live_steps.push_back(current);
+  }
   scopes.push_back(std::move(scope));
 }
 
@@ -2431,6 +2487,7 @@ py::tuple leave() {
   scope->include.reset();
   current = scope->previous;
   Step& s = scope->step;
+  flush_numbers(&s);
   return py::make_tuple(s.rounded, s.native_ops, s.python_ops, s.entry_ops, s.one_pass);
 }
 
@@ -2458,6 +2515,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def("__len__", [](const Declined& d) { return d.keys.size(); });
   m.def("enter", &enter, "start a step: ops that need no Python are handled natively on this thread");
+  m.def("flush_numbers", &flush_all_numbers,
+        "hand the logged ops numbered natively so far over to the Python side (before it numbers one)");
   m.def("nest", &nest, "the route on again inside the mode's handler, for a decomposition's steps; whether it is");
   m.def("unnest", &unnest, "undo the last nest()");
   m.def("leave", &leave,

@@ -378,8 +378,11 @@ class StepRounding:
         self.anomalies: list[Anomaly] = []
         self.max_anomalies = max_anomalies
         self._kept: dict[str, int] = {}
-        self.seq = 0
+        self.seq = 0  # the next logged op's position
         self.op_names: list[str] = []
+        #: Hands over the op positions the native route took but has not numbered here yet (it numbers in
+        #: batches: detrl/core/native.py): called before an op is numbered here. None outside its scope.
+        self.flush_numbers: Callable[[], None] | None = None
 
     def entries(self, seq: int, numel: int, name: str = "") -> OpEntries | None:
         """The log's entries for op position ``seq`` (``name``, an output of ``numel`` elements), if any."""
@@ -736,6 +739,8 @@ class RoundingMode(EagerDispatchMode):
     def _round_logged(self, func: Any, x: torch.Tensor, kind: OpKind, args: tuple, tau: float) -> None:
         step = self.step
         assert step is not None
+        if step.flush_numbers is not None:
+            step.flush_numbers()
         seq = step.seq
         step.seq += 1
         name = op_name(func)
