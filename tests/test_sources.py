@@ -68,6 +68,28 @@ def test_the_commitment_bytes_are_the_canonical_json_of_the_state():
     assert len(set(seen)) == len(seen)
 
 
+def test_the_kept_json_frame_follows_every_change_of_the_rest_of_the_state():
+    """``digest_bytes`` keeps the JSON around the torch streams' states: a load that changes the base seed,
+    the bitflip switch, the seeds and the unseeded streams, a numpy stream's draw and a new stream each give
+    the canonical JSON of the state as it is then, never the frame of the call before."""
+    a = Sources(seed=1)
+    torch.rand(2, generator=a.torch("dropout"))
+    seen = [a.digest_bytes()]
+    other = Sources(seed=2, streams={"explore": {"seed": None}, "replay": {"seed": 11}}, bitflip=True)
+    torch.rand(2, generator=other.torch("init"))
+    other.numpy("env").integers(0, 5, 3)
+    for change in (
+        lambda: a.load_state_dict(other.state_dict()),
+        lambda: a.numpy("env").integers(0, 5, 1),
+        lambda: a.torch("explore"),
+        lambda: a.numpy("replay"),
+    ):
+        change()
+        seen.append(a.digest_bytes())
+        assert seen[-1] == state_bytes(a.state_dict())
+    assert len(set(seen)) == len(seen)
+
+
 def test_a_streams_encoded_state_is_reused_only_while_the_state_is_the_same():
     """The switchboard keeps each torch stream's last state and base64 (re-encoding an unchanged stream at
     every commitment cost more than the rest of the bytes): what it writes is always the fresh encoding of
