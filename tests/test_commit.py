@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from detrl.core import extensions
 from detrl.formats import commit
 
 
@@ -377,9 +379,22 @@ def _same_listing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
     return list(got) == list(want) and all(got[k] is want[k] for k in want)
 
 
-def test_the_state_tensor_cache_answers_as_state_tensors_and_walks_the_model_once_in_a_loop() -> None:
+@pytest.fixture(params=["python", "native"])
+def new_cache(request) -> Callable[[], commit.StateTensorCache]:
+    """A StateTensorCache with its Python check, or with the native one (detrl/core/state_records.cpp)."""
+    if request.param == "python":
+        return commit.StateTensorCache
+    same_listing = extensions.same_listing()
+    if same_listing is None:
+        pytest.skip("the state records extension is not built")
+    return lambda: commit.StateTensorCache(same_listing)
+
+
+def test_the_state_tensor_cache_answers_as_state_tensors_and_walks_the_model_once_in_a_loop(
+    new_cache,
+) -> None:
     net, opt = _net_and_adam()
-    cache = commit.StateTensorCache()
+    cache = new_cache()
     for _ in range(5):
         _train_step(net, opt)
         got = cache(net, [opt])
@@ -423,9 +438,9 @@ def _class_changed(net, opt):
     [_replace_weight, _new_buffer, _buffer_gone, _new_submodule, _equal_state_in_a_new_tensor, _state_reloaded,
      _class_changed],
 )  # fmt: skip
-def test_the_state_tensor_cache_sees_every_change_to_what_the_listing_reads(change) -> None:
+def test_the_state_tensor_cache_sees_every_change_to_what_the_listing_reads(change, new_cache) -> None:
     net, opt = _net_and_adam()
-    cache = commit.StateTensorCache()
+    cache = new_cache()
     _train_step(net, opt)
     cache(net, [opt])
     cache(net, [opt])
@@ -435,7 +450,7 @@ def test_the_state_tensor_cache_sees_every_change_to_what_the_listing_reads(chan
     assert cache.rebuilds == 2
 
 
-def test_the_state_tensor_cache_reads_afresh_where_it_cannot_check() -> None:
+def test_the_state_tensor_cache_reads_afresh_where_it_cannot_check(new_cache) -> None:
     """A module class that lists its own parameters, a number in an optimizer's state, and another model or
     optimizer object: every call walks them."""
 
@@ -445,7 +460,7 @@ def test_the_state_tensor_cache_reads_afresh_where_it_cannot_check() -> None:
 
     net, opt = _net_and_adam()
     net.append(Listing(2, 2))
-    cache = commit.StateTensorCache()
+    cache = new_cache()
     for _ in range(3):
         assert _same_listing(cache(net), commit.state_tensors(net))
     assert cache.rebuilds == 3
@@ -469,7 +484,7 @@ def _equal_listing(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
     return list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_a_loop_found_uncacheable_is_not_walked_a_second_time_to_check(monkeypatch) -> None:
+def test_a_loop_found_uncacheable_is_not_walked_a_second_time_to_check(monkeypatch, new_cache) -> None:
     """Once a model and its optimizers cannot be cached, each call only lists them: the check's own walk is
     not repeated, the listing still follows every change, and another loop is cached again."""
     snapshots = []
@@ -479,7 +494,7 @@ def test_a_loop_found_uncacheable_is_not_walked_a_second_time_to_check(monkeypat
     sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     _train_step(net, sgd)
     sgd.state[net[0].weight]["count"] = 1
-    cache = commit.StateTensorCache()
+    cache = new_cache()
     for _ in range(3):
         assert _equal_listing(cache(net, [sgd]), commit.state_tensors(net, [sgd]))
     _new_buffer(net, sgd)

@@ -416,7 +416,8 @@ class Session:
         self.parts: dict[str, StatePart] = {}
         # Recorder and auditor alike: the cache reuses a digest only for bytes it has compared equal.
         self._digests = commit.DigestCache(steady=extensions.steady_records()) if mode != "off" else None
-        self._state_list = commit.StateTensorCache()  # the per-step commitment's tensor list
+        # the per-step commitment's tensor list
+        self._state_list = commit.StateTensorCache(extensions.same_listing() if mode != "off" else None)
         self._committed_parts: dict[str, bytes] = {}  # each part's digest in the last commitment
         self._tracker: _OrderedTracker | None = None
         if track_modules if track_modules is not None else mode == "replay":

@@ -13,6 +13,7 @@ import functools
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -49,11 +50,23 @@ def load(prebuilt: str, source: Path, purpose: str) -> ModuleType | None:
 
 
 @functools.cache
+def _state_records() -> ModuleType | None:
+    return load(
+        "detrl.core._state_records", Path(__file__).with_name("state_records.cpp"), "the state records helper"
+    )
+
+
 def steady_records() -> type | None:
     """``SteadyRecords`` (detrl/core/state_records.cpp): the digest cache's check and rehash of a state's
     steady tensors in one call (:class:`detrl.formats.commit.DigestCache`), or None: the cache then takes
     its Python path, which gives the same records."""
-    module = load(
-        "detrl.core._state_records", Path(__file__).with_name("state_records.cpp"), "the state records helper"
-    )
+    module = _state_records()
     return None if module is None else module.SteadyRecords
+
+
+def same_listing() -> Callable[..., bool] | None:
+    """``same_listing`` (detrl/core/state_records.cpp): the check of
+    :class:`detrl.formats.commit.StateTensorCache` in one call, or None: the cache then checks in Python,
+    with the same answer."""
+    module = _state_records()
+    return None if module is None else module.same_listing
