@@ -428,8 +428,8 @@ class StateTensorCache:
         self._sizes: list[int] = []
         self._keys: list[Any] = []
         self._values: list[Any] = []
+        # None: nothing kept yet, or the model and optimizers kept are read afresh at every call
         self._out: dict[str, torch.Tensor] | None = None
-        self._uncacheable = False  # the model and optimizers kept are read afresh at every call
         self.rebuilds = 0  # calls that walked the model (for tests)
 
     def __call__(
@@ -439,12 +439,10 @@ class StateTensorCache:
         if self._out is not None and self._unchanged(model, optimizers):
             return dict(self._out)
         self.rebuilds += 1
-        if self._uncacheable and self._same_loop(model, optimizers):
-            return state_tensors(model, optimizers)
         out = state_tensors(model, optimizers)
-        cacheable = self._snapshot(model, optimizers)
-        self._out = dict(out) if cacheable else None
-        self._uncacheable = not cacheable
+        if self._out is None and self._same_loop(model, optimizers):
+            return out  # this loop was found uncacheable: no second walk to check it again
+        self._out = dict(out) if self._snapshot(model, optimizers) else None
         return out
 
     def _same_loop(self, model: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
