@@ -240,6 +240,46 @@ def bench_overhead(rest: list[str]) -> int:
     """Step time and peak memory of verifiable precision (recording, and ``mode="off"`` to separate the
     log and commitment I/O) against plain FP64 and plain FP32, per model; each (model, variant, repeat)
     runs in a fresh subprocess so that its peak RSS is its own."""
+    args = _overhead_arguments(rest)
+    models = model_list(args.models)
+    get_profile(args.hardware)  # a bad or absent profile fails here, in one line, before any work
+    print(machine_line(args.threads) + ("" if args.hardware == "native" else f" | hardware {args.hardware}"))
+    print(
+        "step time: wall time of a whole loop iteration (batch, forward, backward, optimizer, commit, log "
+        "write), first step(s) excluded; peak memory: VmHWM (peak RSS) of a fresh process per variant, "
+        "reset via /proc/self/clear_refs after the warm-up step, minus its RSS before the model was built (abs.: the whole process)"
+    )
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    breakdowns: list[str] = []
+    for model in models:
+        big = model in BIG_MODELS
+        steps = args.big_steps if big else args.steps
+        repeats = args.big_repeats if big else args.repeats
+        tau = args.resnet_tau if model == "resnet50" and args.resnet_tau > 0 else None
+        if tau is not None:
+            notes.append(
+                f"{model}: verifiable variants use a fixed threshold tau={tau:g} for every op instead of "
+                "calibrating in step 1 (same rounding work per step; at least as many logged elements as "
+                "a calibrated run)"
+            )
+        res, step_by_step = _measure_model(model, args, steps, repeats, tau)
+        if args.breakdown:
+            breakdowns.append(_breakdown_table(model, res))
+        model_rows, model_notes = _model_rows(model, args, steps, tau, res, step_by_step)
+        rows += model_rows
+        notes += model_notes
+    print(table(_OVERHEAD_HEADERS, rows))
+    for n in notes:
+        print("note: " + n)
+    _print_overhead_legend()
+    for b in breakdowns:
+        print(b)
+    return 0
+
+
+def _overhead_arguments(rest: list[str]) -> argparse.Namespace:
+    """``detrl bench overhead``'s arguments."""
     p = argparse.ArgumentParser(prog="detrl bench overhead", description=bench_overhead.__doc__)
     p.add_argument(
         "--models",
@@ -289,98 +329,99 @@ def bench_overhead(rest: list[str]) -> int:
         help="also print where a step goes: each phase of the loop, and the parts of the commitment, timed "
         "inside the loop (the commitment's timers cost it a few microseconds of their own)",
     )
-    args = p.parse_args(rest)
-    models = model_list(args.models)
-    get_profile(args.hardware)  # a bad or absent profile fails here, in one line, before any work
-    print(machine_line(args.threads) + ("" if args.hardware == "native" else f" | hardware {args.hardware}"))
-    print(
-        "step time: wall time of a whole loop iteration (batch, forward, backward, optimizer, commit, log "
-        "write), first step(s) excluded; peak memory: VmHWM (peak RSS) of a fresh process per variant, "
-        "reset via /proc/self/clear_refs after the warm-up step, minus its RSS before the model was built (abs.: the whole process)"
-    )
-    rows = []
-    notes = []
-    breakdowns: list[str] = []
-    for model in models:
-        big = model in BIG_MODELS
-        steps = args.big_steps if big else args.steps
-        repeats = args.big_repeats if big else args.repeats
-        tau = args.resnet_tau if model == "resnet50" and args.resnet_tau > 0 else None
-        if tau is not None:
-            notes.append(
-                f"{model}: verifiable variants use a fixed threshold tau={tau:g} for every op instead of "
-                "calibrating in step 1 (same rounding work per step; at least as many logged elements as "
-                "a calibrated run)"
+    return p.parse_args(rest)
+
+
+def _measure_model(
+    model: str, args: argparse.Namespace, steps: int, repeats: int, tau: float | None
+) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """Each variant's processes for ``model`` (a fresh one per variant and repeat, in :func:`run_order`),
+    and the step-by-step processes (small models, unless ``--no-step-by-step``)."""
+    big = model in BIG_MODELS
+    res: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    step_by_step: list[dict[str, Any]] = []  # the repeats' interleaved processes (small models)
+    for r in range(repeats):
+        spec = {"model": model, "steps": steps, "warmup": args.warmup, "threads": args.threads, "tau": tau,
+                "breakdown": args.breakdown, "hardware": args.hardware}  # fmt: skip
+        for v in run_order(r):
+            t0 = time.perf_counter()
+            out = _spawn_worker({**spec, "variant": v})
+            res[v].append(out)
+            progress(
+                f"{model} repeat {r + 1}/{repeats} {v}: median "
+                f"{statistics.median(out['times']) * 1e3:.1f} ms/step ({time.perf_counter() - t0:.0f} s)"
             )
-        res: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
-        step_by_step: list[dict[str, Any]] = []  # the repeats' interleaved processes (small models)
-        for r in range(repeats):
-            spec = {"model": model, "steps": steps, "warmup": args.warmup, "threads": args.threads, "tau": tau,
-                    "breakdown": args.breakdown, "hardware": args.hardware}  # fmt: skip
-            for v in run_order(r):
-                t0 = time.perf_counter()
-                out = _spawn_worker({**spec, "variant": v})
-                res[v].append(out)
-                progress(
-                    f"{model} repeat {r + 1}/{repeats} {v}: median "
-                    f"{statistics.median(out['times']) * 1e3:.1f} ms/step ({time.perf_counter() - t0:.0f} s)"
-                )
-            if not big and not args.no_step_by_step:
-                t0 = time.perf_counter()
-                out = _spawn_worker({**spec, "variant": "interleaved"})
-                step_by_step.append(out)
-                progress(
-                    f"{model} repeat {r + 1}/{repeats} {' and '.join(INTERLEAVED)} step by step: median ratio "
-                    f"{statistics.median(_step_ratios([out])):.2f}x ({time.perf_counter() - t0:.0f} s)"
-                )
-        med = {v: statistics.median([t for o in res[v] for t in o["times"]]) for v in VARIANTS}
-        mem = {
-            v: statistics.median([(o["peak_kb"] - o["baseline_kb"]) / 1024 for o in res[v]]) for v in VARIANTS
-        }
-        mem1 = {
-            v: statistics.median(
-                [(max(o["first_peak_kb"], o["peak_kb"]) - o["baseline_kb"]) / 1024 for o in res[v]]
+        if not big and not args.no_step_by_step:
+            t0 = time.perf_counter()
+            out = _spawn_worker({**spec, "variant": "interleaved"})
+            step_by_step.append(out)
+            progress(
+                f"{model} repeat {r + 1}/{repeats} {' and '.join(INTERLEAVED)} step by step: median ratio "
+                f"{statistics.median(_step_ratios([out])):.2f}x ({time.perf_counter() - t0:.0f} s)"
             )
-            for v in VARIANTS
-        }
-        absmem = {v: statistics.median([o["peak_kb"] / 1024 for o in res[v]]) for v in VARIANTS}
-        if args.breakdown:
-            breakdowns.append(_breakdown_table(model, res))
-        if not all(o["reset_ok"] for v in VARIANTS for o in res[v]):
-            notes.append(f"{model}: could not reset peak RSS; steady-state peak includes the warm-up step")
-        for v in VARIANTS:
-            logged = [n for o in res[v] for n in o["logged"]]
-            recording = v == "verifiable record"
-            goal = OVERHEAD_GOALS.get(model) if recording else None
-            # the verdict is the step-by-step ratio's, where it was measured
-            by_step = v == PAIRED and bool(step_by_step)
-            calibration, own, log = "-", "-", "-"
-            if args.warmup >= 1 and all(o["times"] for o in res[v]):
-                # step 1 against the same process's later steps: one-off costs (lazy imports, first calls)
-                # in every variant, plus the calibration in verifiable record (when it calibrates)
-                ratio = statistics.median([o["first"][0] / statistics.median(o["times"]) for o in res[v]])
-                calibrates = recording and tau is None
-                calibration = f"{ratio:.1f}x{_verdict(ratio, CALIBRATION_GOAL if calibrates else None)}"
-                if calibrates:
-                    own = f"{_calibration_own(res[v], res['verifiable off']):.1f}"
-            if mode_records(v):
-                log = _log_column(model, [b for o in res[v] for b in o["log_bytes"]])
-            rows.append([
-                model, v, str(len(res[v]) * steps), f"{med[v] * 1e3:.1f}",
-                f"{med[v] / med['fp64']:.2f}x{_verdict(med[v] / med['fp64'], None if by_step else goal)}",
-                _step_by_step_column(step_by_step, goal) if by_step else "-",
-                _paired_column(res[v], res["fp64"]) if v == PAIRED else "-", f"{med[v] / med['fp32']:.2f}x",
-                f"{mem[v]:.0f}", f"{mem[v] / mem['fp64']:.2f}x" if mem["fp64"] > 0 else "-",
-                f"{mem1[v]:.0f}", f"{absmem[v]:.0f}", f"{statistics.median(logged):.0f}" if logged else "-",
-                calibration, own, log,
-            ])  # fmt: skip
-    headers = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp64 step by step: median (q1..q3)",
-               "/fp64 per repeat: median (min..max)", "/fp32",
-               "peak MB", "peak /fp64", "peak MB incl. step 1", "abs. peak RSS MB", "logged/step",
-               "step 1 / later", "calibration's own, in later steps", "log KB/step (first..last)"]  # fmt: skip
-    print(table(headers, rows))
-    for n in notes:
-        print("note: " + n)
+    return res, step_by_step
+
+
+def _model_rows(
+    model: str,
+    args: argparse.Namespace,
+    steps: int,
+    tau: float | None,
+    res: dict[str, list[dict[str, Any]]],
+    step_by_step: list[dict[str, Any]],
+) -> tuple[list[list[str]], list[str]]:
+    """The table's rows for ``model``, one per variant, and the notes they need."""
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    med = {v: statistics.median([t for o in res[v] for t in o["times"]]) for v in VARIANTS}
+    mem = {v: statistics.median([(o["peak_kb"] - o["baseline_kb"]) / 1024 for o in res[v]]) for v in VARIANTS}
+    mem1 = {
+        v: statistics.median(
+            [(max(o["first_peak_kb"], o["peak_kb"]) - o["baseline_kb"]) / 1024 for o in res[v]]
+        )
+        for v in VARIANTS
+    }
+    absmem = {v: statistics.median([o["peak_kb"] / 1024 for o in res[v]]) for v in VARIANTS}
+    if not all(o["reset_ok"] for v in VARIANTS for o in res[v]):
+        notes.append(f"{model}: could not reset peak RSS; steady-state peak includes the warm-up step")
+    for v in VARIANTS:
+        logged = [n for o in res[v] for n in o["logged"]]
+        recording = v == "verifiable record"
+        goal = OVERHEAD_GOALS.get(model) if recording else None
+        # the verdict is the step-by-step ratio's, where it was measured
+        by_step = v == PAIRED and bool(step_by_step)
+        calibration, own, log = "-", "-", "-"
+        if args.warmup >= 1 and all(o["times"] for o in res[v]):
+            # step 1 against the same process's later steps: one-off costs (lazy imports, first calls)
+            # in every variant, plus the calibration in verifiable record (when it calibrates)
+            ratio = statistics.median([o["first"][0] / statistics.median(o["times"]) for o in res[v]])
+            calibrates = recording and tau is None
+            calibration = f"{ratio:.1f}x{_verdict(ratio, CALIBRATION_GOAL if calibrates else None)}"
+            if calibrates:
+                own = f"{_calibration_own(res[v], res['verifiable off']):.1f}"
+        if mode_records(v):
+            log = _log_column(model, [b for o in res[v] for b in o["log_bytes"]])
+        rows.append([
+            model, v, str(len(res[v]) * steps), f"{med[v] * 1e3:.1f}",
+            f"{med[v] / med['fp64']:.2f}x{_verdict(med[v] / med['fp64'], None if by_step else goal)}",
+            _step_by_step_column(step_by_step, goal) if by_step else "-",
+            _paired_column(res[v], res["fp64"]) if v == PAIRED else "-", f"{med[v] / med['fp32']:.2f}x",
+            f"{mem[v]:.0f}", f"{mem[v] / mem['fp64']:.2f}x" if mem["fp64"] > 0 else "-",
+            f"{mem1[v]:.0f}", f"{absmem[v]:.0f}", f"{statistics.median(logged):.0f}" if logged else "-",
+            calibration, own, log,
+        ])  # fmt: skip
+    return rows, notes
+
+
+_OVERHEAD_HEADERS = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp64 step by step: median (q1..q3)",
+           "/fp64 per repeat: median (min..max)", "/fp32",
+           "peak MB", "peak /fp64", "peak MB incl. step 1", "abs. peak RSS MB", "logged/step",
+           "step 1 / later", "calibration's own, in later steps", "log KB/step (first..last)",
+]  # fmt: skip
+
+
+def _print_overhead_legend() -> None:
+    """What the table's columns mean, and the goals."""
     print(
         "/fp64: the median step of every process of the variant over fp64's; step by step (the verdict where "
         f"shown): each repeat also runs fp64 and {PAIRED} in one process, a step of each in turn, and this is "
@@ -401,9 +442,6 @@ def bench_overhead(rest: list[str]) -> int:
         "paper's 26.2 MB and 42.2 MB, the LSTM 5 KB, flat; 'Python mode': every op through the Python rounding "
         "mode (the native dispatch route off); 'torch rounding': that, and the native rounding kernel off too"
     )
-    for b in breakdowns:
-        print(b)
-    return 0
 
 
 def _breakdown_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
