@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from detrl.bench import performance
+from detrl.core.calibrate import Calibrator
 from detrl.core.engine import Session
+from detrl.core.hardware.profiles import EmulatedProfile
 from detrl.formats import commit
 from detrl.formats.bundle import BundleWriter
 
@@ -18,7 +20,10 @@ VARIANTS = ("fp64", "verifiable off", "verifiable record")
 def runs():
     """Three steps of the digits CNN in each variant the breakdown shows, in this process (after one
     warm-up step), with the commitment's parts timed; and what the timers wrapped, before and after."""
-    wrapped = lambda: (commit.StateTensorCache.__call__, Session._state_hash, BundleWriter.append_step)  # noqa: E731
+    wrapped = lambda: (  # noqa: E731
+        commit.StateTensorCache.__call__, Session._state_hash, BundleWriter.append_step, Calibrator.__call__,
+        EmulatedProfile.__call__,
+    )  # fmt: skip
     before = wrapped()
     res = {
         v: [performance._overhead_worker({"model": "digits_cnn", "variant": v, "steps": 3, "warmup": 1,
@@ -55,6 +60,30 @@ def test_the_table_shows_each_part_and_recordings_excess_over_fp64(runs):
     assert float(rows["a step"][2]) == pytest.approx(
         statistics.median(res["verifiable record"][0]["times"]) * 1e3, abs=1e-3
     )
+
+
+def test_the_calibration_step_is_broken_down_where_the_recording_calibrates(runs):
+    """Only the recording calibrates: its first step holds the calibrator's time, the reruns under the
+    profiles inside it, and the rest of the step; the table's cells add up."""
+    res, _, _ = runs
+    calibrator, reruns = performance.CALIBRATOR_PART[0][2], performance.RERUN_PART[0][2]
+    for v in VARIANTS:
+        (out,) = res[v]
+        spent, _ = out["calibration"][calibrator]
+        rerun, calls = out["calibration"][reruns]
+        if v != "verifiable record":
+            assert (spent, rerun, calls) == (0.0, 0.0, 0), v
+            continue
+        assert 0 < rerun < spent < out["first"][0]
+        assert calls > 0
+    text = performance._calibration_table("digits_cnn", res)
+    rows = {c[0]: c[1:] for c in (re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[4:])}
+    assert set(rows) == set(VARIANTS)
+    ms = lambda cell: float(cell.split(" ")[0])  # noqa: E731  "12.3 (1.2 steps)" -> 12.3
+    later, first, spent, rerun, rest, outside = rows["verifiable record"]
+    assert ms(spent) == pytest.approx(ms(rerun) + ms(rest), abs=0.15)
+    assert ms(first) == pytest.approx(ms(spent) + ms(outside), abs=0.15)
+    assert rows["fp64"][2:5] == ["-", "-", "-"]
 
 
 def test_every_repeat_runs_each_variant_once_with_fp64_beside_the_recording():

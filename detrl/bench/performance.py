@@ -40,8 +40,10 @@ from detrl.bench.common import (
 )
 from detrl.bench.registry import benchmark
 from detrl.core import kernel, native
+from detrl.core.calibrate import Calibrator
 from detrl.core.engine import Session
 from detrl.core.hardware import get_profile
+from detrl.core.hardware.profiles import EmulatedProfile
 from detrl.core.rounding import Thresholds
 from detrl.formats import bundle as bundle_mod
 from detrl.formats import commit
@@ -85,6 +87,11 @@ COMMIT_PARTS = [
     (Session, "_state_hash", "step exit: the state hash (switchboard bytes included)"),
     (bundle_mod.BundleWriter, "append_step", "step exit: the log segment and commitment record"),
 ]
+#: What the calibration step adds (``--breakdown``, timed in the warm-up steps): the calibrator, and inside it
+#: its reruns of the measured calls under the emulated profiles (the engine's calibration profiles are the
+#: only emulated ones a native-hardware run calls). Two timers, since one timer's parts do not nest.
+CALIBRATOR_PART = [(Calibrator, "__call__", "the calibrator")]
+RERUN_PART = [(EmulatedProfile, "__call__", "reruns under the profiles")]
 
 
 @dataclasses.dataclass
@@ -151,13 +158,25 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     phases = dict.fromkeys(PHASES, 0.0)  # seconds over the timed steps
     timer = PartTimer()
     reset_ok, first_peak_kb = False, 0
-    parts = COMMIT_PARTS if spec.get("breakdown") else []
-    with timed_parts(timer, parts), _training_loop(spec, spec["variant"], warmup + steps) as loop:
+    breakdown = bool(spec.get("breakdown"))
+    calibrator, reruns = PartTimer(), PartTimer()
+    calibration: dict[str, tuple[float, int]] = {}  # label -> (seconds, calls) in the warm-up steps
+    with contextlib.ExitStack() as timers:
+        timers.enter_context(timed_parts(timer, COMMIT_PARTS if breakdown else []))
+        timers.enter_context(timed_parts(calibrator, CALIBRATOR_PART if breakdown else []))
+        timers.enter_context(timed_parts(reruns, RERUN_PART if breakdown else []))
+        loop = timers.enter_context(_training_loop(spec, spec["variant"], warmup + steps))
         for i in range(warmup + steps):
             if i == warmup:
                 first_peak_kb = status_kb("VmHWM")
                 reset_ok = reset_peak_rss()
                 timer.seconds = dict.fromkeys(timer.seconds, 0.0)  # the timed steps' only
+                # the warm-up steps' calibration (a recording calibrates in its first step only)
+                calibration = {
+                    label: (part.seconds[label], part.calls[label])
+                    for part, ((_, _, label),) in ((calibrator, CALIBRATOR_PART), (reruns, RERUN_PART))
+                    if label in part.seconds
+                }
             clock = [time.perf_counter()]
             loop.step(clock)
             times.append(clock[-1] - clock[0])
@@ -167,6 +186,7 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
         peak_kb = status_kb("VmHWM")
     return {
         "phases": {name: t / max(1, steps) for name, t in {**phases, **timer.seconds}.items()},
+        "calibration": calibration,
         "times": times[warmup:],
         "first": times[:warmup],
         "baseline_kb": loop.baseline_kb,
@@ -266,6 +286,8 @@ def bench_overhead(rest: list[str]) -> int:
         res, step_by_step = _measure_model(model, args, steps, repeats, tau)
         if args.breakdown:
             breakdowns.append(_breakdown_table(model, res))
+            if args.warmup >= 1 and tau is None:
+                breakdowns.append(_calibration_table(model, res))
         model_rows, model_notes = _model_rows(model, args, steps, tau, res, step_by_step)
         rows += model_rows
         notes += model_notes
@@ -327,7 +349,8 @@ def _overhead_arguments(rest: list[str]) -> argparse.Namespace:
         "--breakdown",
         action="store_true",
         help="also print where a step goes: each phase of the loop, and the parts of the commitment, timed "
-        "inside the loop (the commitment's timers cost it a few microseconds of their own)",
+        "inside the loop (the commitment's timers cost it a few microseconds of their own); and where the "
+        "first step goes: the calibrator, its reruns under the emulated profiles, the rest of the step",
     )
     return p.parse_args(rest)
 
@@ -472,6 +495,45 @@ def _breakdown_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
         "the processes of each one's mean over its timed steps; 'a step' is the median step)"
     )
     return head + "\n" + table(["part", *shown, "record - fp64"], rows)
+
+
+def _calibration_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
+    """Where the first step of ``model`` goes, in ms and in later steps of the same variant (medians over its
+    processes): in verifiable record, the calibrator, its reruns under the emulated profiles, and the rest
+    of the step; fp64 and verifiable off, which do not calibrate, for the first step's one-off costs."""
+    rows = []
+    for v in ("fp64", "verifiable off", "verifiable record"):
+        later = statistics.median([statistics.median(o["times"]) for o in res[v]])
+
+        def cell(seconds: list[float], calls: list[int] | None = None, later: float = later) -> str:
+            s = statistics.median(seconds)
+            n = f", {statistics.median(calls):.0f} calls" if calls is not None else ""
+            return f"{s * 1e3:.1f} ({s / later:.1f} steps{n})"
+
+        first = [o["first"][0] for o in res[v]]
+        if v != "verifiable record":
+            rows.append([v, f"{later * 1e3:.1f}", cell(first), "-", "-", "-", cell(first)])
+            continue
+        spent = [
+            o["calibration"].get(CALIBRATOR_PART[0][2], (0.0, 0)) for o in res[v]
+        ]  # no call count: one inside another counts as the outer
+        rerun = [o["calibration"].get(RERUN_PART[0][2], (0.0, 0)) for o in res[v]]
+        rows.append([
+            v, f"{later * 1e3:.1f}", cell(first),
+            cell([s for s, _ in spent]),
+            cell([s for s, _ in rerun], [n for _, n in rerun]),
+            cell([s - r for (s, _), (r, _) in zip(spent, rerun)]),
+            cell([f - s for f, (s, _) in zip(first, spent)]),
+        ])  # fmt: skip
+    head = (
+        f"\n{model}: the first step (the calibration step of verifiable record), ms (and in later steps of the "
+        "same variant); the calibrator measures each new class of logged calls twice: it reruns them under "
+        "the emulated profiles that can change their bits, and takes the units, samples and disagreements "
+        "(the rest)"
+    )
+    headers = ["variant", "a later step", "step 1", "the calibrator", "its reruns under the profiles",
+               "the calibrator's rest", "step 1 outside the calibrator"]  # fmt: skip
+    return head + "\n" + table(headers, rows)
 
 
 #: The variant that runs beside fp64 in every repeat, for its per-repeat ratio.
