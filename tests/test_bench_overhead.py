@@ -86,6 +86,25 @@ def test_the_calibration_step_is_broken_down_where_the_recording_calibrates(runs
     assert rows["fp64"][2:5] == ["-", "-", "-"]
 
 
+def test_on_an_emulated_profile_the_reruns_are_not_told_apart_from_the_steps_ops():
+    """A run on an emulated profile calls the profile for every op of the step: the reruns' column is "-"
+    there, not a count of every op."""
+    out = performance._overhead_worker({"model": "digits_cnn", "variant": "verifiable record", "steps": 1,
+                                        "warmup": 1, "threads": 1, "tau": None, "breakdown": True,
+                                        "hardware": "emulated:pairwise"})  # fmt: skip
+    assert out["calibration"][performance.CALIBRATOR_PART[0][2]][0] > 0
+    assert performance.RERUN_PART[0][2] not in out["calibration"]
+    res = {
+        v: [{**out, "calibration": {} if v != "verifiable record" else out["calibration"]}] for v in VARIANTS
+    }
+    row = next(
+        ln
+        for ln in performance._calibration_table("digits_cnn", res).splitlines()
+        if ln.startswith("verifiable record")
+    )
+    assert re.split(r"\s{2,}", row.strip())[4:6] == ["-", "-"]
+
+
 def test_every_repeat_runs_each_variant_once_with_fp64_beside_the_recording():
     firsts = set()
     for r in range(2 * len(performance.VARIANTS)):

@@ -88,8 +88,8 @@ COMMIT_PARTS = [
     (bundle_mod.BundleWriter, "append_step", "step exit: the log segment and commitment record"),
 ]
 #: What the calibration step adds (``--breakdown``, timed in the warm-up steps): the calibrator, and inside it
-#: its reruns of the measured calls under the emulated profiles (the engine's calibration profiles are the
-#: only emulated ones a native-hardware run calls). Two timers, since one timer's parts do not nest.
+#: its reruns of the measured calls under the emulated profiles (timed only where the run itself is not on an
+#: emulated profile, whose every op would count). Two timers, since one timer's parts do not nest.
 CALIBRATOR_PART = [(Calibrator, "__call__", "the calibrator")]
 RERUN_PART = [(EmulatedProfile, "__call__", "reruns under the profiles")]
 
@@ -164,7 +164,8 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     with contextlib.ExitStack() as timers:
         timers.enter_context(timed_parts(timer, COMMIT_PARTS if breakdown else []))
         timers.enter_context(timed_parts(calibrator, CALIBRATOR_PART if breakdown else []))
-        timers.enter_context(timed_parts(reruns, RERUN_PART if breakdown else []))
+        emulated = isinstance(get_profile(spec.get("hardware", "native")), EmulatedProfile)
+        timers.enter_context(timed_parts(reruns, RERUN_PART if breakdown and not emulated else []))
         loop = timers.enter_context(_training_loop(spec, spec["variant"], warmup + steps))
         for i in range(warmup + steps):
             if i == warmup:
@@ -514,16 +515,15 @@ def _calibration_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
         if v != "verifiable record":
             rows.append([v, f"{later * 1e3:.1f}", cell(first), "-", "-", "-", cell(first)])
             continue
-        spent = [
-            o["calibration"].get(CALIBRATOR_PART[0][2], (0.0, 0)) for o in res[v]
-        ]  # no call count: one inside another counts as the outer
-        rerun = [o["calibration"].get(RERUN_PART[0][2], (0.0, 0)) for o in res[v]]
+        # no call count for the calibrator: a call inside another (a decomposition's sum) counts as the outer
+        spent = [o["calibration"].get(CALIBRATOR_PART[0][2], (0.0, 0))[0] for o in res[v]]
+        rerun = [o["calibration"].get(RERUN_PART[0][2]) for o in res[v]]
+        timed = all(r is not None for r in rerun)  # not on an emulated profile
         rows.append([
-            v, f"{later * 1e3:.1f}", cell(first),
-            cell([s for s, _ in spent]),
-            cell([s for s, _ in rerun], [n for _, n in rerun]),
-            cell([s - r for (s, _), (r, _) in zip(spent, rerun)]),
-            cell([f - s for f, (s, _) in zip(first, spent)]),
+            v, f"{later * 1e3:.1f}", cell(first), cell(spent),
+            cell([r[0] for r in rerun], [r[1] for r in rerun]) if timed else "-",
+            cell([s - r[0] for s, r in zip(spent, rerun)]) if timed else "-",
+            cell([f - s for f, s in zip(first, spent)]),
         ])  # fmt: skip
     head = (
         f"\n{model}: the first step (the calibration step of verifiable record), ms (and in later steps of the "
