@@ -515,12 +515,12 @@ def _calibration_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
         if v != "verifiable record":
             rows.append([v, f"{later * 1e3:.1f}", cell(first), "-", "-", "-", cell(first)])
             continue
-        # no call count for the calibrator: a call inside another (a decomposition's sum) counts as the outer
-        spent = [o["calibration"].get(CALIBRATOR_PART[0][2], (0.0, 0))[0] for o in res[v]]
+        called = [o["calibration"].get(CALIBRATOR_PART[0][2], (0.0, 0)) for o in res[v]]
+        spent = [s for s, _ in called]
         rerun = [o["calibration"].get(RERUN_PART[0][2]) for o in res[v]]
         timed = all(r is not None for r in rerun)  # not on an emulated profile
         rows.append([
-            v, f"{later * 1e3:.1f}", cell(first), cell(spent),
+            v, f"{later * 1e3:.1f}", cell(first), cell(spent, [n for _, n in called]),
             cell([r[0] for r in rerun], [r[1] for r in rerun]) if timed else "-",
             cell([s - r[0] for s, r in zip(spent, rerun)]) if timed else "-",
             cell([f - s for f, s in zip(first, spent)]),
