@@ -66,7 +66,7 @@ def test_the_calibration_step_is_broken_down_where_the_recording_calibrates(runs
     """Only the recording calibrates: its first step holds the calibrator's time, the reruns under the
     profiles inside it, and the rest of the step; the table's cells add up."""
     res, _, _ = runs
-    calibrator, reruns = performance.CALIBRATOR_PART[0][2], performance.RERUN_PART[0][2]
+    calibrator, reruns = performance.CALIBRATOR, performance.RERUNS
     for v in VARIANTS:
         (out,) = res[v]
         spent, _ = out["calibration"][calibrator]
@@ -79,7 +79,7 @@ def test_the_calibration_step_is_broken_down_where_the_recording_calibrates(runs
     text = performance._calibration_table("digits_cnn", res)
     rows = {c[0]: c[1:] for c in (re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[4:])}
     assert set(rows) == set(VARIANTS)
-    ms = lambda cell: float(cell.split(" ")[0])  # noqa: E731  "12.3 (1.2 steps)" -> 12.3
+    ms = lambda cell: float(cell.split(" ")[0])  # noqa: E731  "12.3 (1.2 steps, 49 calls)" -> 12.3
     later, first, spent, rerun, rest, outside = rows["verifiable record"]
     assert ms(spent) == pytest.approx(ms(rerun) + ms(rest), abs=0.15)
     assert ms(first) == pytest.approx(ms(spent) + ms(outside), abs=0.15)
@@ -92,8 +92,8 @@ def test_on_an_emulated_profile_the_reruns_are_not_told_apart_from_the_steps_ops
     out = performance._overhead_worker({"model": "digits_cnn", "variant": "verifiable record", "steps": 1,
                                         "warmup": 1, "threads": 1, "tau": None, "breakdown": True,
                                         "hardware": "emulated:pairwise"})  # fmt: skip
-    assert out["calibration"][performance.CALIBRATOR_PART[0][2]][0] > 0
-    assert performance.RERUN_PART[0][2] not in out["calibration"]
+    assert out["calibration"][performance.CALIBRATOR][0] > 0
+    assert performance.RERUNS not in out["calibration"]
     res = {
         v: [{**out, "calibration": {} if v != "verifiable record" else out["calibration"]}] for v in VARIANTS
     }

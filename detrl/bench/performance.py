@@ -90,8 +90,9 @@ COMMIT_PARTS = [
 #: What the calibration step adds (``--breakdown``, timed in the warm-up steps): the calibrator, and inside it
 #: its reruns of the measured calls under the emulated profiles (timed only where the run itself is not on an
 #: emulated profile, whose every op would count). Two timers, since one timer's parts do not nest.
-CALIBRATOR_PART = [(Calibrator, "__call__", "the calibrator")]
-RERUN_PART = [(EmulatedProfile, "__call__", "reruns under the profiles")]
+CALIBRATOR, RERUNS = "the calibrator", "reruns under the profiles"
+CALIBRATOR_PART = [(Calibrator, "__call__", CALIBRATOR)]
+RERUN_PART = [(EmulatedProfile, "__call__", RERUNS)]
 
 
 @dataclasses.dataclass
@@ -164,7 +165,7 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
     with contextlib.ExitStack() as timers:
         timers.enter_context(timed_parts(timer, COMMIT_PARTS if breakdown else []))
         timers.enter_context(timed_parts(calibrator, CALIBRATOR_PART if breakdown else []))
-        emulated = isinstance(get_profile(spec.get("hardware", "native")), EmulatedProfile)
+        emulated = isinstance(get_profile(spec.get("hardware", "native")), EmulatedProfile)  # see RERUN_PART
         timers.enter_context(timed_parts(reruns, RERUN_PART if breakdown and not emulated else []))
         loop = timers.enter_context(_training_loop(spec, spec["variant"], warmup + steps))
         for i in range(warmup + steps):
@@ -175,7 +176,7 @@ def _overhead_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 # the warm-up steps' calibration (a recording calibrates in its first step only)
                 calibration = {
                     label: (part.seconds[label], part.calls[label])
-                    for part, ((_, _, label),) in ((calibrator, CALIBRATOR_PART), (reruns, RERUN_PART))
+                    for part, label in ((calibrator, CALIBRATOR), (reruns, RERUNS))
                     if label in part.seconds
                 }
             clock = [time.perf_counter()]
@@ -437,10 +438,11 @@ def _model_rows(
     return rows, notes
 
 
-_OVERHEAD_HEADERS = ["model", "variant", "steps", "median ms/step", "/fp64", "/fp64 step by step: median (q1..q3)",
-           "/fp64 per repeat: median (min..max)", "/fp32",
-           "peak MB", "peak /fp64", "peak MB incl. step 1", "abs. peak RSS MB", "logged/step",
-           "step 1 / later", "calibration's own, in later steps", "log KB/step (first..last)",
+_OVERHEAD_HEADERS = [
+    "model", "variant", "steps", "median ms/step", "/fp64", "/fp64 step by step: median (q1..q3)",
+    "/fp64 per repeat: median (min..max)", "/fp32", "peak MB", "peak /fp64", "peak MB incl. step 1",
+    "abs. peak RSS MB", "logged/step", "step 1 / later", "calibration's own, in later steps",
+    "log KB/step (first..last)",
 ]  # fmt: skip
 
 
@@ -505,25 +507,21 @@ def _calibration_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
     rows = []
     for v in ("fp64", "verifiable off", "verifiable record"):
         later = statistics.median([statistics.median(o["times"]) for o in res[v]])
-
-        def cell(seconds: list[float], calls: list[int] | None = None, later: float = later) -> str:
-            s = statistics.median(seconds)
-            n = f", {statistics.median(calls):.0f} calls" if calls is not None else ""
-            return f"{s * 1e3:.1f} ({s / later:.1f} steps{n})"
-
         first = [o["first"][0] for o in res[v]]
         if v != "verifiable record":
-            rows.append([v, f"{later * 1e3:.1f}", cell(first), "-", "-", "-", cell(first)])
+            rows.append(
+                [v, f"{later * 1e3:.1f}", _in_steps(first, later), "-", "-", "-", _in_steps(first, later)]
+            )
             continue
-        called = [o["calibration"].get(CALIBRATOR_PART[0][2], (0.0, 0)) for o in res[v]]
+        called = [o["calibration"].get(CALIBRATOR, (0.0, 0)) for o in res[v]]
         spent = [s for s, _ in called]
-        rerun = [o["calibration"].get(RERUN_PART[0][2]) for o in res[v]]
+        rerun = [o["calibration"].get(RERUNS) for o in res[v]]
         timed = all(r is not None for r in rerun)  # not on an emulated profile
         rows.append([
-            v, f"{later * 1e3:.1f}", cell(first), cell(spent, [n for _, n in called]),
-            cell([r[0] for r in rerun], [r[1] for r in rerun]) if timed else "-",
-            cell([s - r[0] for s, r in zip(spent, rerun)]) if timed else "-",
-            cell([f - s for f, s in zip(first, spent)]),
+            v, f"{later * 1e3:.1f}", _in_steps(first, later), _in_steps(spent, later, [n for _, n in called]),
+            _in_steps([r[0] for r in rerun], later, [r[1] for r in rerun]) if timed else "-",
+            _in_steps([s - r[0] for s, r in zip(spent, rerun)], later) if timed else "-",
+            _in_steps([f - s for f, s in zip(first, spent)], later),
         ])  # fmt: skip
     head = (
         f"\n{model}: the first step (the calibration step of verifiable record), ms (and in later steps of the "
@@ -534,6 +532,13 @@ def _calibration_table(model: str, res: dict[str, list[dict[str, Any]]]) -> str:
     headers = ["variant", "a later step", "step 1", "the calibrator", "its reruns under the profiles",
                "the calibrator's rest", "step 1 outside the calibrator"]  # fmt: skip
     return head + "\n" + table(headers, rows)
+
+
+def _in_steps(seconds: list[float], later: float, calls: list[int] | None = None) -> str:
+    """The median of ``seconds`` in ms and in steps of ``later`` seconds (and the median of ``calls``)."""
+    s = statistics.median(seconds)
+    n = f", {statistics.median(calls):.0f} calls" if calls is not None else ""
+    return f"{s * 1e3:.1f} ({s / later:.1f} steps{n})"
 
 
 #: The variant that runs beside fp64 in every repeat, for its per-repeat ratio.
