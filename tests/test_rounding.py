@@ -413,7 +413,7 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 10]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 11]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
@@ -426,7 +426,8 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         zoo.replay(specimen, new, "native", steps=3)
     message = str(raised.value)
     assert (
-        "recorded by a newer detrl (rounding-rule revision 11; this one applies revisions 1 to 10)" in message
+        f"recorded by a newer detrl (rounding-rule revision {RULES_REVISION + 1}; this one applies revisions 1 "
+        f"to {RULES_REVISION})" in message
     )
     assert "\n" not in message
 
@@ -607,6 +608,59 @@ def test_an_lstm_keeps_its_gate_split_from_rules_revision_8(tmp_path, monkeypatc
         for name in ("emulated:pairwise", "emulated:splitk"):
             replayed = zoo.replay(specimen, tmp_path / bundle, get_profile(name), steps=2)
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0
+
+
+def test_activations_take_their_own_kinds_from_rules_revision_11():
+    """PReLU and ``threshold`` are exact, hard sigmoid (and its backward) and Mish elementwise, and an
+    in-place op is its out-of-place form (``silu_`` as ``silu``, ``square_`` as ``square``, ``sign_`` as
+    ``sign``); under revision 10 each was a reduction. Mish's backward and unlisted in-place ops whose
+    out-of-place form is unlisted too (``lgamma_``) stay reductions, and listed ops keep their kinds."""
+    aten = torch.ops.aten
+    kinds = {
+        aten._prelu_kernel.default: OpKind.EXACT, aten._prelu_kernel_backward.default: OpKind.EXACT,
+        aten.threshold.default: OpKind.EXACT, aten.threshold_.default: OpKind.EXACT,
+        aten.hardsigmoid.default: OpKind.ELEMENTWISE, aten.hardsigmoid_.default: OpKind.ELEMENTWISE,
+        aten.hardsigmoid_backward.default: OpKind.ELEMENTWISE, aten.mish.default: OpKind.ELEMENTWISE,
+        aten.mish_.default: OpKind.ELEMENTWISE, aten.silu_.default: OpKind.ELEMENTWISE,
+        aten.leaky_relu_.default: OpKind.ELEMENTWISE, aten.elu_.default: OpKind.ELEMENTWISE,
+        aten.sin_.default: OpKind.ELEMENTWISE, aten.square_.default: OpKind.EXACT, aten.sign_.default: OpKind.KEEP,
+    }  # fmt: skip
+    for func, kind in kinds.items():
+        assert classify(func, {}, 11) is kind and classify(func, {}, 10) is OpKind.REDUCTION, func
+    for func in (aten.mish_backward.default, aten.lgamma_.default, aten.sum.default, aten.__ilshift__.Tensor):
+        assert classify(func, {}, 11) is OpKind.REDUCTION, func
+    for func in (aten.relu_.default, aten.add_.Tensor, aten.tanh_.default, aten.ceil_.default):
+        assert classify(func, {}, 11) is classify(func, {}, 10), func
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_prelu_over_many_binades_needs_no_entry_from_rules_revision_11(on: bool) -> None:
+    """PReLU, forward and backward, over values spanning 60 binades within each channel (gradients of a
+    saturated network: in an RMSprop MLP, PReLU's backward was 338,583 of 903,147 entries in 3 steps). As
+    a reduction at its channel's largest value (revision 10), the small elements lie "near" a midpoint and
+    are logged; as one product an element, exact in FP64 (revision 11), none is. The same results under
+    both, with the native route on or off."""
+    from detrl.core import native
+
+    g = torch.Generator().manual_seed(11)
+    binades = 2.0 ** -torch.randint(0, 60, (256, 1), generator=g, dtype=torch.float64)
+    x, grad = (
+        (torch.randn(256, 8, generator=g, dtype=torch.float64) * binades).float().double() for _ in "xg"
+    )
+    weight = torch.rand(8, generator=g, dtype=torch.float64).float().double()
+
+    def step(revision: int) -> tuple[StepRounding, list[torch.Tensor]]:
+        step = StepRounding()
+        mode = RoundingMode(get_profile("native"), Thresholds(default=2.0**-22))
+        mode.rules_revision = revision
+        with native.switched(on), mode.step_scope(step):
+            out = torch.ops.aten._prelu_kernel.default(x, weight)
+            grads = torch.ops.aten._prelu_kernel_backward.default(grad, x, weight)
+        return step, [out, *grads]
+
+    (before, old), (after, new) = step(10), step(11)
+    assert before.stats.logged > 100 and after.stats.logged == 0 and after.recorded == []
+    assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
 
 
 def test_sums_exact_in_every_order_are_found():

@@ -169,6 +169,20 @@ KEEP_FROM_8 = _packets(
 )  # fmt: skip
 
 
+#: Rules revision 11: activations and their pieces that were unlisted, so logged as reductions at their
+#: channel's largest value (a small element of a channel lay "near" a midpoint and took a pinned entry). PReLU
+#: is one product an element (forward: ``x`` or ``w * x``; backward: ``g`` or ``w * g``, and ``x * g``), exact
+#: in FP64 for FP32-grid operands; ``threshold`` picks ``x`` or the given value. Hard sigmoid is an exact
+#: ``x + 3`` and one division (a GPU's multiply by ``1/6`` is within an ulp of it), its backward ``g / 6``,
+#: and Mish ``x * tanh(softplus(x))``: per-element results with no terms to cancel, off by an ulp or two
+#: between libraries, so ``ELEMENTWISE``. Not Mish's backward, whose two terms cancel near its minimum, at
+#: an element's own units beyond what its libraries' error allows: it stays a reduction.
+KINDS_FROM_11: dict[Any, OpKind] = {
+    **dict.fromkeys(_packets("_prelu_kernel", "_prelu_kernel_backward", "threshold"), OpKind.EXACT),
+    **dict.fromkeys(_packets("hardsigmoid", "hardsigmoid_backward", "mish"), OpKind.ELEMENTWISE),
+}
+
+
 def classify(func: Any, kwargs: dict[str, Any], rules_revision: int | None = None) -> OpKind:
     """The :class:`OpKind` of aten overload ``func`` called with ``kwargs``, under rules revision
     ``rules_revision`` (a bundle's; None: the current one, :data:`RULES_REVISION`)."""
@@ -177,6 +191,25 @@ def classify(func: Any, kwargs: dict[str, Any], rules_revision: int | None = Non
         return OpKind.ELEMENTWISE
     if kind is OpKind.REDUCTION and func.overloadpacket in KEEP_FROM_8:
         return OpKind.KEEP if (rules_revision or RULES_REVISION) >= 8 else kind
+    if kind is OpKind.REDUCTION and (rules_revision or RULES_REVISION) >= 11:
+        return _kind_from_11(func.overloadpacket) or kind
+    return kind
+
+
+@functools.cache
+def _kind_from_11(packet: Any) -> OpKind | None:
+    """An unlisted op's kind from rules revision 11 (None: still a reduction): :data:`KINDS_FROM_11`'s, or the
+    kind of the op an in-place op is the form of (``silu_`` is ``silu``, written into its input: an
+    ``inplace=True`` activation was logged as a reduction while its out-of-place form was not)."""
+    if packet in KINDS_FROM_11:
+        return KINDS_FROM_11[packet]
+    name = packet.__name__
+    functional = getattr(aten, name[:-1], None) if name.endswith("_") and not name.endswith("__") else None
+    if functional is None:
+        return None
+    kind = KINDS_FROM_11.get(functional)
+    if kind is None and functional in _KEEP | _EXACT | _ELEMENTWISE:
+        kind = _base_kind(next(getattr(functional, o) for o in functional.overloads()))
     return kind
 
 
@@ -241,7 +274,11 @@ def _base_kind(func: Any) -> OpKind:
 #:    off the nearest double in about 1 % of elements, and a GPU's is correctly rounded, so the root of a
 #:    variance (not on the FP32 grid) could differ in its last bit between recorder and auditor, and every
 #:    normalised element of that channel or row with it, unlogged (rounded as exact).
-RULES_REVISION = 10
+#: 11. PReLU and ``threshold`` are ``EXACT``, hard sigmoid (and its backward) and Mish ``ELEMENTWISE``
+#:    (:data:`KINDS_FROM_11`), and an in-place op takes its out-of-place form's kind (``silu_``,
+#:    ``leaky_relu_``, ``elu_``, ``hardsigmoid_``, ...): unlisted, each was a reduction at its channel's largest
+#:    value, and its small elements took pinned entries (a hard sigmoid's MLP: 14,132 elements in 3 steps).
+RULES_REVISION = 11
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.

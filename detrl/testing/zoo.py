@@ -117,6 +117,24 @@ class UpcastMLP(nn.Module):
         return (logits.float() if self.upcast else logits).log_softmax(-1)
 
 
+class Activations(nn.Module):
+    """An MLP through PReLU, then SiLU, hard sigmoid and leaky ReLU in place, Mish and a threshold: the
+    activations rules revision 11 rounds by their own kinds (before, each was logged as a reduction)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.inner = nn.ModuleList(nn.Linear(width // 2 if i == 0 else width, width) for i in range(4))
+        self.prelu, self.head = nn.PReLU(width), nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, width // 2) -> (N, 5) logits
+        a, b, c, d = self.inner
+        h = self.prelu(a(x))
+        h = F.silu(b(h), inplace=True)
+        h = F.hardsigmoid(c(h), inplace=True)
+        h = F.mish(F.leaky_relu(d(h), 0.1, inplace=True))
+        return self.head(F.threshold(h, 0.1, 0.3))
+
+
 class Encoder(nn.Module):
     """``nn.TransformerEncoder`` (fused SDPA attention inside) over token embeddings, next-token loss."""
 
@@ -370,6 +388,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
         s.name: s
         for s in [
             Specimen("upcast_mlp", functools.partial(UpcastMLP, w), feats, nll),
+            Specimen("activations", functools.partial(Activations, w), feats, classify),
             Specimen(
                 "hf_gpt2", _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=v, n_positions=pos, n_embd=w,
                                n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None), toks, lm_loss, "GPT2LMHeadModel"),
