@@ -410,3 +410,54 @@ def test_cli_bad_directory_is_exit_2_with_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "conditions: expected an object, not null" in err
+
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Every entry under ``root``, links not followed: name -> the file's bytes, a link's target, or "dir"."""
+    got: dict[str, bytes | str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        got[rel] = f"-> {p.readlink()}" if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+    return got
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        "report_is_a_link",
+        "report_md_is_a_link",
+        "tmp_file_is_a_link",
+        "stale_plot_is_a_link",
+        "plot_is_a_dir",
+    ],
+)
+def test_a_report_that_would_write_or_delete_through_a_link_is_refused_and_changes_nothing(
+    tmp_path, capsys, plant
+):
+    # The sweep directory comes from another party: report/ (or a file in it) leading elsewhere is refused.
+    summary = rl_summary()
+    summary["instability"] = None  # instability.png is "not drawn": a stale one would be deleted
+    out = _write(tmp_path / "sweep", summary)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("report.md", "instability.png", "numbers.csv"):
+        (victim / name).write_bytes(b"precious")
+    dest = out / "report"
+    if plant == "report_is_a_link":
+        dest.symlink_to(victim)
+    else:
+        dest.mkdir()
+        (dest / "numbers.csv").write_bytes(b"an earlier report's")
+        if plant == "plot_is_a_dir":
+            (dest / "metrics.png").mkdir()
+        else:
+            name = {"report_md_is_a_link": "report.md", "tmp_file_is_a_link": ".report.md.tmp"}.get(
+                plant, "instability.png"
+            )
+            (dest / name).symlink_to(victim / name.strip(".").removesuffix(".tmp"))
+    before, outside = _tree(out), _tree(victim)
+    assert main(["report", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("detrl: error:") and "nothing was changed" in err, err
+    assert ("not a regular file" if plant == "plot_is_a_dir" else "is a symbolic link") in err
+    assert _tree(out) == before and _tree(victim) == outside

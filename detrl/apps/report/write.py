@@ -3,6 +3,7 @@ function of the summary."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,7 @@ def make_report(out: str | Path) -> Report:
     out = Path(out)
     s = load_summary(out)
     dest = out / REPORT_DIR
-    if dest.exists() and not dest.is_dir():
-        raise ConfigError(f"{dest}: exists and is not a directory")
+    _check_destination(dest)  # before anything is written: a refused report changes nothing on disk
     dest.mkdir(exist_ok=True)
     colours = _colours(list(s.rows))
     written: list[Path] = []
@@ -68,10 +68,31 @@ def make_report(out: str | Path) -> Report:
     return Report(dest / MARKDOWN, files, skipped)
 
 
+def _check_destination(dest: Path) -> None:
+    """Refuse (ConfigError, one line) a ``report/`` that is a symbolic link or not a directory, and in it any
+    entry the report writes or deletes (its files and :func:`safeio.write_atomic`'s temporary files) that
+    is a link or not a regular file: the sweep directory comes from another party, and nothing is written
+    or deleted through a link that leads out of it."""
+    own = "the report is written only into a directory of the sweep's own; nothing was changed"
+    if dest.is_symlink():
+        raise ConfigError(f"{dest}: is a symbolic link; {own}")
+    if not os.path.lexists(dest):
+        return
+    if not dest.is_dir():
+        raise ConfigError(f"{dest}: exists and is not a directory; {own}")
+    mine = "the report replaces only regular files of its own; nothing was changed"
+    for name in (MARKDOWN, NUMBERS_CSV, NUMBERS_JSON, *(file for file, _, _ in PLOTS)):
+        for entry in (dest / name, dest / f".{name}.tmp"):
+            if entry.is_symlink():
+                raise ConfigError(f"{entry}: is a symbolic link; {mine}")
+            if os.path.lexists(entry) and not entry.is_file():
+                raise ConfigError(f"{entry}: is not a regular file; {mine}")
+
+
 def write_report(out: str | Path) -> Path:
     """Turn the ablation sweep directory ``out`` into ``out/report/report.md`` with its plots and numbers.
 
     Returns the path of ``report.md``. Raises :class:`~detrl.run.config.ConfigError` (one line) when ``out`` has
-    no ``summary.json`` or it is malformed.
+    no ``summary.json`` or it is malformed, or when ``report/`` or a file in it is a link (nothing is changed).
     """
     return make_report(out).markdown
