@@ -99,6 +99,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from detrl.run import sessions, tasks
 
     cfg, out = _train_config(args)
+    if not args.no_tensorboard:
+        _check_tb(out / "tb")  # before the bundle is touched: a refused start changes nothing on disk
     task = tasks.get(cfg.task)
     torch.set_num_threads(cfg.threads)
     session = sessions.session_for(cfg, out, "record", resume=bool(args.resume), force=args.force)
@@ -115,11 +117,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         with session:  # refuses an existing bundle (without --force) or a bundle another process writes
             if not args.no_tensorboard:  # only once the bundle is ours: a refused start leaves nothing behind
-                from torch.utils.tensorboard import SummaryWriter
-
                 if args.force:
                     shutil.rmtree(out / "tb", ignore_errors=True)
-                writer = SummaryWriter(str(out / "tb"))
+                writer = _TensorBoard(out / "tb", session)
                 writer.add_text("config", "```yaml\n" + json.dumps(cfg.model_dump(), indent=1) + "\n```")
             try:
                 metrics = task.run(cfg, session, progress=not args.quiet, writer=writer)
@@ -136,6 +136,64 @@ def cmd_train(args: argparse.Namespace) -> int:
             writer.close()
     _print_trained(cfg, task, session, out, metrics, time.perf_counter() - t0)
     return 0
+
+
+def _check_tb(path: Path) -> None:
+    """Refuse a ``tb/`` beside the bundle that is a symbolic link or not a directory: a bundle comes from
+    another party, and TensorBoard's event files are written only inside it, never through a link."""
+    from detrl.run.config import ConfigError
+
+    if path.is_symlink():
+        raise ConfigError(
+            f"{path}: is a symbolic link; TensorBoard writes only into a directory of the bundle's own (remove "
+            "it, or use --no-tensorboard)"
+        )
+    if os.path.lexists(path) and not path.is_dir():
+        raise ConfigError(f"{path}: exists and is not a directory (remove it, or use --no-tensorboard)")
+
+
+class _TensorBoard:
+    """``detrl train``'s TensorBoard writer, opened at its first event once the bundle is the run's to change.
+
+    While a resume re-records the steps its bundle holds (``session.rerecording``) the events wait in memory:
+    a resume refused there (a step that differs) leaves no ``tb/`` behind, as it leaves the bundle unchanged.
+    ``tb/`` is checked again (:func:`_check_tb`) when the writer opens. Any ``add_*`` call is an event.
+    """
+
+    def __init__(self, path: Path, session: Any) -> None:
+        self.path, self.session = path, session
+        self._writer: Any = None
+        self._pending: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("add_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._event(name, args, kwargs)
+
+    def _event(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._pending.append((name, args, kwargs))
+        if not self.session.rerecording:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            _check_tb(self.path)
+            self._writer = SummaryWriter(str(self.path))
+        for name, args, kwargs in self._pending:
+            getattr(self._writer, name)(*args, **kwargs)
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Write what waited if the run went past the steps its bundle held; otherwise (refused, or stopped
+        there) drop it: the bundle is as it was, and so is ``tb/``."""
+        try:
+            if self._pending and not self.session.rerecording:
+                self._flush()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
 
 
 def _train_config(args: argparse.Namespace) -> tuple[Any, Path]:

@@ -349,6 +349,36 @@ def test_a_resume_that_re_records_a_different_step_changes_nothing(killed, capsy
     assert ct.snapshot(killed) == before
 
 
+def test_a_refused_resume_leaves_no_tensorboard_files_and_tb_is_never_followed(killed, tmp_path, capsys):
+    resume = [a for a in ct.resume_cmd(killed) if a != "--no-tensorboard"]  # TensorBoard on
+    # Refused while re-recording the held steps: TensorBoard's events wait in memory and are dropped.
+    path = killed / "commitments"
+    original = path.read_bytes()
+    data = bytearray(original)
+    at = 16 + 23 * 76
+    data[at + 8] ^= 1
+    data[at + 72 : at + 76] = struct.pack("<I", zlib.crc32(bytes(data[at : at + 72])))
+    path.write_bytes(bytes(data))
+    before = ct.snapshot(killed)
+    rc, err = cli(capsys, *resume)
+    assert rc == 2 and "resumed step 23 differs" in one_line(err)
+    assert ct.snapshot(killed) == before and not (killed / "tb").exists()
+    # tb/ a link out of the bundle: refused before anything, and nothing is written through it.
+    path.write_bytes(original)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (killed / "tb").symlink_to(outside)
+    before = ct.snapshot(killed)
+    rc, err = cli(capsys, *resume)
+    assert rc == 2 and "tb: is a symbolic link" in one_line(err)
+    assert ct.snapshot(killed) == before and list(outside.iterdir()) == []
+    # A resume that goes on writes its events (those of the re-recorded steps too) into tb/.
+    (killed / "tb").unlink()
+    rc, err = cli(capsys, *resume)
+    assert rc == 0, err
+    assert [p.name.startswith("events.out.tfevents.") for p in (killed / "tb").iterdir()] == [True]
+
+
 @pytest.mark.slow
 def test_a_torn_last_record_is_cut_and_the_resume_gives_the_reference(killed, refs, capsys):
     with open(killed / "commitments", "ab") as f:

@@ -617,6 +617,13 @@ class Session:
                 self.bundle.close()
             self._stack.close()
 
+    @property
+    def rerecording(self) -> bool:
+        """A resumed recording still re-recording the steps its bundle holds: nothing has been written yet,
+        and a step that differs refuses the resume with the bundle unchanged (so output beside the bundle,
+        such as TensorBoard's, waits until this is False)."""
+        return self._writer is not None and self._writer.unchanged
+
     def _manifest_header(self) -> dict[str, Any]:
         return {
             "task": self.task,

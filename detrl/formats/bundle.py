@@ -599,6 +599,12 @@ class BundleWriter:
         self.resume = None
         self._compare_log = None
 
+    @property
+    def unchanged(self) -> bool:
+        """Resume: whether the bundle on disk is still as it was (the steps re-recorded so far are compared
+        with it, nothing is written until the run goes past them or stops there). False for a fresh bundle."""
+        return self.resume is not None
+
     def close(self) -> None:
         for f in (self._commits, self._log):
             if f is not None:
