@@ -97,6 +97,12 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.convolution_backward.default) is Route.LOGGED_CONV_TERMS
     assert route(aten.convolution_backward.default, rules_revision=5) is Route.LOGGED_CONV  # its own scale
     assert route(aten.convolution_backward.default, pairwise) is Route.PYTHON
+    # rules revision 11: GELU and the backwards of GELU and SiLU in their first argument's units (elementwise
+    # before); PReLU exact, an in-place activation as its out-of-place form
+    for func in (aten.gelu.default, aten.gelu_backward.default, aten.silu_backward.default):
+        assert route(func, splitk) is Route.LOGGED_BY_FIRST and route(func, splitk, 10) is Route.LOGGED
+    assert route(aten._prelu_kernel_backward.default) is Route.EXACT
+    assert route(aten.silu_.default, splitk) is route(aten.silu.default, splitk) is Route.LOGGED
     for func in (
         aten._native_batch_norm_legit.default,
         aten.native_dropout.default,
@@ -291,6 +297,35 @@ def _recorded(
         body()
     entries = [(e.op, e.indices.tolist(), e.up.tolist(), e.short_indices.tolist()) for e in step.recorded]
     return (step.stats, step.op_names, entries), native.counts.copy()
+
+
+@needs_native
+@pytest.mark.parametrize("tau", [2.0**-26, 2.0**-8])
+def test_activations_in_their_first_arguments_units_take_the_modes_entries(tau: float) -> None:
+    """GELU (both forms), its backward and SiLU's, measured in units of their first argument from rules
+    revision 11 (``LOGGED_BY_FIRST``): at the least threshold a few elements are near a midpoint, at a large
+    one most are, and the route takes their entries itself. Its step is the mode's: op names, entries,
+    stats and gradients."""
+    g = torch.Generator().manual_seed(5)
+    x0 = (torch.randn(64, 96, generator=g, dtype=torch.float64) * 3).float().double()
+
+    def run(on: bool) -> tuple:
+        x = x0.clone().requires_grad_()
+
+        def body() -> None:
+            f = torch.nn.functional
+            y = f.gelu(x) * f.silu(x) + f.gelu(x, approximate="tanh")
+            y.sum().backward()
+
+        recorded, counts = _recorded(on, tau, body)
+        return recorded, counts, x.grad
+
+    (on, counts, grad_on), (off, _, grad_off) = run(True), run(False)
+    assert on == off and torch.equal(grad_on, grad_off)
+    names = {name.split(".")[-2] if "." in name else name for name in on[1]}
+    assert {"gelu", "gelu_backward", "silu_backward"} <= names, names
+    assert on[0].logged > (1000 if tau > 2.0**-20 else 0), on[0].logged
+    assert counts["native"] > 0
 
 
 @needs_native

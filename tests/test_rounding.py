@@ -629,8 +629,64 @@ def test_activations_take_their_own_kinds_from_rules_revision_11():
         assert classify(func, {}, 11) is kind and classify(func, {}, 10) is OpKind.REDUCTION, func
     for func in (aten.mish_backward.default, aten.lgamma_.default, aten.sum.default, aten.__ilshift__.Tensor):
         assert classify(func, {}, 11) is OpKind.REDUCTION, func
+    for func in (
+        aten.gelu.default,
+        aten.gelu_backward.default,
+        aten.silu_backward.default,
+    ):  # arguments' units
+        assert classify(func, {}, 10) is OpKind.ELEMENTWISE and classify(func, {}, 11) is OpKind.REDUCTION
+    assert classify(aten.gelu_.default, {}, 11) is OpKind.REDUCTION  # its input is gone: its channel's scale
     for func in (aten.relu_.default, aten.add_.Tensor, aten.tanh_.default, aten.ceil_.default):
         assert classify(func, {}, 11) is classify(func, {}, 10), func
+
+
+def _cancelling_activation(op: str) -> tuple[Any, torch.Tensor, Callable[..., torch.Tensor]]:
+    """``(func, x, another)``: an op of ``oprules.GRADIENT_SCALED_FROM_11``, 8,001 consecutive float32 inputs
+    where its result cancels, and the same function written another way in FP64 (another library's)."""
+    aten = torch.ops.aten
+    s2, s2pi = math.sqrt(2), math.sqrt(2 * math.pi)
+    cases = {  # op: (func, where it cancels, the same function written another way)
+        "gelu": (aten.gelu.default, -5.0, lambda x: x * 0.5 * torch.erfc(-x / s2)),
+        "gelu_backward": (
+            aten.gelu_backward.default,
+            -0.7517915246935645,
+            lambda g, x: g * (0.5 * torch.erfc(-x / s2) + x * torch.exp(-x * x / 2) / s2pi),
+        ),
+        "silu_backward": (
+            aten.silu_backward.default,
+            -1.2784645427610737,
+            lambda g, x: g * (torch.sigmoid(x) + x * torch.sigmoid(x) * (1 - torch.sigmoid(x))),
+        ),
+    }
+    func, at, another = cases[op]
+    step = 2.0**-21 if op == "gelu" else 2.0**-23  # float32 spacing there
+    return func, (torch.arange(-4000, 4001, dtype=torch.float64) * step + at).float().double(), another
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_backward", "silu_backward"])
+def test_an_activation_that_cancels_is_logged_in_its_arguments_units_from_rules_revision_11(op: str) -> None:
+    """GELU cancels for x < -3 (``1 + erf``), and GELU's and SiLU's backwards near x = -0.75 and x = -1.28:
+    there torch's FP64 result and another library's (the same function, written another way) round to
+    different float32 values. Under revision 10 (elementwise, at the result's own spacing) such an element
+    was not near a midpoint, so no entry named its direction and a replay on that library diverged; from 11
+    (in units of ``|x|`` or the incoming gradient, at the least threshold) every one is, and random inputs
+    still log about 1 element in 50,000."""
+    from detrl.core.rounding import TAU_FLOOR, TAU_FLOOR_MEASURED
+
+    func, x, another = _cancelling_activation(op)
+    args = (x,) if op == "gelu" else (torch.ones_like(x), x)
+    ours, theirs = func(*args), another(*args)
+    differ = ours.float() != theirs.float()
+    assert classify(func, {}, 10) is OpKind.ELEMENTWISE and classify(func, {}, 11) is OpKind.REDUCTION
+    assert reduction_scale(func, args, ours, rules_revision=10) is None
+    scale = reduction_scale(func, args, ours, rules_revision=11)
+    assert scale is not None and differ.any()
+    assert (differ & ~near_midpoint(ours, TAU_FLOOR, False)).any()  # revision 10 missed it
+    assert not (differ & ~near_midpoint(ours, TAU_FLOOR_MEASURED, scale)).any()
+    gen = torch.Generator().manual_seed(0)
+    random = tuple(torch.randn(100_000, generator=gen, dtype=torch.float64).float().double() for _ in args)
+    out = func(*random)
+    assert int(near_midpoint(out, TAU_FLOOR_MEASURED, reduction_scale(func, random, out, 11)).sum()) <= 10
 
 
 @pytest.mark.parametrize("on", [True, False])

@@ -38,6 +38,7 @@ from detrl.core.oprules import (
     EXACT_SCATTERS,
     EXACT_SUMS,
     FLOAT32_EXACT,
+    GRADIENT_SCALED_FROM_11,
     HIDDEN_WRITES,
     RULES_REVISION,
     SQUARES,
@@ -90,6 +91,9 @@ class Route(enum.IntEnum):
     # ``convolution_backward`` from rules revision 6: each gradient at the larger of its own scale and its
     # terms' unit (scale.reduction_scale); with the C kernel (else the mode)
     LOGGED_CONV_TERMS = 23
+    # GELU and the backwards of GELU and SiLU from rules revision 11 (oprules.GRADIENT_SCALED_FROM_11): their
+    # unit from their first argument (scale._gradient_scale); with the C kernel (else the mode)
+    LOGGED_BY_FIRST = 24
 
 
 _SPLITS = {"add": Route.SPLIT_ADD, "sub": Route.SPLIT_SUB, "addcmul": Route.SPLIT_ADDCMUL}
@@ -150,6 +154,8 @@ def route(
             return Route.LOGGED_CONV if rules_revision < 6 else Route.LOGGED_CONV_TERMS
         if rules_revision >= 5 and func in TERMS_SCALED:  # in its terms' units
             return Route.LOGGED_TERMS
+        if rules_revision >= 11 and func in GRADIENT_SCALED_FROM_11:  # in its first argument's units
+            return Route.LOGGED_BY_FIRST
         if func in SCALED_BY_INPUTS or func in HIDDEN_WRITES:
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:

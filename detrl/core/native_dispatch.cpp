@@ -79,6 +79,10 @@ enum Route : int {
   // convolution_backward from rules revision 6: each gradient at the larger of its own scale and its terms'
   // unit (scale._conv_terms_scale), as row factors over (outer, 1, inner); with the kernel only
   LOGGED_CONV_TERMS = 23,
+  // GELU and the backwards of GELU and SiLU from rules revision 11 (oprules.GRADIENT_SCALED_FROM_11): their
+  // unit from their first argument (scale._gradient_scale), as an (elements, 1) product's, a row factor per
+  // element and one column factor; with the kernel only
+  LOGGED_BY_FIRST = 24,
   // (internal) a unit of row factors over (outer, 1, inner) with column factor 1: an input gradient's
   LOGGED_ROWS = 100,
 };
@@ -984,6 +988,31 @@ int exact_embedding_mask(const DetrlKernelApi* api, const std::vector<c10::IValu
 // 2**-149) of the largest |term| m whose FP32 rounding is finite (the kernel's unit_factors over the terms
 // of each sum laid out in a row), and the column factor 2**-23 terms_factor(terms), for a mean divided by
 // 2**floor(log2(terms)). False where the mode decides (not a plain FP64 CPU tensor).
+// 2**floor(log2(|x|)) of each x[i] by its exponent bits alone (scale._power_of_two: inf for inf and NaN).
+VECTOR_CLONES void exponent_bits(const double* x, int64_t n, double* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    bits &= 0x7FF0000000000000ULL;
+    std::memcpy(out + i, &bits, sizeof bits);
+  }
+}
+
+// The unit of GELU or an activation backward (rules revision 11, scale._gradient_scale) whose result has
+// sizes ``sizes``: per element the power of two at or below |args[0]| there (its exponent bits: the sign and
+// mantissa cleared, inf for inf and NaN), as an (elements, 1) product's row factors, and scale.GRADIENT_UNIT
+// as its column factor. False where args[0] is not a contiguous FP64 CPU tensor of those sizes (the mode).
+bool first_argument_unit(const std::vector<c10::IValue>& args, at::IntArrayRef sizes, Unit& unit) {
+  if (args.empty() || !args[0].isTensor()) return false;
+  const at::Tensor& x = args[0].toTensor();
+  if (!kernel_readable(x) || x.sizes() != sizes || !x.is_contiguous() || x.is_neg() || x.numel() == 0) return false;
+  const int64_t n = x.numel();
+  unit.cols.assign(1, 0x1p-19);  // scale.GRADIENT_UNIT
+  unit.rows.resize(static_cast<size_t>(n));
+  exponent_bits(x.const_data_ptr<double>(), n, unit.rows.data());
+  return true;
+}
+
 bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args, int64_t out_elements, bool mean,
                 Unit& unit) {
   if (args.empty() || !args[0].isTensor()) return false;
@@ -1234,13 +1263,16 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
     }
   }
   if (route == LOGGED_SUM) route = LOGGED_REDUCTION;  // its unit, here
-  // a sum in its terms' units (rules revision 5): an (elements, 1) product's unit, with the kernel
-  const bool by_terms = route == LOGGED_TERMS;
+  // a sum in its terms' units (rules revision 5), or GELU or an activation backward in its first argument's
+  // (revision 11): an (elements, 1) product's unit, with the kernel
+  const bool by_first = route == LOGGED_BY_FIRST;
+  const bool by_terms = route == LOGGED_TERMS || by_first;
   if (by_terms) {
     route = LOGGED_MM;
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // its own torch ops are not the step's
     to_mode = to_mode || step->kernel == nullptr || dense.size() != 1 ||
-              !terms_unit(step->kernel, *sum_inputs, dense[0].numel(), e.mean, unit);
+              !(by_first ? first_argument_unit(*sum_inputs, dense[0].sizes(), unit)
+                         : terms_unit(step->kernel, *sum_inputs, dense[0].numel(), e.mean, unit));
   }
   // as the product it is measured as: (elements, 1)
   auto as_measured = [by_terms](const at::Tensor& d) {
@@ -1261,7 +1293,9 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
       }
     }
   }
-  if (!to_mode && !conv && (step->kernel == nullptr || sum_inputs != nullptr)) {
+  // (a sum's near element may be exact in every order, which the mode leaves out where the kernel cannot find
+  // it; an op measured in its first argument's units has no such elements: the kernel takes its entries)
+  if (!to_mode && !conv && (step->kernel == nullptr || (sum_inputs != nullptr && !by_first))) {
     for (size_t k = 0; k < dense.size(); ++k) {
       if (output_near(route, as_measured(dense[k]), tau_of(k), unit, step->table->negative_zeros)) {
         to_mode = true;
@@ -2255,7 +2289,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // add and sub with alpha 1 are the plain IEEE op, not split (fused.split_needed)
   if ((route == SPLIT_ADD || route == SPLIT_SUB) && alpha_is_one(schema, *stack, first)) route = EXACT;
   const bool logged = route == LOGGED || route == LOGGED_REDUCTION || route == LOGGED_MM || route == LOGGED_SUM ||
-                      route == LOGGED_CONV || route == LOGGED_TERMS || route == LOGGED_CONV_TERMS;
+                      route == LOGGED_CONV || route == LOGGED_TERMS || route == LOGGED_CONV_TERMS ||
+                      route == LOGGED_BY_FIRST;
   if (logged && !step->logs) route = PYTHON;
   Product product;
   if (route == LOGGED_MM) {  // plain FP64 CPU matrices, or the mode decides (scale.reduction_scale)
@@ -2346,8 +2381,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   // A LOGGED_SUM's positional arguments (the mode's args; keyword-only ones are its kwargs, which
   // exact_sum_elements does not read): its terms, should an element be near.
   std::vector<c10::IValue> sum_inputs;
-  const bool unit_from_inputs =
-      route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV || route == LOGGED_CONV_TERMS;
+  const bool unit_from_inputs = route == LOGGED_SUM || route == LOGGED_TERMS || route == LOGGED_CONV ||
+                                route == LOGGED_CONV_TERMS || route == LOGGED_BY_FIRST;
   if (unit_from_inputs || (logged && e.exact_products)) {
     for (size_t i = 0; i < n_args && !schema.arguments()[i].kwarg_only(); ++i) sum_inputs.push_back((*stack)[first + i]);
   }

@@ -183,6 +183,22 @@ KINDS_FROM_11: dict[Any, OpKind] = {
 }
 
 
+#: Rules revision 11: GELU and the backwards of GELU and SiLU, whose results cancel, measured in units of their
+#: first argument. GELU is ``x Phi(x)`` with ``Phi`` from ``1 + erf`` (or ``1 + tanh``), which cancels for
+#: ``x < -3``; the backwards are ``g`` times two terms that cancel near one point (``Phi(x) + x phi(x)`` at
+#: ``x = -0.75``, ``s (1 + x (1 - s))`` at ``x = -1.28``). A library computes them within a few ulps of
+#: ``|x|`` or ``|g|``, not of the result: against a 200-bit reference, torch's CPU kernels were off by up to
+#: 2.6e5 FP64 ulps of the result for GELU at x = -5 (2.4e6 with the tanh form) and up to 5.9e7 (GELU's
+#: backward) and 3.0e6 (SiLU's) at float32 inputs within 0.002 of those points. As ``ELEMENTWISE`` their
+#: threshold, in ulps of the result, did not cover that: a replay on another library could round such an
+#: element the other way, unlogged. From 11 they are reductions in units of ``|x|`` or ``|g|``
+#: (:func:`detrl.core.scale.reduction_scale`). GELU in place (``gelu_``, whose input is gone once it ran) is
+#: left a reduction at its channel's scale, as it was.
+GRADIENT_SCALED_FROM_11 = frozenset(
+    {aten.gelu.default, aten.gelu_backward.default, aten.silu_backward.default}
+)
+
+
 def classify(func: Any, kwargs: dict[str, Any], rules_revision: int | None = None) -> OpKind:
     """The :class:`OpKind` of aten overload ``func`` called with ``kwargs``, under rules revision
     ``rules_revision`` (a bundle's; None: the current one, :data:`RULES_REVISION`)."""
@@ -193,6 +209,8 @@ def classify(func: Any, kwargs: dict[str, Any], rules_revision: int | None = Non
         return OpKind.KEEP if (rules_revision or RULES_REVISION) >= 8 else kind
     if kind is OpKind.REDUCTION and (rules_revision or RULES_REVISION) >= 11:
         return _kind_from_11(func.overloadpacket) or kind
+    if func in GRADIENT_SCALED_FROM_11 and (rules_revision or RULES_REVISION) >= 11:
+        return OpKind.REDUCTION
     return kind
 
 
@@ -208,6 +226,8 @@ def _kind_from_11(packet: Any) -> OpKind | None:
     if functional is None:
         return None
     kind = KINDS_FROM_11.get(functional)
+    if any(getattr(functional, o) in GRADIENT_SCALED_FROM_11 for o in functional.overloads()):
+        return None  # its unit needs its input, which the op overwrites
     if kind is None and functional in _KEEP | _EXACT | _ELEMENTWISE:
         kind = _base_kind(next(getattr(functional, o) for o in functional.overloads()))
     return kind
@@ -277,7 +297,10 @@ def _base_kind(func: Any) -> OpKind:
 #: 11. PReLU and ``threshold`` are ``EXACT``, hard sigmoid (and its backward) and Mish ``ELEMENTWISE``
 #:    (:data:`KINDS_FROM_11`), and an in-place op takes its out-of-place form's kind (``silu_``,
 #:    ``leaky_relu_``, ``elu_``, ``hardsigmoid_``, ...): unlisted, each was a reduction at its channel's largest
-#:    value, and its small elements took pinned entries (a hard sigmoid's MLP: 14,132 elements in 3 steps).
+#:    value, and its small elements took pinned entries (PReLU's backward in a saturated network). And GELU
+#:    and the backwards of GELU and SiLU are reductions in units of their first argument
+#:    (:data:`GRADIENT_SCALED_FROM_11`): as elementwise ops, where their terms cancel, two libraries'
+#:    results lay further apart than their threshold covered.
 RULES_REVISION = 11
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})

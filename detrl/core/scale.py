@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from detrl.core.oprules import EXACT_SCATTERS, RULES_REVISION
+from detrl.core.oprules import EXACT_SCATTERS, GRADIENT_SCALED_FROM_11, RULES_REVISION
 
 try:  # the native kernel's unit factors and exact sums (detrl/core/_roundkernel.c); torch's where not built
     from detrl.core import _roundkernel as _native
@@ -69,8 +69,8 @@ def scale_spacing(x: torch.Tensor) -> torch.Tensor:
 
 
 def _power_of_two(x: torch.Tensor) -> torch.Tensor:
-    """2**floor(log2(x)) of non-negative FP64 ``x`` by clearing its mantissa bits (inf and NaN give inf,
-    zero gives zero)."""
+    """2**floor(log2(|x|)) of FP64 ``x`` by clearing its sign and mantissa bits (inf and NaN give inf, zero
+    gives zero)."""
     return (x.double().view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
 
 
@@ -143,6 +143,8 @@ def reduction_scale(
         return _conv_terms_scale(args, out) if rules_revision >= 6 else _sample_channel_scale(args, out)
     if func in TERMS_SCALED:
         return _terms_scale(func, args, out) if rules_revision >= 5 else None
+    if func in GRADIENT_SCALED_FROM_11:
+        return _gradient_scale(args, out) if rules_revision >= 11 else None
     if func is not _MM or len(args) < 2:
         return None
     a, b = args[0], args[1]
@@ -170,6 +172,26 @@ def unit_factors(x: torch.Tensor, times: float) -> torch.Tensor:
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.stride(1), times, out.data_ptr()
     )
     return out
+
+
+#: The unit of GELU and of an activation backward (rules revision 11, :data:`GRADIENT_SCALED_FROM_11`) over the
+#: power of two at or below their first argument's magnitude, ``|x|`` or ``|g|``: the FP32 spacing at 16 times
+#: it. Their terms are at most 1.3 times that argument, and torch's CPU kernels compute them within 9 FP64
+#: ulps of it: at the least threshold (``TAU_FLOOR_MEASURED``) two libraries may differ by 128 ulps of that
+#: power of two.
+GRADIENT_UNIT = 2.0**-19
+
+
+def _gradient_scale(args: tuple, out: torch.Tensor) -> Scale | None:
+    """The unit of ``out = gelu(x)`` or of an activation backward's ``out = g * f'(x)`` (``args[0]``: ``x``
+    or ``g``, of ``out``'s shape) at each element: :data:`GRADIENT_UNIT` times the power of two at or below
+    ``|args[0]|`` there (inf where it is not finite, and the result is not either), at least 2**-149, as a
+    channel scale of one element a channel. None where ``args[0]`` is not a tensor of ``out``'s shape."""
+    first = args[0] if args else None
+    if not isinstance(first, torch.Tensor) or first.shape != out.shape or out.numel() == 0:
+        return None
+    unit = _power_of_two(first.detach().reshape(-1)).mul_(GRADIENT_UNIT).clamp_(min=2.0**-149)  # sign: masked
+    return Scale(outer=1, channels=out.numel(), inner=1, col=unit)
 
 
 def _terms_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
