@@ -124,6 +124,15 @@ def test_parse_manifest_wrong_json_value(base: fuzzing.BaseBundle, index: int, v
     only_bundle_error(bundle_mod.parse_manifest, encode(replace_node(base.manifest, index, value)))
 
 
+def test_a_schema_error_under_a_key_with_a_newline_is_one_line(base: fuzzing.BaseBundle) -> None:
+    """pydantic names where an error is by the JSON's own keys: a key of another party's with a newline
+    (hypothesis found ``{"checkpoints": {"\\n": 5}}``) is quoted in the message, which stays one line."""
+    manifest = dict(base.manifest, checkpoints={"\n": 5})
+    with pytest.raises(BundleError) as raised:
+        bundle_mod.parse_manifest(encode(manifest))
+    assert "\n" not in str(raised.value) and "checkpoints.'\\n'" in str(raised.value)
+
+
 @FAST
 @given(rng=st.randoms(use_true_random=False))
 def test_parse_manifest_driver(base: fuzzing.BaseBundle, rng: random.Random) -> None:

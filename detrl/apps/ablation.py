@@ -135,7 +135,7 @@ def _validate(raw: dict[str, Any], where: str) -> AblationConfig:
         return AblationConfig.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        loc = safeio.error_location(err["loc"], "config")
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         raise ConfigError(f"ablation config {where}: {loc}: {msg}") from None
 

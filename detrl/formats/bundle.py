@@ -167,7 +167,7 @@ class Manifest(_Strict):
 
 def _manifest_error(e: ValidationError) -> BundleError:
     err = e.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "manifest"
+    where = safeio.error_location(err["loc"], "manifest")
     return BundleError(f"{MANIFEST}: {where}: {err['msg']}")
 
 

@@ -262,7 +262,7 @@ def parse(data: bytes, what: str = "proof") -> MerkleProof:
         p = MerkleProof.model_validate(obj)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"]) or "proof"
+        where = safeio.error_location(err["loc"], "proof")
         raise ProofError(f"{what}: {where}: {' '.join(str(err['msg']).split())[:200]}") from None
     if safeio.dumps_json(obj) != bytes(data):
         raise ProofError(

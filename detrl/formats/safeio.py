@@ -226,6 +226,14 @@ def shortened(s: str, n: int = 40) -> str:
     return repr(s if len(s) <= n else s[:n] + "...")
 
 
+def error_location(loc: tuple[Any, ...], whole: str) -> str:
+    """Where a schema error is, ``a.b.0``, from pydantic's ``loc`` (``whole`` where it is empty): the keys of
+    another party's JSON among its parts, so a part that is not printable or is long is :func:`shortened`,
+    and the message stays one line."""
+    parts = (str(p) for p in loc)
+    return ".".join(p if p.isprintable() and len(p) <= 40 else shortened(p) for p in parts) or whole
+
+
 def nesting_depth(text: str) -> int:
     """Deepest nesting of ``[]``/``{}`` in JSON ``text``, brackets inside string literals not counted.
 

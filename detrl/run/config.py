@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from detrl.core.hardware import get_profile
 from detrl.core.sources import Sources
+from detrl.formats import safeio
 from detrl.run import tasks
 
 
@@ -232,7 +233,7 @@ def validate(raw: dict[str, Any]) -> RunBase:
         return schema.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "config"
+        where = safeio.error_location(err["loc"], "config")
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown key" + _did_you_mean(schema, err["loc"])
