@@ -15,7 +15,10 @@ from test_replication import record_any
 
 #: (model, steps): the recipes and scripts of tests/test_replication.py
 MODELS = [
-    pytest.param("tied_embedding", 40),
+    # 100 steps: its GELU's input, not normalised, drifts into the tail where libraries disagree (rules
+    # revision 11 logs those elements: 4 % of its GELU outputs over the first 40 steps) and back: the log rises to twice its
+    # early size by step 40 and falls to 1.4 times it by step 100
+    pytest.param("tied_embedding", 100),
     pytest.param("mlp_dropout", 40),
     pytest.param("tiny_transformer", 40),
     pytest.param("cnn_bn", 40),

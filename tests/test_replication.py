@@ -378,8 +378,10 @@ def test_calibration_measures_row_ops_and_the_libm_instead_of_the_floor():
     verifiable precision layer norm, its backward and the backward of softmax and log-softmax are
     decomposed into row sums (ordered in the profiles' row chunks) and ``exp`` (another libm on pairwise):
     the calibration step measures their disagreement and sets reduction thresholds from it (elementwise
-    ones keep the floor that stands for real libms, measured disagreement x margin being below it). A
-    calibrator whose only profile computes them natively measures nothing: every one gets the floor."""
+    ones keep the floor that stands for real libms, measured disagreement x margin being below it). GELU and
+    its backward are reductions from rules revision 11, in units of their first argument: their libm's
+    disagreement, measured there, sets their thresholds. A calibrator whose only profile computes them
+    natively measures nothing: every one gets the floor."""
     from detrl.core.calibrate import (
         CALIBRATION_SEED,
         DEFAULT_MARGIN,
@@ -395,8 +397,8 @@ def test_calibration_measures_row_ops_and_the_libm_instead_of_the_floor():
     model = TiedLM().double()
     tokens, targets = synthetic_text(vocab=32, seq_len=16, n=16)
     # sum: the row sums of the decomposed layer norm, its backward and the backward of (log-)softmax
-    reductions = ["sum", "_log_softmax"]
-    elementwise = ["_softmax", "gelu", "gelu_backward", "exp"]  # exp: inside log-softmax backward
+    reductions = ["sum", "_log_softmax", "gelu", "gelu_backward"]
+    elementwise = ["_softmax", "exp"]  # exp: inside log-softmax backward
 
     def calibrate(profiles: tuple[str, ...]) -> tuple[dict[str, float], dict[str, float]]:
         thresholds = Thresholds(default=TAU_FLOOR * 64)
