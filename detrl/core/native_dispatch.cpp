@@ -983,11 +983,6 @@ int exact_embedding_mask(const DetrlKernelApi* api, const std::vector<c10::IValu
   return found;
 }
 
-// scale._terms_scale of a sum's or a mean's call (args: its positional arguments: the terms, then the dims
-// where it has them) with out_elements results, with the kernel: per result, max(2**floor(log2(m)),
-// 2**-149) of the largest |term| m whose FP32 rounding is finite (the kernel's unit_factors over the terms
-// of each sum laid out in a row), and the column factor 2**-23 terms_factor(terms), for a mean divided by
-// 2**floor(log2(terms)). False where the mode decides (not a plain FP64 CPU tensor).
 // 2**floor(log2(|x|)) of each x[i] by its exponent bits alone (scale._power_of_two: inf for inf and NaN).
 VECTOR_CLONES void exponent_bits(const double* x, int64_t n, double* out) {
   for (int64_t i = 0; i < n; ++i) {
@@ -1013,6 +1008,11 @@ bool first_argument_unit(const std::vector<c10::IValue>& args, at::IntArrayRef s
   return true;
 }
 
+// scale._terms_scale of a sum's or a mean's call (args: its positional arguments: the terms, then the dims
+// where it has them) with out_elements results, with the kernel: per result, max(2**floor(log2(m)),
+// 2**-149) of the largest |term| m whose FP32 rounding is finite (the kernel's unit_factors over the terms
+// of each sum laid out in a row), and the column factor 2**-23 terms_factor(terms), for a mean divided by
+// 2**floor(log2(terms)). False where the mode decides (not a plain FP64 CPU tensor).
 bool terms_unit(const DetrlKernelApi* api, const std::vector<c10::IValue>& args, int64_t out_elements, bool mean,
                 Unit& unit) {
   if (args.empty() || !args[0].isTensor()) return false;

@@ -225,9 +225,9 @@ def _kind_from_11(packet: Any) -> OpKind | None:
     functional = getattr(aten, name[:-1], None) if name.endswith("_") and not name.endswith("__") else None
     if functional is None:
         return None
-    kind = KINDS_FROM_11.get(functional)
     if any(getattr(functional, o) in GRADIENT_SCALED_FROM_11 for o in functional.overloads()):
         return None  # its unit needs its input, which the op overwrites
+    kind = KINDS_FROM_11.get(functional)
     if kind is None and functional in _KEEP | _EXACT | _ELEMENTWISE:
         kind = _base_kind(next(getattr(functional, o) for o in functional.overloads()))
     return kind
