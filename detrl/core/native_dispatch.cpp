@@ -85,6 +85,8 @@ enum Route : int {
   LOGGED_BY_FIRST = 24,
   // (internal) a unit of row factors over (outer, 1, inner) with column factor 1: an input gradient's
   LOGGED_ROWS = 100,
+  // (internal) each element's T given: an op in its first argument's units, as one row of one-element channels
+  LOGGED_EACH = 101,
 };
 
 bool is_split(int route) { return route >= SPLIT_ADD && route <= SPLIT_LERP; }
@@ -812,6 +814,8 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
     per_channel.resize(static_cast<size_t>(n));
     column_thresholds(rows, thresholds[0], tau, n, per_channel.data());
     thresholds = per_channel.data(), rows = nullptr;
+  } else if (route == LOGGED_EACH) {  // the same row of one-element channels, their T computed by the caller
+    l = {1, n, 1};
   } else if (route == LOGGED_MM) {  // scale.Scale(outer=M, channels=N, inner=1, col, row)
     l = {dense.size(0), dense.size(1), 1};
   } else if (route == LOGGED_ROWS) {  // scale.Scale(outer=N*C, channels=1, inner=the rest, col=1, row)
@@ -983,29 +987,28 @@ int exact_embedding_mask(const DetrlKernelApi* api, const std::vector<c10::IValu
   return found;
 }
 
-// 2**floor(log2(|x|)) of each x[i] by its exponent bits alone (scale._power_of_two: inf for inf and NaN).
-VECTOR_CLONES void exponent_bits(const double* x, int64_t n, double* out) {
+// The T of each element of GELU or an activation backward (rules revision 11, scale._gradient_scale): the
+// unit of an (elements, 1) product whose row factor is the power of two at or below |x| there (x's exponent
+// bits alone, the sign and mantissa cleared: scale._power_of_two, inf for inf and NaN) and whose column
+// factor is scale.GRADIENT_UNIT, in one pass (product_threshold of those factors).
+VECTOR_CLONES void first_argument_thresholds(const double* x, int64_t n, double tau, double* out) {
   for (int64_t i = 0; i < n; ++i) {
     uint64_t bits;
     std::memcpy(&bits, x + i, sizeof bits);
     bits &= 0x7FF0000000000000ULL;
-    std::memcpy(out + i, &bits, sizeof bits);
+    double power;
+    std::memcpy(&power, &bits, sizeof power);
+    out[i] = product_threshold(power, 0x1p-19, tau);  // scale.GRADIENT_UNIT
   }
 }
 
-// The unit of GELU or an activation backward (rules revision 11, scale._gradient_scale) whose result has
-// sizes ``sizes``: per element the power of two at or below |args[0]| there (its exponent bits: the sign and
-// mantissa cleared, inf for inf and NaN), as an (elements, 1) product's row factors, and scale.GRADIENT_UNIT
-// as its column factor. False where args[0] is not a contiguous FP64 CPU tensor of those sizes (the mode).
-bool first_argument_unit(const std::vector<c10::IValue>& args, at::IntArrayRef sizes, Unit& unit) {
-  if (args.empty() || !args[0].isTensor()) return false;
+// The first argument of GELU or an activation backward whose result has sizes ``sizes``, where the kernel can
+// read it in place; nullptr where it is not a contiguous FP64 CPU tensor of those sizes (the mode decides).
+const double* first_argument(const std::vector<c10::IValue>& args, at::IntArrayRef sizes) {
+  if (args.empty() || !args[0].isTensor()) return nullptr;
   const at::Tensor& x = args[0].toTensor();
-  if (!kernel_readable(x) || x.sizes() != sizes || !x.is_contiguous() || x.is_neg() || x.numel() == 0) return false;
-  const int64_t n = x.numel();
-  unit.cols.assign(1, 0x1p-19);  // scale.GRADIENT_UNIT
-  unit.rows.resize(static_cast<size_t>(n));
-  exponent_bits(x.const_data_ptr<double>(), n, unit.rows.data());
-  return true;
+  if (!kernel_readable(x) || x.sizes() != sizes || !x.is_contiguous() || x.is_neg() || x.numel() == 0) return nullptr;
+  return x.const_data_ptr<double>();
 }
 
 // scale._terms_scale of a sum's or a mean's call (args: its positional arguments: the terms, then the dims
@@ -1267,12 +1270,14 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
   // (revision 11): an (elements, 1) product's unit, with the kernel
   const bool by_first = route == LOGGED_BY_FIRST;
   const bool by_terms = route == LOGGED_TERMS || by_first;
+  const double* first = nullptr;  // the first argument each element's T comes from (by_first)
   if (by_terms) {
     route = LOGGED_MM;
     c10::impl::ExcludeDispatchKeyGuard below(kOursAndAbove);  // its own torch ops are not the step's
-    to_mode = to_mode || step->kernel == nullptr || dense.size() != 1 ||
-              !(by_first ? first_argument_unit(*sum_inputs, dense[0].sizes(), unit)
-                         : terms_unit(step->kernel, *sum_inputs, dense[0].numel(), e.mean, unit));
+    to_mode = to_mode || step->kernel == nullptr || dense.size() != 1;
+    if (!to_mode && by_first) first = first_argument(*sum_inputs, dense[0].sizes());
+    to_mode = to_mode || (by_first ? first == nullptr
+                                   : !terms_unit(step->kernel, *sum_inputs, dense[0].numel(), e.mean, unit));
   }
   // as the product it is measured as: (elements, 1)
   auto as_measured = [by_terms](const at::Tensor& d) {
@@ -1334,6 +1339,10 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
         } else {
           take_entries(step, e, LOGGED_REDUCTION, tau, d, nullptr, nullptr);
         }
+      } else if (first != nullptr) {  // each T from the first argument, in one pass (no row factors kept)
+        std::vector<double> each(static_cast<size_t>(d.numel()));
+        first_argument_thresholds(first, d.numel(), tau, each.data());
+        take_entries(step, e, LOGGED_EACH, tau, d, each.data(), nullptr);
       } else if (step->kernel != nullptr) {
         at::Tensor measured = as_measured(d);
         const bool factors = product != nullptr || by_terms;
