@@ -388,6 +388,7 @@ def test_tampered_transition_is_caught_at_its_step(tmp_path, what, capsys):
     assert f"diverged at step {s}" in out and "batch the trainer committed differs" in out
 
 
+@pytest.mark.slow  # 7-9 s on 2 cores
 def test_each_op_sequence_revision_replays_as_it_was_recorded(tmp_path, monkeypatch, capsys):
     """A verifiable update of op-sequence revision 2 takes the shortcuts (revision 1 took autograd and a
     per-tensor clip): the same weights, bit for bit, from other ops in another order. Revision 3 takes

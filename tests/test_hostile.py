@@ -219,11 +219,22 @@ def test_text_file_config_path_is_never_opened(bundle: Path, corpus: Path, tmp_p
     "kind, path, value, shown",
     [
         ("supervised", ("config", "model", "channels"), 20000, "model.channels=20000"),
-        ("supervised", ("config", "data", "n"), 10_000_000, "data.n=10000000"),
+        # (each case is a child process of about 3 s: half of them run with the slow suite)
+        pytest.param(
+            "supervised", ("config", "data", "n"), 10_000_000, "data.n=10000000", marks=pytest.mark.slow
+        ),
         ("dqn", ("config", "agent", "buffer_size"), 10**9, "agent.buffer_size=1000000000"),
-        ("dqn", ("config", "agent", "hidden"), [100000], "agent.hidden=100000"),
+        pytest.param(
+            "dqn", ("config", "agent", "hidden"), [100000], "agent.hidden=100000", marks=pytest.mark.slow
+        ),
         # strings that config validation turns into numbers: the caps apply to the validated values
-        ("supervised", ("config", "model", "channels"), "20000", "model.channels=20000"),
+        pytest.param(
+            "supervised",
+            ("config", "model", "channels"),
+            "20000",
+            "model.channels=20000",
+            marks=pytest.mark.slow,
+        ),
         ("dqn", ("config", "agent", "hidden"), ["100000"], "agent.hidden=100000"),
     ],
 )
