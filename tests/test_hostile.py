@@ -253,6 +253,17 @@ def test_cap_option_lowers_a_cap(bundle: Path, capsys: pytest.CaptureFixture[str
     audit_bad(capsys, bundle, "model.channels=16", "cap 8", args=("--cap", "model.channels=8"))
 
 
+def test_a_config_error_found_only_with_the_data_names_the_manifest(
+    bundle: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Holding out every example passes config validation (the data's size is not known there) and fails
+    when the data is loaded for the fingerprint: that is the manifest's error, and the line says so."""
+    m = read_manifest(bundle)
+    m["config"]["data"]["holdout"] = 1797  # the digits: 1797 examples
+    write_manifest(bundle, m)
+    audit_bad(capsys, bundle, "manifest.json: config error: data.holdout=1797: must leave training examples")
+
+
 # --- links, FIFOs and devices in the bundle -------------------------------------------------------------
 
 

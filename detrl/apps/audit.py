@@ -232,8 +232,12 @@ class ReplayPlan:
     @functools.cached_property
     def ours(self) -> str | None:
         """The data fingerprint of the auditor's copy of the data (and init weights), computed on first use:
-        a caller refuses what it can check cheaply first."""
-        return self.task.fingerprint(self.cfg, self.data, **self.extra)
+        a caller refuses what it can check cheaply first. A config error found only with the data (more
+        examples held out than there are) is the manifest's."""
+        try:
+            return self.task.fingerprint(self.cfg, self.data, **self.extra)
+        except config_mod.ConfigError as e:
+            raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
 
     @property
     def same_data(self) -> bool:

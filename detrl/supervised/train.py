@@ -55,10 +55,14 @@ def load_split(
     if cfg.data.name == "cifar10":
         tx, ty = datasets.cifar10(_source(cfg, path), test=True)
         if cfg.data.holdout > len(tx):
-            raise ValueError(
+            raise ConfigError(
                 f"config error: data.holdout={cfg.data.holdout}: test_batch has {len(tx)} images"
             )
         return (x, y), (tx[: cfg.data.holdout], ty[: cfg.data.holdout])
+    if cfg.data.holdout >= len(x):
+        raise ConfigError(
+            f"config error: data.holdout={cfg.data.holdout}: must leave training examples out of {len(x)}"
+        )
     return datasets.split(x, y, cfg.data.holdout)
 
 
