@@ -269,7 +269,8 @@ def _make_profiles(seed: int | None) -> dict[str, Callable[[], Profile]]:
         "emulated:pairwise": lambda: EmulatedProfile(
             "emulated:pairwise",
             "GPU-like: chunks of 32 (8 channels, 1 sample, 2 row elements) summed by a pairwise tree; another "
-            "libm (transcendental results moved by 1-2 FP64 ulps)",
+            "libm (transcendental results moved by 1-2 FP64 ulps; GELU and its and SiLU's backwards written "
+            "another way)",
             {"k": 32, "channel": 8, "batch": 1, "row": 2},
             tree=True,
             libm=True,
