@@ -24,6 +24,7 @@ import pytest
 
 from detrl.cli import main
 from detrl.formats import bundle as bundle_mod
+from detrl.formats import commit
 from detrl.formats.roundlog import RoundLogReader
 from detrl.testing.hostile import (
     audit_subprocess,
@@ -210,6 +211,36 @@ def test_text_file_config_path_is_never_opened(bundle: Path, corpus: Path, tmp_p
     assert "DIVERGED" in out and "data fingerprint" in out
     assert json.loads(report.read_text())["diverged_step"] == 0
     assert "trap.fifo" not in out + err
+
+
+# --- a commitments file: parsed in about its own size ---------------------------------------------------
+
+
+def test_parsing_commitments_costs_their_hashes_and_the_root_a_level_and_a_half() -> None:
+    """20,000 records (1.5 MB): the parsed leaves hold their 64 hash bytes a step, no more (a list of
+    tuples of two bytes held about 200 a step, so a file near the 1 GiB cap cost an auditor about 4 GiB),
+    and the Merkle root holds a level and a half of 32-byte nodes beside them, not the whole tree."""
+    import tracemalloc
+
+    n = 20_000
+    pairs = [(i.to_bytes(32, "little"), (n + i).to_bytes(32, "little")) for i in range(n)]
+    data = bundle_mod.COMMIT_HEADER.pack(bundle_mod.COMMIT_MAGIC, 1, 0, 0) + b"".join(
+        bundle_mod.commit_record(i, s, b) for i, (s, b) in enumerate(pairs)
+    )
+    tracemalloc.start()
+    try:
+        leaves, torn = bundle_mod.parse_commitments(data)
+        held, peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        root = bundle_mod.merkle_root(leaves)
+        _, merkle_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert torn == 0 and len(leaves) == n and leaves == pairs and leaves[-1] == pairs[-1]
+    assert held < 64 * n * 1.05 and peak < 64 * n * 1.1
+    assert merkle_peak < held + 2.5 * 73 * n  # a 32-byte bytes object and its list slot: about 73 bytes
+    leaf_hashes = [commit.leaf(i, s, b) for i, (s, b) in enumerate(pairs)]
+    assert root == commit.merkle_levels(leaf_hashes)[-1][0].hex()  # the whole tree's root
 
 
 # --- configs that would make the auditor allocate without bound ----------------------------------------

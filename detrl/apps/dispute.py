@@ -267,7 +267,7 @@ class Party:
         b.close()
         self.manifest, self.checkpoints = b.manifest, list(b.checkpoint_steps)
         self.leaves = [commit.leaf(i, s, h) for i, (s, h) in enumerate(b.leaves)]
-        self.state_batch = list(b.leaves)
+        self.state_batch = b.leaves
         self.levels = commit.merkle_levels(self.leaves or [commit.merkle_root([])])
         self._replays: dict[tuple[int, Any], StepReplay] = {}
 

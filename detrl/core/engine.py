@@ -431,7 +431,7 @@ class Session:
         self.model: torch.nn.Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.step_index = 0
-        self.leaves: list[tuple[bytes, bytes]] = []
+        self.leaves = bundle_mod.Leaves()  # (state hash, batch hash) of each step, 64 bytes a step
         self.totals = StepStats()
         self.step_stats: list[StepStats] = []
         self.log_bytes: list[int] = []
@@ -579,7 +579,7 @@ class Session:
                 f"{self.start} to replay from"
             )
         tensors, meta = b.load_checkpoint(self.start)
-        self._resume = bundle_mod.ResumePoint(self.start, tensors, meta, list(b.leaves), b)
+        self._resume = bundle_mod.ResumePoint(self.start, tensors, meta, b.leaves[:], b)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
@@ -763,7 +763,7 @@ class Session:
             self.log_bytes = [] if replay else [int(r.meta.get("log_bytes", 0))]
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"{rel}: cannot {'replay from it' if replay else 'resume'}: {e}") from None
-        self.leaves = list(r.written[: r.step + 1])
+        self.leaves = r.written[: r.step + 1]
         self.step_index = r.step
         # The restored state must be the state the bundle committed to at this step.
         if self._state_hash(commit.state_tensors(self.model, self.optimizers)) != self.leaves[r.step][0]:

@@ -37,9 +37,11 @@ import os
 import re
 import struct
 import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, overload
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -202,7 +204,78 @@ def commit_record(step: int, state: bytes, batch: bytes) -> bytes:
     return body + struct.pack("<I", zlib.crc32(body))
 
 
-def parse_commitments(data: bytes) -> tuple[list[tuple[bytes, bytes]], int]:
+class Leaves(Sequence[tuple[bytes, bytes]]):
+    """The steps' ``(state hash, batch hash)`` pairs (32 bytes each), step i at index i, in one buffer: 64
+    bytes a step. A list of tuples of two ``bytes`` took about 200, so a commitments file near its 1 GiB cap
+    (14 million records) cost an auditor about 4 GiB before any check could refuse it, and a long recording
+    (a DQN's millions of steps) held as much. Compares equal to another sequence of the same pairs."""
+
+    __slots__ = ("_buf",)
+    PAIR = 64
+
+    def __init__(self, pairs: Iterable[tuple[bytes, bytes]] = (), *, packed: bytes | bytearray = b"") -> None:
+        self._buf = (
+            packed if isinstance(packed, bytearray) else bytearray(packed)
+        )  # a bytearray: taken, not copied
+        for pair in pairs:
+            self.append(pair)
+
+    def __len__(self) -> int:
+        return len(self._buf) // self.PAIR
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[bytes, bytes]: ...
+    @overload
+    def __getitem__(self, i: slice) -> Leaves: ...
+    def __getitem__(self, i: int | slice) -> tuple[bytes, bytes] | Leaves:
+        if isinstance(i, slice):
+            start, stop, stride = i.indices(len(self))
+            if stride != 1:
+                raise ValueError("Leaves: slices step by 1")
+            return Leaves(packed=self._buf[start * self.PAIR : max(start, stop) * self.PAIR])
+        n = len(self)
+        k = i + n if i < 0 else i
+        if not 0 <= k < n:
+            raise IndexError(f"Leaves: step {i} of {n}")
+        o = k * self.PAIR
+        return bytes(self._buf[o : o + 32]), bytes(self._buf[o + 32 : o + self.PAIR])
+
+    def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
+        buf = self._buf
+        for o in range(0, len(buf), self.PAIR):
+            yield bytes(buf[o : o + 32]), bytes(buf[o + 32 : o + self.PAIR])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Leaves):
+            return self._buf == other._buf
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(other) == len(self) and all(a == tuple(b) for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable (append)
+
+    def __repr__(self) -> str:
+        return f"Leaves({len(self)} steps)"
+
+    def __setitem__(self, i: int, pair: tuple[bytes, bytes]) -> None:
+        n = len(self)
+        k = i + n if i < 0 else i
+        if not 0 <= k < n:
+            raise IndexError(f"Leaves: step {i} of {n}")
+        self._buf[k * self.PAIR : (k + 1) * self.PAIR] = self._packed(pair)
+
+    def append(self, pair: tuple[bytes, bytes]) -> None:
+        self._buf += self._packed(pair)
+
+    @staticmethod
+    def _packed(pair: tuple[bytes, bytes]) -> bytes:
+        state, batch = pair
+        if len(state) != 32 or len(batch) != 32:
+            raise ValueError(f"Leaves: hashes of 32 bytes, not {len(state)} and {len(batch)}")
+        return bytes(state) + bytes(batch)
+
+
+def parse_commitments(data: bytes) -> tuple[Leaves, int]:
     """``(leaves, torn_bytes)``: the complete records of a commitments file, steps 0, 1, 2, ... in order,
     and the bytes of a torn last record (a writer killed mid-append), which are not part of the bundle."""
     if len(data) < COMMIT_HEADER.size:
@@ -214,18 +287,20 @@ def parse_commitments(data: bytes) -> tuple[list[tuple[bytes, bytes]], int]:
         raise BundleError(f"{COMMITMENTS}: unsupported version {version}")
     body = memoryview(data)[COMMIT_HEADER.size :]
     n, torn = divmod(len(body), COMMIT_RECORD.size)
-    leaves = []
-    for i, (step, state, batch, crc) in enumerate(COMMIT_RECORD.iter_unpack(body[: n * COMMIT_RECORD.size])):
-        start = i * COMMIT_RECORD.size
-        if zlib.crc32(body[start : start + COMMIT_RECORD.size - 4]) != crc:
+    size = COMMIT_RECORD.size
+    for i, (step, _, _, crc) in enumerate(COMMIT_RECORD.iter_unpack(body[: n * size])):
+        if zlib.crc32(body[i * size : (i + 1) * size - 4]) != crc:
             raise BundleError(f"{COMMITMENTS}: record {i}: checksum mismatch")
         if step != i:
             raise BundleError(f"{COMMITMENTS}: record {i} is for step {step}")
-        leaves.append((state, batch))
+    # the 64 hash bytes of each record (after its 8-byte step), side by side, copied once
+    leaves = Leaves(packed=bytearray(n * Leaves.PAIR))
+    records = np.frombuffer(body, dtype=np.uint8, count=n * size).reshape(n, size)
+    np.frombuffer(leaves._buf, dtype=np.uint8).reshape(n, Leaves.PAIR)[:] = records[:, 8 : 8 + Leaves.PAIR]
     return leaves, torn
 
 
-def merkle_root(leaves: list[tuple[bytes, bytes]]) -> str:
+def merkle_root(leaves: Sequence[tuple[bytes, bytes]]) -> str:
     return commit.merkle_root([commit.leaf(i, s, b) for i, (s, b) in enumerate(leaves)]).hex()
 
 
@@ -303,18 +378,21 @@ class Bundle:
         self.steps = m.durable.step if m.durable is not None else 0
         if m.durable is None and not _exists(self.dir / COMMITMENTS):
             # Killed between writing the first manifest and creating the files: nothing recorded yet.
-            self.written, self.torn_bytes = [], 0
+            self.written, self.torn_bytes = Leaves(), 0
         else:
             self.written, self.torn_bytes = parse_commitments(self._read_commitments(m.planned_steps))
         if m.durable is None:
-            self.leaves: list[tuple[bytes, bytes]] = []
+            self.leaves = Leaves()
         else:
             if len(self.written) < self.steps + 1:
                 raise BundleError(
                     f"{COMMITMENTS}: {len(self.written)} records, the manifest's durable point is step "
                     f"{self.steps} (file truncated?)"
                 )
-            self.leaves = self.written[: self.steps + 1]
+            # (the records themselves where they are all durable: a bundle reads them, never appends)
+            self.leaves = (
+                self.written if len(self.written) == self.steps + 1 else self.written[: self.steps + 1]
+            )
             if merkle_root(self.leaves) != m.durable.merkle_root:
                 raise BundleError(f"{COMMITMENTS}: Merkle root does not match {MANIFEST}")
         if m.status != "recording" and len(self.written) != self.steps + 1:
@@ -453,7 +531,7 @@ class Bundle:
             while last < len(log_steps) and log_steps[last] == last + 1:
                 last += 1
             written = written[: last + 1]
-        return ResumePoint(step, tensors, meta, list(written), self)
+        return ResumePoint(step, tensors, meta, written[:], self)
 
     def close(self) -> None:
         """Close the files; the validated index (steps, segment sizes) stays readable."""
@@ -468,7 +546,7 @@ class ResumePoint:
     step: int
     tensors: dict[str, torch.Tensor]
     meta: dict[str, Any]
-    written: list[tuple[bytes, bytes]]
+    written: Leaves
     bundle: Bundle
 
 
@@ -497,7 +575,7 @@ class BundleWriter:
         self.header = dict(header)
         self.resume = resume
         self.verifiable = header["precision"] == "verifiable"
-        self.leaves: list[tuple[bytes, bytes]] = []
+        self.leaves = Leaves()
         self.checkpoints: dict[str, str] = {}
         self.durable: Durable | None = None
         self.status = "recording"
@@ -564,8 +642,8 @@ class BundleWriter:
         b = r.bundle
         m = b.manifest
         self.header["created"] = m.created
-        self.leaves = list(r.written[: r.step + 1])
-        self._compare = list(r.written[r.step + 1 :])
+        self.leaves = r.written[: r.step + 1]
+        self._compare = list(r.written[r.step + 1 :])  # at most a checkpoint's spacing of steps
         self.checkpoints = {k: v for k, v in m.checkpoints.items() if _ckpt_step(k) <= r.step}
         self.durable = m.durable
         self.stats = dict(m.stats)

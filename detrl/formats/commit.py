@@ -526,10 +526,17 @@ def merkle_levels(leaves: list[bytes]) -> list[list[bytes]]:
 
 def merkle_root(leaves: list[bytes]) -> bytes:
     """Merkle root (BLAKE3, leaves and nodes domain-separated; the tree of :func:`merkle_levels`).
-    Empty -> hash of the node tag."""
+    Empty -> hash of the node tag. Level by level, each dropped once the next is built: a root of millions
+    of leaves holds one and a half levels, not the whole tree."""
     if not leaves:
         return _hasher(NODE_TAG).digest()
-    return merkle_levels(leaves)[-1][0]
+    level = leaves
+    while len(level) > 1:
+        up = [node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            up.append(level[-1])
+        level = up
+    return level[0]
 
 
 def hash_batch(*tensors: Any) -> bytes:

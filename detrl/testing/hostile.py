@@ -15,7 +15,7 @@ import random
 import shutil
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ def set_literal(run: Path, path: tuple[str, ...], literal: bytes) -> None:
     p.write_bytes(p.read_bytes().replace(b'"__LITERAL__"', literal))
 
 
-def write_commitments(run: Path, leaves: list[tuple[bytes, bytes]]) -> None:
+def write_commitments(run: Path, leaves: Sequence[tuple[bytes, bytes]]) -> None:
     """Write ``leaves`` (state hash, batch hash per step) as the bundle's commitments file, every record's
     CRC valid: the forgery then reaches the replay (reseal the manifest's Merkle root after it)."""
     out = bundle_mod.COMMIT_HEADER.pack(bundle_mod.COMMIT_MAGIC, 1, 0, 0)
