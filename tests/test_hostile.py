@@ -295,6 +295,23 @@ def test_a_config_error_found_only_with_the_data_names_the_manifest(
     audit_bad(capsys, bundle, "manifest.json: config error: data.holdout=1797: must leave training examples")
 
 
+@pytest.mark.parametrize(
+    "path, value, needle",
+    [
+        (("config", "precision"), "fp32", "precision: 'verifiable', but its config gives 'fp32'"),
+        (("precision",), "fp64", "precision: 'fp64', but its config gives 'verifiable'"),
+        (("hardware",), "zzz", "hardware: 'zzz', but its config gives 'native'"),
+    ],
+)
+def test_a_manifest_claiming_another_precision_or_profile_than_its_config_is_refused(
+    bundle: Path, capsys: pytest.CaptureFixture[str], path: tuple[str, ...], value: str, needle: str
+) -> None:
+    """The recorder wrote both from one config: a verifiable manifest over an fp32 config had replicated,
+    read as verifiable, with the config still saying fp32."""
+    set_field(bundle, path, value)
+    audit_bad(capsys, bundle, f"manifest.json: {needle}")
+
+
 # --- links, FIFOs and devices in the bundle -------------------------------------------------------------
 
 

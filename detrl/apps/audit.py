@@ -283,8 +283,11 @@ def validated_config(
     except (config_mod.ConfigError, tasks.UnknownTask) as e:
         raise BundleError(f"{bundle_mod.MANIFEST}: {e}") from None
     # The run shape the manifest claims is the one its config gives (the recorder built its Session from
-    # the config through the same path): planned steps, checkpoint spacing, calibration margin.
+    # the config through the same path): precision, the recorder's profile, planned steps, checkpoint
+    # spacing, calibration margin.
     for field, claimed, given in (
+        ("precision", m.precision, cfg.precision),
+        ("hardware", m.hardware, cfg.hardware),
         ("planned_steps", m.planned_steps, task.planned_steps(cfg)),
         ("checkpoint_every", m.checkpoint_every, cfg.verify.checkpoint_every),
         ("margin", m.margin, cfg.verify.margin),
