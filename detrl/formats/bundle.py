@@ -214,9 +214,8 @@ class Leaves(Sequence[tuple[bytes, bytes]]):
     PAIR = 64
 
     def __init__(self, pairs: Iterable[tuple[bytes, bytes]] = (), *, packed: bytes | bytearray = b"") -> None:
-        self._buf = (
-            packed if isinstance(packed, bytearray) else bytearray(packed)
-        )  # a bytearray: taken, not copied
+        # a bytearray is taken as it is (parse_commitments fills one); anything else is copied
+        self._buf = packed if isinstance(packed, bytearray) else bytearray(packed)
         for pair in pairs:
             self.append(pair)
 
@@ -240,6 +239,13 @@ class Leaves(Sequence[tuple[bytes, bytes]]):
         o = k * self.PAIR
         return bytes(self._buf[o : o + 32]), bytes(self._buf[o + 32 : o + self.PAIR])
 
+    def __setitem__(self, i: int, pair: tuple[bytes, bytes]) -> None:
+        n = len(self)
+        k = i + n if i < 0 else i
+        if not 0 <= k < n:
+            raise IndexError(f"Leaves: step {i} of {n}")
+        self._buf[k * self.PAIR : (k + 1) * self.PAIR] = self._packed(pair)
+
     def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
         buf = self._buf
         for o in range(0, len(buf), self.PAIR):
@@ -256,13 +262,6 @@ class Leaves(Sequence[tuple[bytes, bytes]]):
 
     def __repr__(self) -> str:
         return f"Leaves({len(self)} steps)"
-
-    def __setitem__(self, i: int, pair: tuple[bytes, bytes]) -> None:
-        n = len(self)
-        k = i + n if i < 0 else i
-        if not 0 <= k < n:
-            raise IndexError(f"Leaves: step {i} of {n}")
-        self._buf[k * self.PAIR : (k + 1) * self.PAIR] = self._packed(pair)
 
     def append(self, pair: tuple[bytes, bytes]) -> None:
         self._buf += self._packed(pair)
