@@ -110,6 +110,39 @@ def test_a_forged_batch_commitment_diverges_at_its_step(
     assert out.startswith("DIVERGED") and "diverged at step 3" in out and "batch hash" in out
 
 
+@pytest.mark.parametrize("revision", [10, None])
+def test_a_divergence_of_an_older_revision_on_other_hardware_names_the_hazards_fixed_since(
+    bundle: Path, revision: int | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bundle of rules revision 10 (the digits CNN's log is the same under 10 and 11) whose state after step 3
+    was changed: on a profile unlike the recorder's the verdict adds that revision 11 fixed a hazard where
+    honest hardware disagreed, and that a replay on the recorder's profile tells the two apart. On the
+    recorder's profile, for a bundle of the current revision, or for a changed batch (no rule changes a
+    batch), the verdict is the divergence alone."""
+    if revision is not None:
+        m = read_manifest(bundle)
+        m["rules_revision"] = revision
+        write_manifest(bundle, m)
+    leaves, _ = bundle_mod.parse_commitments((bundle / "commitments").read_bytes())
+    state, batch = leaves[3]
+    leaves[3] = (bytes([state[0] ^ 1]) + state[1:], batch)
+    write_commitments(bundle, leaves)
+    bundle_mod.reseal(bundle)
+    note = "the bundle follows rounding-rule revision 10, and later revisions log where honest hardware"
+    for hardware, noted in (("emulated:splitk", revision is not None), ("native", False)):
+        rc, out, err = cli(capsys, "audit", str(bundle), "--quiet", "--hardware", hardware)
+        assert rc == 1 and "diverged at step 3" in out, out + err
+        assert (note in out) is noted, out
+        if noted:
+            assert "11: GELU and the activation backwards" in out and "5: sums" not in out
+            assert "a replay on the recorder's own profile (native) tells them apart" in out
+    leaves[3] = (state, bytes([batch[0] ^ 1]) + batch[1:])
+    write_commitments(bundle, leaves)
+    bundle_mod.reseal(bundle)
+    rc, out, err = cli(capsys, "audit", str(bundle), "--quiet", "--hardware", "emulated:splitk")
+    assert rc == 1 and "batch hash" in out and note not in out, out + err
+
+
 def test_a_forged_resume_state_in_a_checkpoint_diverges(
     bundle: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

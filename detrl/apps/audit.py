@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from detrl.core import oprules
 from detrl.core.engine import Divergence, Session
 from detrl.core.hardware import get_profile
 from detrl.core.rounding import Anomaly, StepStats
@@ -366,10 +367,28 @@ def _replay(
                 f"diverged at step {d.step}; a {session.precision.kind} run has no rounding log, so hardware "
                 "whose arithmetic differs from the recorder's diverges at the first step that computes"
             )
+        if session.precision.is_verifiable and d.batch_matches and session.bundle is not None:
+            report.message += _older_rules(session.bundle.manifest, report.hardware)
         decisive = d.decisive
         ordered = ([decisive] if decisive else []) + [a for a in d.anomalies if a is not decisive]
         report.anomalies = [{**dataclasses.asdict(a), "violation": a.violation} for a in ordered]
     return session
+
+
+def _older_rules(m: Any, hardware: str) -> str:
+    """What to add to a state divergence on ``hardware`` of a bundle of an older rules revision than this
+    detrl's: the replication hazards fixed since (an honest replay on hardware unlike the recorder's could
+    diverge under them, :data:`detrl.core.oprules.REPLICATION_FIXES`), and how to tell. Empty where none was
+    fixed since, or on the recorder's own profile."""
+    fixed = [f"{r}: {what}" for r, what in oprules.REPLICATION_FIXES.items() if r > m.rules_revision]
+    if not fixed or hardware == m.hardware:
+        return ""
+    return (
+        f"; note: the bundle follows rounding-rule revision {m.rules_revision}, and later revisions log where "
+        f"honest hardware was found to disagree beyond it ({'; '.join(fixed)}), so on hardware unlike the "
+        f"recorder's this may be the old rules' divergence: a replay on the recorder's own profile "
+        f"({m.hardware}) tells them apart"
+    )
 
 
 def _verdict(

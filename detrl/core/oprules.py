@@ -302,6 +302,16 @@ def _base_kind(func: Any) -> OpKind:
 #:    (:data:`GRADIENT_SCALED_FROM_11`): as elementwise ops, where their terms cancel, two libraries'
 #:    results lay further apart than their threshold covered.
 RULES_REVISION = 11
+#: The revisions that fixed a replication hazard, with what they fixed: under the revision before, an honest
+#: replay on hardware unlike the recorder's could diverge, with no log entry where the machines disagreed.
+#: (The others made the log smaller.) The auditor names those after a bundle's revision when it diverges.
+REPLICATION_FIXES = {
+    5: "sums and means in their terms' units",
+    6: "convolution gradients in their terms' units",
+    7: "reductions that cancel to -0",
+    10: "a correctly rounded square root in the norms",
+    11: "GELU and the activation backwards in their arguments' units",
+}
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
 #: Revision 2: the sums whose elements exact in every order are found and left unlogged.
