@@ -37,7 +37,7 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, overload
 
@@ -213,11 +213,8 @@ class Leaves(Sequence[tuple[bytes, bytes]]):
     __slots__ = ("_buf",)
     PAIR = 64
 
-    def __init__(self, pairs: Iterable[tuple[bytes, bytes]] = (), *, packed: bytes | bytearray = b"") -> None:
-        # a bytearray is taken as it is (parse_commitments fills one); anything else is copied
-        self._buf = packed if isinstance(packed, bytearray) else bytearray(packed)
-        for pair in pairs:
-            self.append(pair)
+    def __init__(self, packed: bytearray | None = None) -> None:
+        self._buf = packed if packed is not None else bytearray()  # taken as it is, not copied
 
     def __len__(self) -> int:
         return len(self._buf) // self.PAIR
@@ -231,20 +228,21 @@ class Leaves(Sequence[tuple[bytes, bytes]]):
             start, stop, stride = i.indices(len(self))
             if stride != 1:
                 raise ValueError("Leaves: slices step by 1")
-            return Leaves(packed=self._buf[start * self.PAIR : max(start, stop) * self.PAIR])
-        n = len(self)
-        k = i + n if i < 0 else i
-        if not 0 <= k < n:
-            raise IndexError(f"Leaves: step {i} of {n}")
-        o = k * self.PAIR
+            return Leaves(self._buf[start * self.PAIR : max(start, stop) * self.PAIR])
+        o = self._offset(i)
         return bytes(self._buf[o : o + 32]), bytes(self._buf[o + 32 : o + self.PAIR])
 
     def __setitem__(self, i: int, pair: tuple[bytes, bytes]) -> None:
+        o = self._offset(i)
+        self._buf[o : o + self.PAIR] = self._packed(pair)
+
+    def _offset(self, i: int) -> int:
+        """Where step ``i`` (negative: from the end) starts in the buffer; IndexError outside."""
         n = len(self)
         k = i + n if i < 0 else i
         if not 0 <= k < n:
             raise IndexError(f"Leaves: step {i} of {n}")
-        self._buf[k * self.PAIR : (k + 1) * self.PAIR] = self._packed(pair)
+        return k * self.PAIR
 
     def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
         buf = self._buf
@@ -293,7 +291,7 @@ def parse_commitments(data: bytes) -> tuple[Leaves, int]:
         if step != i:
             raise BundleError(f"{COMMITMENTS}: record {i} is for step {step}")
     # the 64 hash bytes of each record (after its 8-byte step), side by side, copied once
-    leaves = Leaves(packed=bytearray(n * Leaves.PAIR))
+    leaves = Leaves(bytearray(n * Leaves.PAIR))
     records = np.frombuffer(body, dtype=np.uint8, count=n * size).reshape(n, size)
     np.frombuffer(leaves._buf, dtype=np.uint8).reshape(n, Leaves.PAIR)[:] = records[:, 8 : 8 + Leaves.PAIR]
     return leaves, torn

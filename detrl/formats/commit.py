@@ -15,13 +15,14 @@ in docs/verifiable.md.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
 import operator
 import struct
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import blake3
@@ -510,33 +511,34 @@ def node(left: bytes, right: bytes) -> bytes:
     return _hasher(NODE_TAG + left + right).digest()
 
 
-def merkle_levels(leaves: list[bytes]) -> list[list[bytes]]:
-    """Every level of the Merkle tree over ``leaves`` (at least one), leaves first, the root alone last: each
-    level pairs its nodes left to right with :func:`node`, and an odd last node is carried up unchanged.
-    Inclusion proofs (detrl/formats/proof.py) and disputes (detrl/apps/dispute.py) walk these levels."""
-    levels = [list(leaves)]
-    while len(levels[-1]) > 1:
-        level = levels[-1]
-        up = [node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
-        if len(level) % 2:
-            up.append(level[-1])
-        levels.append(up)
-    return levels
-
-
-def merkle_root(leaves: list[bytes]) -> bytes:
-    """Merkle root (BLAKE3, leaves and nodes domain-separated; the tree of :func:`merkle_levels`).
-    Empty -> hash of the node tag. Level by level, each dropped once the next is built: a root of millions
-    of leaves holds one and a half levels, not the whole tree."""
-    if not leaves:
-        return _hasher(NODE_TAG).digest()
+def _levels(leaves: list[bytes]) -> Iterator[list[bytes]]:
+    """The levels of the Merkle tree over ``leaves`` (at least one), leaves first, the root alone last: each
+    level pairs its nodes left to right with :func:`node`, and an odd last node is carried up unchanged."""
     level = leaves
+    yield level
     while len(level) > 1:
         up = [node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
         if len(level) % 2:
             up.append(level[-1])
         level = up
-    return level[0]
+        yield level
+
+
+def merkle_levels(leaves: list[bytes]) -> list[list[bytes]]:
+    """Every level of the Merkle tree over ``leaves`` (at least one), leaves first, the root alone last
+    (:func:`_levels`). Inclusion proofs (detrl/formats/proof.py) and disputes (detrl/apps/dispute.py) walk
+    these levels."""
+    return list(_levels(list(leaves)))
+
+
+def merkle_root(leaves: list[bytes]) -> bytes:
+    """Merkle root (BLAKE3, leaves and nodes domain-separated; the tree of :func:`merkle_levels`).
+    Empty -> hash of the node tag. Each level is dropped once the next is built: a root of millions of
+    leaves holds one and a half levels, not the whole tree."""
+    if not leaves:
+        return _hasher(NODE_TAG).digest()
+    (root,) = collections.deque(_levels(leaves), maxlen=1)[0]  # the last level, the others dropped in turn
+    return root
 
 
 def hash_batch(*tensors: Any) -> bytes:
