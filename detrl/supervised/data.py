@@ -195,8 +195,10 @@ def split(
     the test set. The permutation comes from its own seed (:data:`SPLIT_SEED`), not from any stream: every
     run of a sweep, whatever its seeds, is tested on the same examples."""
     n = len(x)
-    if not 0 <= holdout < n:
-        raise ValueError(f"data.holdout={holdout}: must leave training examples out of {n}")
+    if not 0 <= holdout < n:  # a config no run can train on; found only with the data (its size)
+        from detrl.run.config import ConfigError
+
+        raise ConfigError(f"config error: data.holdout={holdout}: must leave training examples out of {n}")
     order = torch.from_numpy(np.random.Generator(np.random.PCG64(SPLIT_SEED)).permutation(n))
     train, test = order[: n - holdout], order[n - holdout :]
     return (x[train], y[train]), (x[test], y[test])

@@ -59,10 +59,6 @@ def load_split(
                 f"config error: data.holdout={cfg.data.holdout}: test_batch has {len(tx)} images"
             )
         return (x, y), (tx[: cfg.data.holdout], ty[: cfg.data.holdout])
-    if cfg.data.holdout >= len(x):
-        raise ConfigError(
-            f"config error: data.holdout={cfg.data.holdout}: must leave training examples out of {len(x)}"
-        )
     return datasets.split(x, y, cfg.data.holdout)
 
 
