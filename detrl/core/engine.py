@@ -579,7 +579,7 @@ class Session:
                 f"{self.start} to replay from"
             )
         tensors, meta = b.load_checkpoint(self.start)
-        self._resume = bundle_mod.ResumePoint(self.start, tensors, meta, b.leaves[:], b)
+        self._resume = bundle_mod.ResumePoint(self.start, tensors, meta, b.leaves, b)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Session:
@@ -590,6 +590,8 @@ class Session:
                 force=self.force,
                 resume=self._resume,
             )
+            # one copy of a recording's leaves (64 bytes a step), which the writer appends to
+            self.leaves = self._writer.leaves
         if self._tracker is not None:
             self._stack.enter_context(self._tracker)
         # The steps own the host's global RNGs (each seeds them, see Sources.seed_host_rngs): they are left
@@ -763,7 +765,7 @@ class Session:
             self.log_bytes = [] if replay else [int(r.meta.get("log_bytes", 0))]
         except (KeyError, TypeError, ValueError) as e:
             raise BundleError(f"{rel}: cannot {'replay from it' if replay else 'resume'}: {e}") from None
-        self.leaves = r.written[: r.step + 1]
+        self.leaves = self._writer.leaves if self._writer is not None else r.written[: r.step + 1]
         self.step_index = r.step
         # The restored state must be the state the bundle committed to at this step.
         if self._state_hash(commit.state_tensors(self.model, self.optimizers)) != self.leaves[r.step][0]:
@@ -938,10 +940,9 @@ class Session:
                     f"{self.dir}: the config builds a different initial model than the bundle it would resume"
                 )
             return  # restore() takes the leaves from the bundle
-        self.leaves.append((state_hash, batch_hash))
-        assert self._writer is not None
+        assert self._writer is not None and self.leaves is self._writer.leaves
         ops = rounding.recorded if rounding is not None else None
-        self.log_bytes.append(self._writer.append_step(step, state_hash, batch_hash, ops))
+        self.log_bytes.append(self._writer.append_step(step, state_hash, batch_hash, ops))  # appends the leaf
         if step == 0:
             self._writer.make_durable()  # the initial state: an audit can say "incomplete at step 0"
             return

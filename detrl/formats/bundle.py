@@ -298,7 +298,23 @@ def parse_commitments(data: bytes) -> tuple[Leaves, int]:
 
 
 def merkle_root(leaves: Sequence[tuple[bytes, bytes]]) -> str:
-    return commit.merkle_root([commit.leaf(i, s, b) for i, (s, b) in enumerate(leaves)]).hex()
+    """The hex Merkle root over the steps' ``(state hash, batch hash)`` pairs, leaf by leaf (a root of
+    millions of steps holds no list of their leaf hashes)."""
+    return commit.merkle_root(commit.leaf(i, s, b) for i, (s, b) in enumerate(leaves)).hex()
+
+
+class _RootOfSteps:
+    """The Merkle root over a :class:`Leaves` that only grows, each step's leaf hashed once
+    (:class:`~detrl.formats.commit.MerkleFrontier`): the recorder publishes a root at each durable point."""
+
+    def __init__(self) -> None:
+        self._frontier = commit.MerkleFrontier()
+
+    def of(self, leaves: Leaves) -> str:
+        f = self._frontier
+        for i in range(f.count, len(leaves)):
+            f.append(commit.leaf(i, *leaves[i]))
+        return f.root().hex()
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -528,7 +544,7 @@ class Bundle:
             while last < len(log_steps) and log_steps[last] == last + 1:
                 last += 1
             written = written[: last + 1]
-        return ResumePoint(step, tensors, meta, written[:], self)
+        return ResumePoint(step, tensors, meta, written, self)  # shared: its readers take slices
 
     def close(self) -> None:
         """Close the files; the validated index (steps, segment sizes) stays readable."""
@@ -538,7 +554,8 @@ class Bundle:
 
 @dataclasses.dataclass
 class ResumePoint:
-    """A bundle's last checkpoint and the records on disk (``written``: leaves of steps 0..m, m >= step)."""
+    """A bundle's last checkpoint and the records on disk (``written``: leaves of steps 0..m, m >= step; the
+    bundle's own, read only)."""
 
     step: int
     tensors: dict[str, torch.Tensor]
@@ -573,6 +590,7 @@ class BundleWriter:
         self.resume = resume
         self.verifiable = header["precision"] == "verifiable"
         self.leaves = Leaves()
+        self._root = _RootOfSteps()  # over self.leaves, which only grows (a resume replaces it: a new one)
         self.checkpoints: dict[str, str] = {}
         self.durable: Durable | None = None
         self.status = "recording"
@@ -640,6 +658,7 @@ class BundleWriter:
         m = b.manifest
         self.header["created"] = m.created
         self.leaves = r.written[: r.step + 1]
+        self._root = _RootOfSteps()
         self._compare = list(r.written[r.step + 1 :])  # at most a checkpoint's spacing of steps
         self.checkpoints = {k: v for k, v in m.checkpoints.items() if _ckpt_step(k) <= r.step}
         self.durable = m.durable
@@ -779,7 +798,7 @@ class BundleWriter:
         step = len(self.leaves) - 1
         if step >= 0:
             self.durable = Durable(
-                step=step, merkle_root=merkle_root(self.leaves), roundlog_bytes=self._log_end
+                step=step, merkle_root=self._root.of(self.leaves), roundlog_bytes=self._log_end
             )
         # A checkpoint off the checkpoint_every grid was a stop's; once the run is past it, it goes, so a
         # resumed bundle is the bundle an uninterrupted run writes (listing first, then the file).

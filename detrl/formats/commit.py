@@ -15,14 +15,13 @@ in docs/verifiable.md.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
 import operator
 import struct
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import blake3
@@ -511,34 +510,68 @@ def node(left: bytes, right: bytes) -> bytes:
     return _hasher(NODE_TAG + left + right).digest()
 
 
-def _levels(leaves: list[bytes]) -> Iterator[list[bytes]]:
-    """The levels of the Merkle tree over ``leaves`` (at least one), leaves first, the root alone last: each
-    level pairs its nodes left to right with :func:`node`, and an odd last node is carried up unchanged."""
-    level = leaves
-    yield level
-    while len(level) > 1:
+def merkle_levels(leaves: list[bytes]) -> list[list[bytes]]:
+    """Every level of the Merkle tree over ``leaves`` (at least one), leaves first, the root alone last: each
+    level pairs its nodes left to right with :func:`node`, and an odd last node is carried up unchanged.
+    Inclusion proofs (detrl/formats/proof.py) and disputes (detrl/apps/dispute.py) walk these levels;
+    :func:`merkle_root` gives the same root without them."""
+    levels = [list(leaves)]
+    while len(levels[-1]) > 1:
+        level = levels[-1]
         up = [node(level[i], level[i + 1]) for i in range(0, len(level) - 1, 2)]
         if len(level) % 2:
             up.append(level[-1])
-        level = up
-        yield level
+        levels.append(up)
+    return levels
 
 
-def merkle_levels(leaves: list[bytes]) -> list[list[bytes]]:
-    """Every level of the Merkle tree over ``leaves`` (at least one), leaves first, the root alone last
-    (:func:`_levels`). Inclusion proofs (detrl/formats/proof.py) and disputes (detrl/apps/dispute.py) walk
-    these levels."""
-    return list(_levels(list(leaves)))
+def merkle_root(leaves: Iterable[bytes]) -> bytes:
+    """Merkle root (BLAKE3, leaves and nodes domain-separated; the tree of :func:`merkle_levels`), folded
+    leaf by leaf (:class:`MerkleFrontier`): a root of millions of leaves holds a hash per power of two, not
+    a level of the tree. Empty -> hash of the node tag."""
+    frontier = MerkleFrontier()
+    frontier.extend(leaves)
+    return frontier.root()
 
 
-def merkle_root(leaves: list[bytes]) -> bytes:
-    """Merkle root (BLAKE3, leaves and nodes domain-separated; the tree of :func:`merkle_levels`).
-    Empty -> hash of the node tag. Each level is dropped once the next is built: a root of millions of
-    leaves holds one and a half levels, not the whole tree."""
-    if not leaves:
-        return _hasher(NODE_TAG).digest()
-    (root,) = collections.deque(_levels(leaves), maxlen=1)[0]  # the last level, the others dropped in turn
-    return root
+class MerkleFrontier:
+    """The Merkle root of a list of leaf hashes that only grows, kept as the roots of its complete subtrees.
+
+    The tree of :func:`merkle_levels` over ``n`` leaves, whose odd last node is carried up unchanged, is the
+    tree whose left part is the complete tree over the first ``2**k`` leaves (the largest power of two below
+    ``n``) and whose right part is the same tree over the rest. So its root folds the roots of the complete
+    subtrees of ``n``'s binary digits (the *peaks*, largest first) from the right: ``node(p1, node(p2,
+    p3))``. Appending a leaf merges equal peaks as adding 1 to a binary counter carries: a hash per leaf
+    and one per carry (one on average). The root costs a hash per peak. A recorder that publishes a root at
+    each durable point thus hashes each leaf once in a run, not once per durable point after it (a million
+    steps cost 3-4 s a root), and holds at most 64 hashes.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0  # leaves appended
+        self._peaks: list[bytes] = []  # roots of complete subtrees of 2**k leaves, k decreasing
+
+    def append(self, leaf_hash: bytes) -> None:
+        self._peaks.append(leaf_hash)
+        self.count += 1
+        carries = self.count
+        while carries % 2 == 0:  # the two smallest peaks hold as many leaves: they join
+            right = self._peaks.pop()
+            self._peaks[-1] = node(self._peaks[-1], right)
+            carries //= 2
+
+    def extend(self, leaf_hashes: Iterable[bytes]) -> None:
+        for h in leaf_hashes:
+            self.append(h)
+
+    def root(self) -> bytes:
+        """The root over the leaves so far (:func:`merkle_root`)."""
+        if not self._peaks:
+            return _hasher(NODE_TAG).digest()
+        acc = self._peaks[-1]
+        for peak in reversed(self._peaks[:-1]):
+            acc = node(peak, acc)
+        return acc
 
 
 def hash_batch(*tensors: Any) -> bytes:
