@@ -217,7 +217,8 @@ def test_manifest_version_as_float(bundle: Path, capsys: pytest.CaptureFixture[s
 # --- manifest.json: every field, wrong type or out of range ----------------------------------------
 
 WRONG_FIELDS = [
-    ("created", 5), ("created", None), ("created", "x" * 65),
+    ("created", 5), ("created", None), ("created", "x" * 65), ("created", "2026-12-07T15:21:07Z\0"),
+    ("created", "2026-12-07 15:21:07"),
     ("task", 5), ("task", ["supervised"]), ("task", "x" * 65),
     ("config", [1]), ("config", "digits_cnn"), ("config", 0),
     ("precision", "fp16"), ("precision", 32), ("precision", None),

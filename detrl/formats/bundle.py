@@ -135,7 +135,10 @@ class Manifest(_Strict):
 
     format: Literal["detrl-bundle"]
     version: int
-    created: str = Field(max_length=64, description="UTC time recording started: the only timestamp")
+    created: str = Field(
+        pattern=r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z$",  # utc_now's: no control character gets through
+        description="UTC time recording started: the only timestamp",
+    )
     task: str | None = Field(None, max_length=64, description="the task that replays it; None: a script")
     config: dict[str, Any] | None = None
     precision: Literal["verifiable", "fp64", "fp32"]
