@@ -300,24 +300,14 @@ def parse_commitments(data: bytes) -> tuple[Leaves, int]:
     return leaves, torn
 
 
-def merkle_root(leaves: Sequence[tuple[bytes, bytes]]) -> str:
-    """The hex Merkle root over the steps' ``(state hash, batch hash)`` pairs, leaf by leaf (a root of
-    millions of steps holds no list of their leaf hashes)."""
-    return commit.merkle_root(commit.leaf(i, s, b) for i, (s, b) in enumerate(leaves)).hex()
-
-
-class _RootOfSteps:
-    """The Merkle root over a :class:`Leaves` that only grows, each step's leaf hashed once
-    (:class:`~detrl.formats.commit.MerkleFrontier`): the recorder publishes a root at each durable point."""
-
-    def __init__(self) -> None:
-        self._frontier = commit.MerkleFrontier()
-
-    def of(self, leaves: Leaves) -> str:
-        f = self._frontier
-        for i in range(f.count, len(leaves)):
-            f.append(commit.leaf(i, *leaves[i]))
-        return f.root().hex()
+def merkle_root(leaves: Sequence[tuple[bytes, bytes]], frontier: commit.MerkleFrontier | None = None) -> str:
+    """The hex Merkle root over the steps' ``(state hash, batch hash)`` pairs, folded leaf by leaf (a root of
+    millions of steps holds no list of their leaf hashes). ``frontier``: one that holds the first
+    ``frontier.count`` of these steps already (a recorder's, kept from one durable point to the next): only
+    the steps after them are hashed, and it then holds them all."""
+    f = frontier if frontier is not None else commit.MerkleFrontier()
+    f.extend(commit.leaf(i, *leaves[i]) for i in range(f.count, len(leaves)))
+    return f.root().hex()
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -593,7 +583,7 @@ class BundleWriter:
         self.resume = resume
         self.verifiable = header["precision"] == "verifiable"
         self.leaves = Leaves()
-        self._root = _RootOfSteps()  # over self.leaves, which only grows (a resume replaces it: a new one)
+        self._frontier = commit.MerkleFrontier()  # over self.leaves, which only grows (merkle_root)
         self.checkpoints: dict[str, str] = {}
         self.durable: Durable | None = None
         self.status = "recording"
@@ -661,7 +651,7 @@ class BundleWriter:
         m = b.manifest
         self.header["created"] = m.created
         self.leaves = r.written[: r.step + 1]
-        self._root = _RootOfSteps()
+        self._frontier = commit.MerkleFrontier()  # a new list of leaves
         self._compare = list(r.written[r.step + 1 :])  # at most a checkpoint's spacing of steps
         self.checkpoints = {k: v for k, v in m.checkpoints.items() if _ckpt_step(k) <= r.step}
         self.durable = m.durable
@@ -801,7 +791,7 @@ class BundleWriter:
         step = len(self.leaves) - 1
         if step >= 0:
             self.durable = Durable(
-                step=step, merkle_root=self._root.of(self.leaves), roundlog_bytes=self._log_end
+                step=step, merkle_root=merkle_root(self.leaves, self._frontier), roundlog_bytes=self._log_end
             )
         # A checkpoint off the checkpoint_every grid was a stop's; once the run is past it, it goes, so a
         # resumed bundle is the bundle an uninterrupted run writes (listing first, then the file).
