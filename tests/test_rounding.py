@@ -723,6 +723,25 @@ def test_a_gelu_in_its_tail_replays_on_another_library_from_rules_revision_11(tm
         assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, name
 
 
+def _gelu_of_a_nan() -> torch.nn.Module:
+    first = torch.nn.Linear(16, 32)  # zoo.features: width // 2 = 16
+    with torch.no_grad():
+        first.bias[3] = math.nan  # a run gone NaN: every later value is NaN
+    return torch.nn.Sequential(first, torch.nn.GELU(), torch.nn.Linear(32, 5))
+
+
+def test_a_run_gone_nan_replays_on_its_own_hardware_with_nothing_refused(tmp_path) -> None:
+    """GELU's unit is its argument's (revision 11), and a NaN's is NaN: its NaN results are pinned. A replay
+    honours a pinned NaN with a NaN (which takes the recorder's sign and payload); it refused every one."""
+    from detrl.testing import zoo
+
+    specimen = zoo.Specimen("gelu_of_a_nan", _gelu_of_a_nan, zoo.features, zoo.classify)
+    recorded = zoo.record(specimen, tmp_path / "run", steps=2)
+    assert recorded.totals.logged > 0 and any(p.isnan().any() for p in recorded.model.parameters())
+    replayed = zoo.replay(specimen, tmp_path / "run", "native", steps=2)
+    assert replayed.totals.refused == 0 and replayed.totals.logged == recorded.totals.logged
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_prelu_over_many_binades_needs_no_entry_from_rules_revision_11(on: bool) -> None:
     """PReLU, forward and backward, over values spanning 60 binades within each channel (gradients of a

@@ -891,7 +891,9 @@ class RoundingMode(EagerDispatchMode):
         t = _uncertainty(x, rounded, idx, tau, scaled)
         # a zero's own spacing is the smallest subnormal's (spacing32 gives 2**-24 there, frexp's exponent 0)
         reach = 2 * t + torch.where(vs == 0, 2.0**-149, spacing32(vs))
-        honoured = (xs - vs).abs() <= reach
+        # A NaN is pinned where its first argument is a NaN (revision 11's units): a NaN here honours it, and
+        # takes its sign and payload (IEEE leaves them to the order of operands).
+        honoured = ((xs - vs).abs() <= reach) | (xs.isnan() & vs.isnan())
         if not bool(honoured.all()):  # a pinned value this machine cannot have computed: refuse it
             step.stats.refused += int((~honoured).sum())
             bad = int((~honoured).nonzero()[0, 0])
