@@ -115,8 +115,8 @@ def test_a_divergence_of_an_older_revision_on_other_hardware_names_the_hazards_f
     bundle: Path, revision: int | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A bundle of rules revision 10 (the digits CNN's log is the same under 10 and 11) whose state after step 3
-    was changed: on a profile unlike the recorder's the verdict adds that revision 11 fixed a hazard where
-    honest hardware disagreed, and that a replay on the recorder's profile tells the two apart. On the
+    was changed: on a profile unlike the recorder's the verdict adds that revisions 11 and 12 fixed hazards
+    where honest hardware disagreed, and that a replay on the recorder's profile tells the two apart. On the
     recorder's profile, for a bundle of the current revision, or for a changed batch (no rule changes a
     batch), the verdict is the divergence alone."""
     if revision is not None:
@@ -128,13 +128,14 @@ def test_a_divergence_of_an_older_revision_on_other_hardware_names_the_hazards_f
     leaves[3] = (bytes([state[0] ^ 1]) + state[1:], batch)
     write_commitments(bundle, leaves)
     bundle_mod.reseal(bundle)
-    note = "the bundle follows rounding-rule revision 10, and later revisions log where honest hardware"
+    note = "the bundle follows rounding-rule revision 10, and later revisions fixed where honest hardware"
     for hardware, noted in (("emulated:splitk", revision is not None), ("native", False)):
         rc, out, err = cli(capsys, "audit", str(bundle), "--quiet", "--hardware", hardware)
         assert rc == 1 and "diverged at step 3" in out, out + err
         assert (note in out) is noted, out
         if noted:
-            assert "11: GELU and the activation backwards" in out and "5: sums" not in out
+            assert "11: GELU and the activation backwards" in out and "12: FP64's extremes" in out
+            assert "5: sums" not in out
             assert "a replay on the recorder's own profile (native) tells them apart" in out
     leaves[3] = (state, bytes([batch[0] ^ 1]) + batch[1:])
     write_commitments(bundle, leaves)

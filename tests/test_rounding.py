@@ -414,7 +414,7 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 11]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 12]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
@@ -740,6 +740,57 @@ def test_a_run_gone_nan_replays_on_its_own_hardware_with_nothing_refused(tmp_pat
     assert recorded.totals.logged > 0 and any(p.isnan().any() for p in recorded.model.parameters())
     replayed = zoo.replay(specimen, tmp_path / "run", "native", steps=2)
     assert replayed.totals.refused == 0 and replayed.totals.logged == recorded.totals.logged
+
+
+def test_a_row_masked_whole_with_fp64s_minimum_trains_and_replays_from_rules_revision_12(
+    tmp_path, monkeypatch
+) -> None:
+    """Attention masked with ``torch.finfo(scores.dtype).min``, FP64's minimum here (as a number, through
+    ``torch.tensor`` and through ``torch.where``), rounded to FP32 was -inf, and a padded query's row, masked
+    whole, softmaxed to NaN: under revision 11 the model's weights are NaN after two steps. From revision 12
+    that minimum is FP32's, as the same model writes it in FP32: the row is uniform, the weights stay finite, and the replays on other hardware replicate with nothing refused or unlogged."""
+    from detrl.core import engine
+    from detrl.testing import zoo
+
+    specimen = zoo.SPECIMENS["extreme_masks"]
+    assert (zoo.tokens()[0] < 8).any(), "the batch has padding: rows masked whole"
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 11)
+        before = zoo.record(specimen, tmp_path / "rules11", steps=2)
+    assert any(p.isnan().any() for p in before.model.parameters())
+    after = zoo.record(specimen, tmp_path / "rules12", steps=2)
+    assert all(p.isfinite().all() for p in after.model.parameters())
+    for name in ("emulated:splitk", "emulated:atomic"):
+        replayed = zoo.replay(specimen, tmp_path / "rules12", get_profile(name), steps=2)
+        assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, name
+
+
+def test_fp64s_extremes_as_arguments_are_fp32s_from_rules_revision_12() -> None:
+    """The arguments revision 12 takes as FP32's: FP64's largest finite number, either sign, as a number or
+    a one-element FP64 CPU tensor, unless the call writes that tensor. Not a larger tensor, another dtype, or
+    any other number (FP32's own extreme, infinities)."""
+    from detrl.core.oprules import FP32_EXTREME, FP64_EXTREME, finite_extremes, fp32_extremes
+
+    assert finite_extremes(12) and not finite_extremes(11)
+    aten = torch.ops.aten
+    low = torch.tensor(-FP64_EXTREME, dtype=torch.float64)
+    scores, mask = torch.zeros(2, dtype=torch.float64), torch.tensor([True, False])
+    args, kwargs = fp32_extremes(aten.masked_fill.Tensor, (scores, mask, low), {})
+    assert args[2].dtype == torch.float64 and args[2].item() == -FP32_EXTREME and low.item() == -FP64_EXTREME
+    assert args[:2] == (scores, mask) and kwargs == {}
+    args, kwargs = fp32_extremes(aten.clamp.default, (scores,), {"min": -FP64_EXTREME, "max": 2.0})
+    assert kwargs == {"min": -FP32_EXTREME, "max": 2.0}
+    assert fp32_extremes(aten.fill_.Scalar, (low, 1.0), {})[0][0] is low  # the tensor it writes stays itself
+    assert fp32_extremes(aten.fill_.Scalar, (scores, FP64_EXTREME), {})[0][1] == FP32_EXTREME
+    for other in (
+        torch.full((2,), -FP64_EXTREME, dtype=torch.float64),
+        torch.tensor(-FP32_EXTREME, dtype=torch.float32),
+        FP32_EXTREME,
+        -math.inf,
+        1e308,
+        5,
+    ):
+        assert fp32_extremes(aten.masked_fill.Scalar, (scores, mask, other), {}) is None, other
 
 
 @pytest.mark.parametrize("on", [True, False])

@@ -384,8 +384,8 @@ def _older_rules(m: Any, hardware: str) -> str:
     if not fixed or hardware == m.hardware:
         return ""
     return (
-        f"; note: the bundle follows rounding-rule revision {m.rules_revision}, and later revisions log where "
-        f"honest hardware was found to disagree beyond it ({'; '.join(fixed)}), so on hardware unlike the "
+        f"; note: the bundle follows rounding-rule revision {m.rules_revision}, and later revisions fixed where "
+        f"honest hardware was found to disagree under it ({'; '.join(fixed)}), so on hardware unlike the "
         f"recorder's this may be the old rules' divergence: a replay on the recorder's own profile "
         f"({m.hardware}) tells them apart"
     )

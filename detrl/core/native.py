@@ -44,6 +44,7 @@ from detrl.core.oprules import (
     SQUARES,
     UNWRITTEN,
     OpKind,
+    finite_extremes,
     negative_zeros,
 )
 from detrl.core.scale import SCALED_BY_INPUTS, TERMS_SCALED
@@ -292,6 +293,9 @@ class Routes:
                 )
 
             self._table, self._key = module.Table(resolve, negative_zeros(rules_revision), True), key
+            self._table.finite_extremes = finite_extremes(
+                rules_revision
+            )  # revision 12's arguments: the mode's
         return self._table
 
 

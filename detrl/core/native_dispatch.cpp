@@ -121,6 +121,7 @@ using Taus = std::vector<double>;
 struct Table {
   py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload, ...)
   bool negative_zeros = false;  // a reduction's tiny negative values take part in the near test (oprules)
+  bool finite_extremes = false;  // rules revision 12: a call with FP64's largest finite number goes to the mode
   // a verifiable step's table: results no rule rounds (complex, sparse) are refused; a plain step's
   // (native.random_route: its random ops to the stream's mode, every other op run as it is) refuses nothing
   bool refuses = true;
@@ -384,6 +385,22 @@ bool exponent_is_two(const c10::FunctionSchema& schema, const torch::jit::Stack&
 }
 
 // alpha (where the schema has one) is exactly 1: an add or sub that is neither fused nor split.
+// An argument that is FP64's largest finite number, either sign: a number, or a one-element FP64 CPU tensor
+// (oprules.fp32_extremes, which the mode applies: rules revision 12 takes it as FP32's).
+bool fp64_extreme_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
+  constexpr double extreme = std::numeric_limits<double>::max();
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const auto& v = stack[first + i];
+    if (v.isDouble() && std::fabs(v.toDouble()) == extreme) return true;
+    if (!v.isTensor()) continue;
+    const auto& t = v.toTensor();
+    if (t.defined() && t.scalar_type() == c10::ScalarType::Double && t.numel() == 1 && t.layout() == c10::kStrided &&
+        t.device().is_cpu() && t.has_storage() && std::fabs(*t.const_data_ptr<double>()) == extreme)
+      return true;
+  }
+  return false;
+}
+
 bool alpha_is_one(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
   const auto& args = schema.arguments();
   for (size_t i = 0; i < args.size(); ++i) {
@@ -2292,6 +2309,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   const size_t first = stack->size() - n_args;
   // a verifiable step's op on complex values: the mode's (a plain step's runs as it is)
   if (route != PYTHON && step->table->refuses && complex_argument(schema, *stack, first)) route = PYTHON;
+  if (route != PYTHON && step->table->finite_extremes && fp64_extreme_argument(schema, *stack, first)) route = PYTHON;
   bool rounds = route != KEEP;
   if (route == EXACT_IF_ALPHA_ONE) route = alpha_is_one(schema, *stack, first) ? EXACT : PYTHON;
   if (route == EXACT_IF_SQUARE) route = exponent_is_two(schema, *stack, first) ? EXACT : LOGGED;
@@ -2553,6 +2571,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              t->refuses = refuses;
              return t;
            }))
+      .def_readwrite("finite_extremes", &Table::finite_extremes)
       .def("clear", [](Table& t) { t.entries.clear(); })
       .def("__len__", [](const Table& t) { return t.entries.size(); });
   py::class_<Declined>(m, "Declined", "calls of logged ops calibration has declined to measure again")

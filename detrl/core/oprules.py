@@ -301,7 +301,14 @@ def _base_kind(func: Any) -> OpKind:
 #:    and the backwards of GELU and SiLU are reductions in units of their first argument
 #:    (:data:`GRADIENT_SCALED_FROM_11`): as elementwise ops, where their terms cancel, two libraries'
 #:    results lay further apart than their threshold covered.
-RULES_REVISION = 11
+#: 12. An op argument that is FP64's largest finite number, either sign (a Python number, or a one-element
+#:    FP64 tensor on the CPU: ``torch.finfo(torch.float64).min``), is taken as FP32's
+#:    (:func:`fp32_extremes`). A model asks ``torch.finfo`` of the dtype it runs in, which is FP64 here, and
+#:    writes its minimum as "minus infinity, but finite" into attention masks: in FP32 that is -3.4e38, but
+#:    rounded to FP32 it was -inf, and a row masked whole (a padded query row of DeBERTa's, a left-padded
+#:    sequence's first rows) became NaN through its softmax, which trains nothing, and whose NaN bits
+#:    differ between machines.
+RULES_REVISION = 12
 #: The revisions that fixed a replication hazard, with what they fixed: under the revision before, an honest
 #: replay on hardware unlike the recorder's could diverge, with no log entry where the machines disagreed.
 #: (The others made the log smaller.) The auditor names those after a bundle's revision when it diverges.
@@ -311,6 +318,7 @@ REPLICATION_FIXES = {
     7: "reductions that cancel to -0",
     10: "a correctly rounded square root in the norms",
     11: "GELU and the activation backwards in their arguments' units",
+    12: "FP64's extremes (torch.finfo(torch.float64).min, attention masks' value) taken as FP32's",
 }
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
@@ -347,6 +355,58 @@ def negative_zeros(rules_revision: int) -> bool:
     ``slice_backward``: 600 to 1,000 entries a step in tiny Hugging Face decoders when they were pinned)
     are the same on every machine."""
     return rules_revision >= 7
+
+
+#: Revision 12: FP64's largest finite number and FP32's (the ``max`` of ``torch.finfo``; ``min`` is minus it).
+FP64_EXTREME, FP32_EXTREME = torch.finfo(torch.float64).max, torch.finfo(torch.float32).max
+
+
+def finite_extremes(rules_revision: int) -> bool:
+    """Whether, under rules revision ``rules_revision``, an op argument that is FP64's largest finite number,
+    either sign, is taken as FP32's (revision 12, :func:`fp32_extremes`)."""
+    return rules_revision >= 12
+
+
+def _extreme(a: Any) -> bool:
+    if type(a) is float:
+        return abs(a) == FP64_EXTREME
+    # (a device's tensor would be read with a synchronisation: torch.tensor(number) makes a CPU one)
+    return (
+        isinstance(a, torch.Tensor)
+        and a.dtype == torch.float64
+        and a.numel() == 1
+        and a.layout == torch.strided
+        and a.device.type == "cpu"
+        and abs(a.item()) == FP64_EXTREME
+    )
+
+
+def _fp32_extreme(a: Any) -> Any:
+    if type(a) is float:
+        return math.copysign(FP32_EXTREME, a)
+    return torch.full_like(a, math.copysign(FP32_EXTREME, a.item()))
+
+
+def fp32_extremes(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """``args`` and ``kwargs`` of a call of ``func`` with each one that is FP64's largest finite number,
+    either sign (a Python number, or a one-element FP64 CPU tensor, as ``torch.tensor(torch.finfo(
+    torch.float64).min)`` makes), replaced by FP32's; None where none is (rules revision 12). A tensor the
+    call writes (``fill_``'s self, an ``out=``) stays itself: the write must reach it. The native route
+    sends such calls to the mode (``native_dispatch.cpp``, ``fp64_extreme_argument``)."""
+    if not any(map(_extreme, args)) and not any(map(_extreme, kwargs.values())):
+        return None
+    schema = func._schema.arguments
+    written = {x.name for x in schema if x.alias_info is not None and x.alias_info.is_write}
+
+    def swap(name: str, a: Any) -> Any:
+        return (
+            _fp32_extreme(a) if _extreme(a) and not (name in written and isinstance(a, torch.Tensor)) else a
+        )
+
+    return (
+        tuple(swap(schema[i].name if i < len(schema) else "", a) for i, a in enumerate(args)),
+        {k: swap(k, v) for k, v in kwargs.items()},
+    )
 
 
 def squares(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:

@@ -40,6 +40,8 @@ from detrl.core.oprules import (
     call_class,
     classify,
     exact_rule,
+    finite_extremes,
+    fp32_extremes,
     negative_zeros,
     op_name,
     squares,
@@ -468,6 +470,7 @@ class RoundingMode(EagerDispatchMode):
     def rules_revision(self, revision: int) -> None:
         self._revision = revision
         self._plans = _PLANS.setdefault(revision, {})
+        self._finite_extremes = finite_extremes(revision)
 
     @contextlib.contextmanager
     def step_scope(
@@ -515,6 +518,8 @@ class RoundingMode(EagerDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         self._last.learned = None
+        if self._finite_extremes and (fp32 := fp32_extremes(func, args, kwargs)) is not None:
+            args, kwargs = fp32  # rules revision 12: torch.finfo(torch.float64).min as FP32's
         if func in _DEVICE_DROPOUT_OPS and (out := self._device_dropout(func, args)) is not None:
             return out
         plan = self._plans.get(id(func)) or _plan(func, self._revision)

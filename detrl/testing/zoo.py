@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,33 @@ class MaskedEncoder(Encoder):
         pads = (tokens < 8) & (torch.arange(tokens.shape[1]) > 0)  # the first key stays: no NaN row
         padding = torch.zeros(tokens.shape, dtype=x.dtype).masked_fill(pads, float("-inf"))  # (B, T)
         return self.head(self.body(x, mask=causal, src_key_padding_mask=padding))
+
+
+class ExtremeMasks(nn.Module):
+    """Self-attention masked as Hugging Face code masks it: scores filled with ``torch.finfo(dtype).min``
+    (asked of the dtype the model runs in) where a key is padding, and where the query is too, so that a
+    padded query's row is masked whole (DeBERTa's pairwise mask). The minimum comes as a number to
+    ``masked_fill``, as ``torch.tensor(...)`` to it, and as ``torch.where``'s number: in FP32 it is -3.4e38, a
+    whole row of which softmaxes to a uniform row; rounded to FP32 from FP64's it was -inf, and the row NaN
+    (rules revision 12)."""
+
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.emb, self.qkv = nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        x = self.emb(tokens)  # (B, T, width)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # (B, T, width) each
+        scores = q @ k.transpose(1, 2) / math.sqrt(x.shape[-1])  # (B, T, T)
+        keep = tokens >= 8  # ids below 8 pad
+        pair = keep[:, :, None] & keep[:, None, :]  # (B, T, T): a padded query's row masked whole
+        lowest = torch.finfo(scores.dtype).min
+        scores = scores.masked_fill(~pair, lowest)
+        scores = scores.masked_fill(~pair, torch.tensor(lowest))
+        scores = torch.where(pair, scores, lowest)
+        attn = scores.softmax(-1)  # (B, T, T): a padded query attends to every key alike, as in FP32
+        return self.head(x + attn @ v)
 
 
 class LSTMNet(nn.Module):
@@ -420,6 +448,7 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
                 toks, _t5_loss, "T5ForConditionalGeneration"),
             Specimen("transformer_encoder", functools.partial(Encoder, w, v), toks, next_token),
             Specimen("masked_encoder", functools.partial(MaskedEncoder, w, v), toks, next_token),
+            Specimen("extreme_masks", functools.partial(ExtremeMasks, w, v), toks, next_token),
             Specimen("lstm", functools.partial(LSTMNet, w, v), toks, next_token),
             Specimen("packed_recurrent", functools.partial(PackedRecurrent, w, v), toks, next_token),
             Specimen("rotary_fourier", functools.partial(RotaryFourier, w, v), toks, next_token),
@@ -431,6 +460,12 @@ def specimens(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("layer_norm_then_mean", functools.partial(LayerNormThenMean, max(8, w // 4), v), toks, next_token),
         ]
     }  # fmt: skip
+
+
+def _padded_cls_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """:func:`_cls_loss` with ids below 8 as padding, which the attention mask leaves out."""
+    ids = batch[0]
+    return model(input_ids=ids, attention_mask=(ids >= 8).long(), labels=ids[:, 0] % 3).loss
 
 
 def _depth_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -463,7 +498,8 @@ def regressions(size: Size = Size()) -> dict[str, Specimen]:
     channels-last logits, EfficientNet (a weight gradient that cancels before a batch norm), DPT (its
     residual convolutions' thresholds looked up under a layout), wav2vec2 with its CTC loss (SpecAugment
     draws its training masks from NumPy's global RNG, which no step seeded), and FNet and Llama 4 (Fourier
-    mixing and complex rotary embeddings: complex tensors were refused)."""
+    mixing and complex rotary embeddings: complex tensors were refused), and DeBERTa-v2 on a padded batch
+    (a padded query's row, masked whole with FP64's minimum, was NaN: rules revision 12)."""
     w, v = size.width, size.vocab
     toks = functools.partial(tokens, dataclasses.replace(size, seq=16))
     wide = functools.partial(images, dataclasses.replace(size, image=2 * size.image))
@@ -496,6 +532,11 @@ def regressions(size: Size = Size()) -> dict[str, Specimen]:
             Specimen("hf_fnet", _hf("FNetForSequenceClassification", "FNetConfig", vocab_size=v, hidden_size=w,
                      num_hidden_layers=2, intermediate_size=2 * w, max_position_embeddings=64, num_labels=3),
                      toks, _cls_loss, "FNetForSequenceClassification"),
+            Specimen("hf_deberta_v2_padded", _hf("DebertaV2ForSequenceClassification", "DebertaV2Config",
+                     vocab_size=v, hidden_size=w, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * w,
+                     max_position_embeddings=64, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                     max_relative_positions=16, num_labels=3), toks, _padded_cls_loss,
+                     "DebertaV2ForSequenceClassification"),
             Specimen("hf_llama4", _hf("Llama4ForCausalLM", "Llama4TextConfig", head_dim=w // 4, num_local_experts=4,
                      num_experts_per_tok=1, intermediate_size_mlp=2 * w, interleave_moe_layer_step=1,
                      attention_chunk_size=4, **_decoder(size)), toks, lm_loss, "Llama4ForCausalLM"),
