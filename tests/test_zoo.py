@@ -34,8 +34,9 @@ def test_every_zoo_model_replicates_on_every_emulated_profile(tmp_path, name):
 def test_hugging_face_models_that_broke_replicate_with_nothing_unlogged(tmp_path, name):
     """BigBird (an in-place view of a float32 mask), SegFormer's segmentation loss (channels-last logits),
     EfficientNet (a weight gradient that cancels before batch norm), DPT (thresholds looked up under a
-    layout), wav2vec2 (SpecAugment's masks from NumPy's global RNG), FNet and Llama 4 (complex tensors) and
-    DeBERTa-v2 on padding (rows masked whole with FP64's minimum turned NaN) failed under an earlier detrl: each replicates on every emulated profile, nothing unlogged."""
+    layout), wav2vec2 (SpecAugment's masks from NumPy's global RNG), FNet and Llama 4 (complex tensors),
+    DeBERTa-v2 on padding and GPT-2 on left padding (rows masked whole with FP64's minimum turned NaN) failed
+    under an earlier detrl: each replicates on every emulated profile, nothing unlogged."""
     s = zoo.REGRESSIONS[name]
     if not zoo.available(s):
         pytest.skip(f"transformers has no {s.needs}")

@@ -488,6 +488,21 @@ def _waveforms(size: Size = Size()) -> tuple[torch.Tensor, ...]:
     return torch.randn(n, 100 * size.image, generator=g), torch.randint(1, 8, (n, 4), generator=g)
 
 
+def _left_padded(size: Size = Size()) -> tuple[torch.Tensor, ...]:
+    """:func:`tokens` with every other sequence left-padded (its first 4 positions), and the attention mask
+    that says so: a batch ready for generation."""
+    (ids,) = tokens(size)
+    mask = torch.ones_like(ids)
+    mask[::2, :4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _masked_lm_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A causal LM's own loss with an attention mask, the padding left out of the labels."""
+    ids, mask = batch
+    return model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+
+
 def _ctc_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return model(input_values=batch[0], labels=batch[1]).loss
 
@@ -498,8 +513,9 @@ def regressions(size: Size = Size()) -> dict[str, Specimen]:
     channels-last logits, EfficientNet (a weight gradient that cancels before a batch norm), DPT (its
     residual convolutions' thresholds looked up under a layout), wav2vec2 with its CTC loss (SpecAugment
     draws its training masks from NumPy's global RNG, which no step seeded), and FNet and Llama 4 (Fourier
-    mixing and complex rotary embeddings: complex tensors were refused), and DeBERTa-v2 on a padded batch
-    (a padded query's row, masked whole with FP64's minimum, was NaN: rules revision 12)."""
+    mixing and complex rotary embeddings: complex tensors were refused), and DeBERTa-v2 on a padded batch and
+    GPT-2 (eager attention) on a left-padded one (a row masked whole with FP64's minimum was NaN: rules
+    revision 12)."""
     w, v = size.width, size.vocab
     toks = functools.partial(tokens, dataclasses.replace(size, seq=16))
     wide = functools.partial(images, dataclasses.replace(size, image=2 * size.image))
@@ -537,6 +553,9 @@ def regressions(size: Size = Size()) -> dict[str, Specimen]:
                      max_position_embeddings=64, relative_attention=True, pos_att_type=["p2c", "c2p"],
                      max_relative_positions=16, num_labels=3), toks, _padded_cls_loss,
                      "DebertaV2ForSequenceClassification"),
+            Specimen("hf_gpt2_left_padded", _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=v, n_positions=64,
+                     n_embd=w, n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None, attn_implementation="eager"),
+                     functools.partial(_left_padded, size), _masked_lm_loss, "GPT2LMHeadModel"),
             Specimen("hf_llama4", _hf("Llama4ForCausalLM", "Llama4TextConfig", head_dim=w // 4, num_local_experts=4,
                      num_experts_per_tok=1, intermediate_size_mlp=2 * w, interleave_moe_layer_step=1,
                      attention_chunk_size=4, **_decoder(size)), toks, lm_loss, "Llama4ForCausalLM"),
