@@ -293,9 +293,8 @@ class Routes:
                 )
 
             self._table, self._key = module.Table(resolve, negative_zeros(rules_revision), True), key
-            self._table.finite_extremes = finite_extremes(
-                rules_revision
-            )  # revision 12's arguments: the mode's
+            # revision 12: a call with FP64's largest finite number as an argument goes to the mode
+            self._table.finite_extremes = finite_extremes(rules_revision)
         return self._table
 
 

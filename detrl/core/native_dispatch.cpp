@@ -384,7 +384,6 @@ bool exponent_is_two(const c10::FunctionSchema& schema, const torch::jit::Stack&
   return false;
 }
 
-// alpha (where the schema has one) is exactly 1: an add or sub that is neither fused nor split.
 // An argument that is FP64's largest finite number, either sign: a number, or a one-element FP64 CPU tensor
 // (oprules.fp32_extremes, which the mode applies: rules revision 12 takes it as FP32's).
 bool fp64_extreme_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
@@ -401,6 +400,7 @@ bool fp64_extreme_argument(const c10::FunctionSchema& schema, const torch::jit::
   return false;
 }
 
+// alpha (where the schema has one) is exactly 1: an add or sub that is neither fused nor split.
 bool alpha_is_one(const c10::FunctionSchema& schema, const torch::jit::Stack& stack, size_t first) {
   const auto& args = schema.arguments();
   for (size_t i = 0; i < args.size(); ++i) {
