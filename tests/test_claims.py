@@ -115,7 +115,7 @@ def test_a_divergence_of_an_older_revision_on_other_hardware_names_the_hazards_f
     bundle: Path, revision: int | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A bundle of rules revision 10 (the digits CNN's log is the same under 10 and 11) whose state after step 3
-    was changed: on a profile unlike the recorder's the verdict adds that revisions 11 and 12 fixed hazards
+    was changed: on a profile unlike the recorder's the verdict adds that revisions 11 to 13 fixed hazards
     where honest hardware disagreed, and that a replay on the recorder's profile tells the two apart. On the
     recorder's profile, for a bundle of the current revision, or for a changed batch (no rule changes a
     batch), the verdict is the divergence alone."""
@@ -135,6 +135,7 @@ def test_a_divergence_of_an_older_revision_on_other_hardware_names_the_hazards_f
         assert (note in out) is noted, out
         if noted:
             assert "11: GELU and the activation backwards" in out and "12: FP64's extremes" in out
+            assert "13: every NaN committed as one NaN" in out
             assert "5: sums" not in out
             assert "a replay on the recorder's own profile (native) tells them apart" in out
     leaves[3] = (state, bytes([batch[0] ^ 1]) + batch[1:])

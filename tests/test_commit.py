@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import types
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from detrl.core import extensions
 from detrl.formats import commit
@@ -507,3 +512,110 @@ def test_a_loop_found_uncacheable_is_not_walked_a_second_time_to_check(monkeypat
     for _ in range(3):
         assert _same_listing(cache(other, [adam]), commit.state_tensors(other, [adam]))
     assert len(snapshots) == 2 and cache.rebuilds == 6
+
+
+# ------------------------------------------------------------------ rules revision 13: every NaN as one NaN
+#: Every dtype with more than one NaN: IEEE's floats, complex numbers' parts, and the FP8 formats that have a
+#: sign on their NaN.
+_NAN_DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128, torch.complex64,
+    torch.float8_e5m2, torch.float8_e4m3fn,
+]  # fmt: skip
+
+
+def _words(dtype: torch.dtype) -> torch.dtype:
+    """The signed integer dtype of one element (a complex number's part)."""
+    size = torch.empty((), dtype=dtype).element_size() // (2 if dtype.is_complex else 1)
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+
+
+def _part(dtype: torch.dtype) -> torch.dtype:
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(_NAN_DTYPES),
+    st.binary(min_size=0, max_size=96),
+    st.lists(st.integers(min_value=0, max_value=47), max_size=12),
+)
+def test_nans_canonical_takes_every_nan_as_the_one_nan_and_leaves_every_other_bit(
+    dtype: torch.dtype, raw: bytes, at: list[int]
+) -> None:
+    """Random elements, some with their exponent bits all set (NaNs of any sign and payload, infinities):
+    every element torch calls a NaN becomes the bits of ``float("nan")`` in that dtype, every other element
+    keeps its bits, and bytes without a NaN come back as the very array given."""
+    part, words = _part(dtype), _words(dtype)
+    element = torch.empty((), dtype=dtype).element_size()
+    raw = raw[: len(raw) // element * element]
+    if not raw:
+        empty = np.zeros(0, dtype=np.uint8)
+        assert commit.nans_canonical(empty, dtype) is empty
+        return
+    w = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(words).clone()  # one word a part
+    top = torch.tensor(math.inf if part.is_floating_point and part != torch.float8_e4m3fn else math.nan)
+    top_bits = top.to(part).view(words)  # the exponent bits all set (e4m3fn has no infinity: its NaN)
+    for i in at:
+        if i < w.numel():
+            w[i] |= top_bits
+    data = w.view(torch.uint8).numpy()
+    got = commit.nans_canonical(data, dtype)
+    values, after = w.view(part).float(), torch.from_numpy(got.copy()).view(words)
+    nan = values.isnan()
+    one_nan = torch.tensor(math.nan).to(part).view(words)
+    assert torch.equal(after[nan], one_nan.expand(int(nan.sum())))
+    assert torch.equal(after[~nan], w[~nan])
+    if not bool(nan.any()):
+        assert got is data
+    else:
+        assert got is not data and torch.equal(torch.from_numpy(data).view(words), w)  # the input unchanged
+
+
+def test_records_take_nans_as_one_only_where_asked() -> None:
+    """Two tensors that differ only in their NaNs' signs and payloads have one record under
+    ``canonical_nans``, and differing records without it; other dtypes are hashed as they are."""
+    a = torch.tensor([1.0, math.nan, -math.inf, 0.0], dtype=torch.float64)
+    b = a.clone()
+    b.view(torch.int64)[1] = -(2**63) + 0x7FF0_0000_0000_0001  # a negative signalling NaN
+    assert a.isnan()[1] and b.isnan()[1]
+    one = functools.partial(commit.tensor_record, canonical_nans=True)
+    assert one("t", a) == one("t", b)
+    assert commit.tensor_record("t", a) != commit.tensor_record("t", b)
+    assert commit.tensor_record("t", a, canonical_nans=True) == commit.tensor_record("t", a)  # float("nan")'s
+    ints = torch.tensor([-1, 2**62], dtype=torch.int64)
+    assert commit.tensor_record("i", ints, canonical_nans=True) == commit.tensor_record("i", ints)
+    with pytest.raises(ValueError, match="takes NaNs otherwise"):
+        commit.hash_tensors({"t": a}, cache=commit.DigestCache(), canonical_nans=True)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cache_that_takes_nans_as_one_gives_the_uncached_hash_as_nans_come_and_go(native: bool) -> None:
+    """A state whose NaNs change sign and payload from commitment to commitment (as another machine's
+    arithmetic would write them) hashes as the uncached ``canonical_nans`` hash at every commitment, through
+    the steady tensors' one-call path (``SteadyRecords``, which tests each tensor for a NaN itself) and the
+    per-tensor one; and the same states written with other NaN bits hash alike."""
+    steady = _steady_records() if native else None
+    torch.manual_seed(0)
+    dtypes = [torch.float64, torch.float32] * 3
+    state = {f"w{i}": torch.randn(64, dtype=dtype) for i, dtype in enumerate(dtypes)}
+    state["b"] = torch.randn(8).to(torch.bfloat16)
+    cache = commit.DigestCache(drop_after=2, steady=steady, canonical_nans=True)
+    other = commit.DigestCache(drop_after=2, steady=steady, canonical_nans=True)
+    twin = {name: t.clone() for name, t in state.items()}  # written in place: steady tensors too
+    planned = 0
+    for step in range(60):
+        with torch.no_grad():
+            for i, t in enumerate(state.values()):
+                t.add_(1)
+                if step % 7 == i % 7:
+                    t[step % t.numel()] = math.nan
+        for name, t in twin.items():  # the same values, each NaN with the sign bit flipped
+            t.copy_(state[name])
+            words = t.view(_words(t.dtype))
+            words[t.isnan()] ^= torch.tensor(-1, dtype=words.dtype) << (8 * words.element_size() - 1)
+        want = commit.hash_tensors(state, canonical_nans=True)
+        assert (want != commit.hash_tensors(twin)) is any(bool(t.isnan().any()) for t in state.values())
+        planned += cache._plan is not None and other._plan is not None
+        assert commit.hash_tensors(state, cache=cache, canonical_nans=True) == want, step
+        assert commit.hash_tensors(twin, cache=other, canonical_nans=True) == want, step
+    assert (planned > 20) is native  # the one-call path served the commitments

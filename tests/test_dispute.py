@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from detrl.apps.dispute import Channel, Party, Referee, dispute, replay_step
+from detrl.apps.dispute import Blame, Channel, Party, Referee, _tensor_message, dispute, replay_step
 from detrl.bench.common import record
 from detrl.cli import main
 from detrl.formats import bundle as bundle_mod
@@ -179,3 +179,32 @@ def test_cli(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixtur
     assert json.loads(report.read_text())["step"] == CHEAT_STEP
     assert main(["dispute", str(runs["honest"]), str(tmp_path / "missing")]) == 2
     assert "detrl: error:" in capsys.readouterr().err
+
+
+class _Revealing:
+    """A party that reveals the given outputs when asked for an op's values."""
+
+    name = "B"
+
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        self.outputs = outputs
+
+    def ask(self, kind: str, **fields: object) -> dict[str, object]:
+        assert kind == "values"
+        return {"outputs": [_tensor_message(t) for t in self.outputs]}
+
+
+def test_the_first_differing_element_is_a_value_not_a_nans_bits() -> None:
+    """Two NaNs are one value (their sign and payload are the hardware's): the element named is the first
+    whose value differs, past NaNs whose bits differ; where only NaNs' bits differ, the detail says so."""
+    ours = torch.tensor([1.0, math.nan, 2.0, 3.0], dtype=torch.float64)
+    theirs = ours.clone()
+    theirs.view(torch.int64)[1] ^= -(2**63)  # the NaN with its sign flipped
+    referee = Referee.__new__(Referee)  # the comparison reads nothing of the referee's runs
+    blame = Blame("B", 1)
+    referee._first_element(_Revealing([theirs]), blame, 1, 0, [ours])
+    assert blame.element is None and "but for NaNs' signs and payloads" in blame.detail
+    theirs[3] = 4.0
+    blame = Blame("B", 1)
+    referee._first_element(_Revealing([theirs]), blame, 1, 0, [ours])
+    assert (blame.output, blame.element, blame.party_value, blame.referee_value) == (0, 3, 4.0, 3.0)

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -414,7 +415,7 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 12]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 13]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
@@ -740,6 +741,49 @@ def test_a_run_gone_nan_replays_on_its_own_hardware_with_nothing_refused(tmp_pat
     assert recorded.totals.logged > 0 and any(p.isnan().any() for p in recorded.model.parameters())
     replayed = zoo.replay(specimen, tmp_path / "run", "native", steps=2)
     assert replayed.totals.refused == 0 and replayed.totals.logged == recorded.totals.logged
+
+
+class _InfiniteMasks(torch.nn.Module):
+    """Self-attention whose padded query rows are masked whole with -inf: those rows softmax to NaN, and the
+    NaN spreads into every weight (a run gone NaN, as one does with an explicit ``-inf`` mask)."""
+
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.emb, self.qkv = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, 3 * width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
+        x = self.emb(tokens)  # (B, T, width)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # (B, T, width) each
+        keep = tokens >= 8  # ids below 8 pad
+        pair = keep[:, :, None] & keep[:, None, :]  # (B, T, T)
+        attn = (q @ k.transpose(1, 2)).masked_fill(~pair, -math.inf).softmax(-1)  # NaN rows
+        return self.head(x + attn @ v)
+
+
+def test_a_run_gone_nan_replicates_on_other_hardware_from_rules_revision_13(tmp_path, monkeypatch) -> None:
+    """A NaN's sign and payload are the hardware's: this machine's invalid operations give -NaN, the emulated
+    profiles' +NaN. Under revision 12 the states committed those bits, and a replay on other hardware
+    diverged at the first step with every value the same (on the recorder's own hardware it replicates).
+    From revision 13 a commitment takes every NaN as one: the replays replicate, nothing refused."""
+    from detrl.core import engine
+    from detrl.testing import zoo
+
+    masks = zoo.SPECIMENS["extreme_masks"]
+    build = functools.partial(_InfiniteMasks, *masks.build.args)  # the same width and vocabulary
+    specimen = zoo.Specimen("infinite_masks", build, masks.batch, masks.loss)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 12)
+        before = zoo.record(specimen, tmp_path / "rules12", steps=2)
+        assert any(p.isnan().any() for p in before.model.parameters())
+        zoo.replay(specimen, tmp_path / "rules12", "native", steps=2)
+        with pytest.raises(engine.Divergence, match="diverged at step 1"):
+            zoo.replay(specimen, tmp_path / "rules12", get_profile("emulated:splitk"), steps=2)
+    after = zoo.record(specimen, tmp_path / "rules13", steps=2)
+    assert any(p.isnan().any() for p in after.model.parameters())
+    for name in ("emulated:splitk", "emulated:atomic"):
+        replayed = zoo.replay(specimen, tmp_path / "rules13", get_profile(name), steps=2)
+        assert replayed.totals.refused == 0 and replayed.totals.logged == after.totals.logged, name
 
 
 def test_a_row_masked_whole_with_fp64s_minimum_trains_and_replays_from_rules_revision_12(

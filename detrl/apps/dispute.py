@@ -714,19 +714,28 @@ class Referee:
         if ours is None:
             blame.detail = "the referee kept no copy of its own output (over its budget)"
             return
+        nan_bits = False  # whether two NaNs differed in their bits
         for k, (t, o) in enumerate(zip(theirs, ours)):
             if t.dtype != o.dtype or t.shape != o.shape:
                 blame.detail = (
                     f"output {k}: {t.dtype} {tuple(t.shape)} where the referee has {o.dtype} {tuple(o.shape)}"
                 )
                 return
-            differ = (t.reshape(-1).view(_int_of(t)) != o.reshape(-1).view(_int_of(o))).nonzero()
+            bits = t.reshape(-1).view(_int_of(t)) != o.reshape(-1).view(_int_of(o))
+            nans = t.reshape(-1).isnan() & o.reshape(-1).isnan()  # one value: their bits are the hardware's
+            nan_bits = nan_bits or bool((bits & nans).any())
+            differ = (bits & ~nans).nonzero()
             if len(differ):
                 i = int(differ[0, 0])
                 blame.output, blame.element = k, i
                 blame.party_value, blame.referee_value = float(t.reshape(-1)[i]), float(o.reshape(-1)[i])
                 return
         blame.detail = "its revealed outputs equal the referee's (the digest it revealed does not)"
+        if nan_bits:
+            blame.detail = (
+                "its revealed outputs equal the referee's but for NaNs' signs and payloads, which are the "
+                "hardware's (from rules revision 13 a digest takes every NaN as one)"
+            )
 
     def _message(self, v: Verdict) -> str:
         who = {"both": "both bundles", "neither": "neither bundle"}.get(

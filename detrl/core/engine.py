@@ -40,7 +40,7 @@ from torch.utils.module_tracker import ModuleTracker
 from detrl.core import calibrate, extensions, native, portable
 from detrl.core.calibrate import DEFAULT_MARGIN, Calibrator
 from detrl.core.hardware import HardwareMode, Profile, get_profile
-from detrl.core.oprules import RULES_REVISION
+from detrl.core.oprules import RULES_REVISION, canonical_nans
 from detrl.core.parts import StateDictPart, grad_scaler_part, scheduler_part
 from detrl.core.portable import portable_kernels
 from detrl.core.precision import Precision, at_width
@@ -415,7 +415,13 @@ class Session:
         self.route_random_ops = route_random_ops
         self.parts: dict[str, StatePart] = {}
         # Recorder and auditor alike: the cache reuses a digest only for bytes it has compared equal.
-        self._digests = commit.DigestCache(steady=extensions.steady_records()) if mode != "off" else None
+        #: commitments take every NaN as one (rules revision 13): the bundle's revision decides, as for the rules
+        self.canonical_nans = canonical_nans(self.rules_revision)
+        self._digests = (
+            commit.DigestCache(steady=extensions.steady_records(), canonical_nans=self.canonical_nans)
+            if mode != "off"
+            else None
+        )
         # the per-step commitment's tensor list
         self._state_list = commit.StateTensorCache(extensions.same_listing() if mode != "off" else None)
         self._committed_parts: dict[str, bytes] = {}  # each part's digest in the last commitment
@@ -957,7 +963,9 @@ class Session:
     def _state_hash(self, tensors: dict[str, torch.Tensor]) -> bytes:
         parts = {name: part.digest() for name, part in self.parts.items()}
         self._committed_parts = parts
-        return commit.state_hash(tensors, self.sources.digest_bytes(), parts, self._digests)
+        return commit.state_hash(
+            tensors, self.sources.digest_bytes(), parts, self._digests, canonical_nans=self.canonical_nans
+        )
 
     def _committed_digest(self, name: str, part: StatePart) -> bytes | None:
         """A tracked scheduler's or scaler's digest in the last commitment (None for other parts, or before
@@ -1072,7 +1080,8 @@ class Session:
             sources = state_bytes(dict(meta.get("sources", {})))
         except (TypeError, ValueError, KeyError, AttributeError):
             raise BundleError(f"{rel}: bad part digests or switchboard state") from None
-        if commit.state_hash(committed, sources, parts) != self.bundle.leaves[step][0]:
+        state_hash = commit.state_hash(committed, sources, parts, canonical_nans=self.canonical_nans)
+        if state_hash != self.bundle.leaves[step][0]:
             raise Divergence(step, True, [], f"{rel} differs from the commitment")
         if meta.get("step") != step:
             raise BundleError(f"{rel}: its metadata names step {str(meta.get('step'))[:20]}, not {step}")

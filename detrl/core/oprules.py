@@ -308,7 +308,12 @@ def _base_kind(func: Any) -> OpKind:
 #:    rounded to FP32 it was -inf, and a row masked whole (a padded query row of DeBERTa's, a left-padded
 #:    sequence's first rows) became NaN through its softmax, which trains nothing, and whose NaN bits
 #:    differ between machines.
-RULES_REVISION = 12
+#: 13. A commitment takes every NaN as one NaN (:func:`canonical_nans`;
+#:    :func:`detrl.formats.commit.nans_canonical`): IEEE leaves a NaN's sign and payload to the hardware and
+#:    to the order of operands (an x86 CPU's invalid operation gives -NaN, an emulated sum's +NaN, a GPU its
+#:    own), so a run gone NaN committed bits that an honest replay on other hardware did not have: its state
+#:    hashes differed at the first NaN though every value agreed.
+RULES_REVISION = 13
 #: The revisions that fixed a replication hazard, with what they fixed: under the revision before, an honest
 #: replay on hardware unlike the recorder's could diverge, with no log entry where the machines disagreed.
 #: (The others made the log smaller.) The auditor names those after a bundle's revision when it diverges.
@@ -319,6 +324,7 @@ REPLICATION_FIXES = {
     10: "a correctly rounded square root in the norms",
     11: "GELU and the activation backwards in their arguments' units",
     12: "FP64's extremes (torch.finfo(torch.float64).min, attention masks' value) taken as FP32's",
+    13: "every NaN committed as one NaN (its sign and payload are the hardware's)",
 }
 #: Revision 2: the overloads whose call with exponent 2 is exact.
 SQUARES = frozenset({aten.pow.Tensor_Scalar, aten.pow_.Scalar})
@@ -365,6 +371,12 @@ def finite_extremes(rules_revision: int) -> bool:
     """Whether, under rules revision ``rules_revision``, an op argument that is FP64's largest finite number,
     either sign, is taken as FP32's (revision 12, :func:`fp32_extremes`)."""
     return rules_revision >= 12
+
+
+def canonical_nans(rules_revision: int) -> bool:
+    """Whether, under rules revision ``rules_revision``, commitments (state hashes, a dispute's op digests)
+    take every NaN as the one NaN of its dtype (revision 13, :func:`detrl.formats.commit.nans_canonical`)."""
+    return rules_revision >= 13
 
 
 def _extreme(a: Any) -> bool:

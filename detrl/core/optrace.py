@@ -37,11 +37,12 @@ class OpDigest:
     digest: bytes
 
 
-def op_digest(outputs: list[torch.Tensor]) -> bytes:
-    """BLAKE3 (32 bytes) of ``OP_TAG``, the output count and each output's canonical record."""
+def op_digest(outputs: list[torch.Tensor], canonical_nans: bool = False) -> bytes:
+    """BLAKE3 (32 bytes) of ``OP_TAG``, the output count and each output's canonical record (with
+    ``canonical_nans``, rules revision 13's: every NaN as its dtype's one NaN)."""
     h = blake3.blake3(OP_TAG + struct.pack("<I", len(outputs)))
     for i, t in enumerate(outputs):
-        h.update(commit.tensor_digest(f"out{i}", t))
+        h.update(commit.tensor_digest(f"out{i}", t, canonical_nans))
     return h.digest()
 
 
@@ -61,10 +62,11 @@ class OpTrace:
         self.kept: dict[int, list[torch.Tensor]] = {}
         self._kept_bytes = 0
 
-    def add(self, op: str, module: str, outputs: list[torch.Tensor]) -> None:
-        """Record one op's rounded ``outputs`` (floating tensors; called by the rounding mode)."""
+    def add(self, op: str, module: str, outputs: list[torch.Tensor], canonical_nans: bool = False) -> None:
+        """Record one op's rounded ``outputs`` (floating tensors; called by the rounding mode, which says
+        whether the step's rules take every NaN as one: :func:`detrl.core.oprules.canonical_nans`)."""
         position = len(self.records)
-        self.records.append(OpDigest(position, op, module, op_digest(outputs)))
+        self.records.append(OpDigest(position, op, module, op_digest(outputs, canonical_nans)))
         if self.keep is True or (not isinstance(self.keep, bool) and position in self.keep):
             size = sum(t.numel() * t.element_size() for t in outputs)
             if self._kept_bytes + size <= self.keep_bytes:

@@ -38,6 +38,7 @@ from detrl.core.oprules import (
     UNWRITTEN,
     OpKind,
     call_class,
+    canonical_nans,
     classify,
     exact_rule,
     finite_extremes,
@@ -618,7 +619,7 @@ class RoundingMode(EagerDispatchMode):
         outputs = [t for t in written if t.is_floating_point()]
         if outputs and self.step is not None and not self._nested and self.trace is not None:
             module = self.module_path() if self.module_path is not None else ""
-            self.trace.add(op_name(func), module, outputs)
+            self.trace.add(op_name(func), module, outputs, canonical_nans(self.rules_revision))
 
     def _island(self, func, types, args, kwargs):  # noqa: ANN001, ANN202
         """An op on float32 or half tensors: computed in FP64 under the profile and rounded, with the log,

@@ -8,7 +8,9 @@
 // SteadyRecords holds one such set: it checks, here, that each name still holds the same tensor object with
 // the same memory, dtype, sizes and strides its view was taken for, then calls the hasher the cache uses on
 // each view. The records are the bytes commit.tensor_record gives; where a check fails it returns None, and
-// the cache takes its Python path, which sees the change.
+// the cache takes its Python path, which sees the change. Where the cache takes every NaN as one (rules
+// revision 13), it tests each tensor for a NaN here (a pass a tenth of the hash's cost) and, only where it
+// finds one, hashes what its Python function canonical gives (commit.nans_canonical).
 //
 // same_listing is the check of commit.StateTensorCache, which keeps the state's tensor list between
 // commitments: whether the dictionaries the list was read from still hold the very objects they held.
@@ -29,6 +31,33 @@ struct Layout {
   std::vector<int64_t> sizes, strides;
 };
 
+// Whether the n words at p hold a NaN: bits but the sign above `largest`, the largest that are not one. No
+// early exit, so that the loop vectorises.
+template <typename Word>
+bool any_above(const void* p, size_t n, Word magnitude, Word largest) {
+  const Word* w = static_cast<const Word*>(p);
+  unsigned found = 0;
+  for (size_t i = 0; i < n; ++i) found |= (w[i] & magnitude) > largest;
+  return found != 0;
+}
+
+// Whether a contiguous CPU tensor holds a NaN (the dtypes of commit._NANS; any other has none to take).
+bool has_nan(const at::Tensor& t) {
+  const void* p = t.data_ptr();
+  const size_t n = static_cast<size_t>(t.numel());
+  switch (t.scalar_type()) {
+    case at::kDouble: return any_above<uint64_t>(p, n, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull);
+    case at::kComplexDouble: return any_above<uint64_t>(p, 2 * n, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull);
+    case at::kFloat: return any_above<uint32_t>(p, n, 0x7FFFFFFFu, 0x7F800000u);
+    case at::kComplexFloat: return any_above<uint32_t>(p, 2 * n, 0x7FFFFFFFu, 0x7F800000u);
+    case at::kHalf: return any_above<uint16_t>(p, n, 0x7FFF, 0x7C00);
+    case at::kBFloat16: return any_above<uint16_t>(p, n, 0x7FFF, 0x7F80);
+    case at::ScalarType::Float8_e5m2: return any_above<uint8_t>(p, n, 0x7F, 0x7C);
+    case at::ScalarType::Float8_e4m3fn: return any_above<uint8_t>(p, n, 0x7F, 0x7E);
+    default: return false;
+  }
+}
+
 bool same_layout(const at::Tensor& t, const Layout& l) {
   return t.defined() && t.device().is_cpu() && t.layout() == c10::kStrided && t.data_ptr() == l.data &&
          t.scalar_type() == l.dtype && t.sizes() == c10::IntArrayRef(l.sizes) &&
@@ -39,12 +68,13 @@ class SteadyRecords {
  public:
   // names: sorted; tensors, headers (bytes) and views (the cache's uint8 views of their memory) alike;
   // hasher: called on a view, returns an object whose digest() is its 32-byte BLAKE3; state_size: the number
-  // of tensors in the state they belong to (the rest are the cache's to take one by one).
+  // of tensors in the state they belong to (the rest are the cache's to take one by one); canonical: None, or
+  // called on a view and its tensor where the tensor holds a NaN, returns the bytes to hash instead.
   SteadyRecords(const std::vector<py::str>& names, const std::vector<py::object>& tensors,
                 const std::vector<py::bytes>& headers, const std::vector<py::object>& views, py::object hasher,
-                size_t state_size)
+                size_t state_size, py::object canonical)
       : names_(names), tensors_(tensors), headers_(headers), views_(views), hasher_(std::move(hasher)),
-        state_size_(state_size) {
+        state_size_(state_size), canonical_(std::move(canonical)) {
     const size_t n = names_.size();
     if (tensors_.size() != n || headers_.size() != n || views_.size() != n)
       throw std::invalid_argument("SteadyRecords: names, tensors, headers and views differ in length");
@@ -67,7 +97,9 @@ class SteadyRecords {
     }
     py::list out(n);
     for (size_t i = 0; i < n; ++i) {
-      py::bytes digest = hasher_(views_[i]).attr("digest")();
+      const bool canonical = !canonical_.is_none() && has_nan(THPVariable_Unpack(tensors_[i].ptr()));
+      py::object hashed = canonical ? canonical_(views_[i], tensors_[i]) : views_[i];
+      py::bytes digest = hasher_(hashed).attr("digest")();
       char* header = nullptr;
       char* hashed = nullptr;
       Py_ssize_t header_size = 0, digest_size = 0;
@@ -91,6 +123,7 @@ class SteadyRecords {
   std::vector<py::object> views_;
   py::object hasher_;
   size_t state_size_;
+  py::object canonical_;
   std::vector<Layout> layouts_;
 };
 
@@ -164,9 +197,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("built_for_torch") = DETRL_BUILT_FOR_TORCH;
   py::class_<SteadyRecords>(m, "SteadyRecords", "the records of a state's tensors written at every step")
       .def(py::init<const std::vector<py::str>&, const std::vector<py::object>&, const std::vector<py::bytes>&,
-                    const std::vector<py::object>&, py::object, size_t>(),
+                    const std::vector<py::object>&, py::object, size_t, py::object>(),
            py::arg("names"), py::arg("tensors"), py::arg("headers"), py::arg("views"), py::arg("hasher"),
-           py::arg("state_size"))
+           py::arg("state_size"), py::arg("canonical") = py::none())
       .def("records", &SteadyRecords::records, py::arg("state"),
            "each tensor's record in name order, or None where the state differs from the one it was made for")
       .def("__len__", &SteadyRecords::size);

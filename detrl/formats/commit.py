@@ -60,6 +60,46 @@ def _tensor_buffer(t: torch.Tensor) -> np.ndarray:
     return t.numpy().reshape(-1).view(np.uint8)
 
 
+#: The NaN every NaN is committed as, where a commitment takes NaNs as one (rules revision 13: IEEE leaves a
+#: NaN's sign and payload to the hardware and the order of operands), by dtype: the view under which a NaN
+#: test is one vectorised ``max`` (None: the word test below only), the unsigned word of an element (a
+#: complex number's part), the mask of the bits but the sign, the largest such bits that are not a NaN, and
+#: the NaN taken: positive and quiet, as torch writes ``float("nan")`` in the dtype (payload zero, but FP8
+#: E5M2's all ones). The FP8 formats without a negative zero have one NaN already.
+_FP64_NAN = (np.float64, np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000, 0x7FF8_0000_0000_0000)
+_FP32_NAN = (np.float32, np.uint32, 0x7FFF_FFFF, 0x7F80_0000, 0x7FC0_0000)
+_NANS: dict[torch.dtype, tuple[Any, Any, int, int, int]] = {
+    torch.float64: _FP64_NAN,
+    torch.complex128: _FP64_NAN,
+    torch.float32: _FP32_NAN,
+    torch.complex64: _FP32_NAN,
+    torch.float16: (np.float16, np.uint16, 0x7FFF, 0x7C00, 0x7E00),
+    torch.bfloat16: (None, np.uint16, 0x7FFF, 0x7F80, 0x7FC0),
+    torch.float8_e5m2: (None, np.uint8, 0x7F, 0x7C, 0x7F),
+    torch.float8_e4m3fn: (None, np.uint8, 0x7F, 0x7E, 0x7F),  # S.1111.111 is its NaN, either sign
+}
+
+
+def nans_canonical(data: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """``data`` (a ``dtype`` tensor's raw bytes, 1-d uint8) with every NaN's bits replaced by the one NaN of
+    ``dtype`` (:data:`_NANS`): ``data`` itself where it holds no NaN, else a copy.
+
+    The test costs a tenth of the BLAKE3 of the same bytes (one ``max``, which only a NaN makes a NaN)."""
+    spec = _NANS.get(dtype)
+    if spec is None or data.nbytes == 0:
+        return data
+    as_float, word, magnitude, largest, nan = spec
+    if as_float is not None and not np.isnan(data.view(as_float).max()):
+        return data
+    words = data.view(word)
+    found = (words & word(magnitude)) > word(largest)
+    if not found.any():
+        return data
+    out = words.copy()
+    out[found] = nan
+    return out.view(np.uint8)
+
+
 @functools.lru_cache(maxsize=4096)
 def _record_header(name: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:
     """``TENSOR_TAG, len(name), name, len(dtype), dtype, ndim, dims..., nbytes`` (little-endian u32/u64).
@@ -86,19 +126,21 @@ def _record(header: bytes, data: np.ndarray) -> bytes:
     return header + _hasher(data).digest()
 
 
-def tensor_record(name: str, t: torch.Tensor) -> bytes:
+def tensor_record(name: str, t: torch.Tensor, canonical_nans: bool = False) -> bytes:
     """One named tensor's canonical record: its header (:func:`_record_header`: name, dtype, shape, byte
-    count), then the BLAKE3 (32 bytes) of its raw bytes."""
+    count), then the BLAKE3 (32 bytes) of its raw bytes (with ``canonical_nans``: with every NaN as the
+    one NaN of its dtype, :func:`nans_canonical`)."""
     data = _tensor_buffer(t)
-    return _record(_record_header(name, t.dtype, tuple(t.shape), data.nbytes), data)
+    header = _record_header(name, t.dtype, tuple(t.shape), data.nbytes)
+    return _record(header, nans_canonical(data, t.dtype) if canonical_nans else data)
 
 
-def tensor_digest(name: str, t: torch.Tensor) -> bytes:
+def tensor_digest(name: str, t: torch.Tensor, canonical_nans: bool = False) -> bytes:
     """BLAKE3 (32 bytes) of one named tensor's canonical record (:func:`tensor_record`).
 
     Raw bytes for every dtype, FP64 included: hashing the FP32 bytes of FP32-grid FP64 tensors halves the
     bytes but needs a cast and an exactness check, which cost more than BLAKE3 saves (docs/verifiable.md)."""
-    return _hasher(tensor_record(name, t)).digest()
+    return _hasher(tensor_record(name, t, canonical_nans)).digest()
 
 
 #: Copies up to this size are kept as ``bytes`` and compared with one ``tobytes() ==`` (a memcmp): numpy's
@@ -164,9 +206,15 @@ class DigestCache:
     """
 
     def __init__(
-        self, budget_bytes: int = 64 << 20, drop_after: int = 2, steady: Callable[..., Any] | None = None
+        self,
+        budget_bytes: int = 64 << 20,
+        drop_after: int = 2,
+        steady: Callable[..., Any] | None = None,
+        canonical_nans: bool = False,
     ) -> None:
         self.budget_bytes = int(budget_bytes)
+        #: the records take every NaN as its dtype's one NaN (:func:`tensor_record`); copies keep raw bytes
+        self.canonical_nans = bool(canonical_nans)
         self.drop_after = int(drop_after)
         self.copy_bytes = 0
         self.hits = self.misses = 0  # records reused / hashed (for tests and benchmarks)
@@ -213,7 +261,8 @@ class DigestCache:
         entries = [self._entries[name] for name in steady]
         sources = [e.src for e in entries]
         headers, views = [e.header for e in entries], [e.view for e in entries]
-        records = self._steady(steady, sources, headers, views, _hasher, len(names))
+        canonical = _nans_canonical_of if self.canonical_nans else None
+        records = self._steady(steady, sources, headers, views, _hasher, len(names), canonical)
         members = frozenset(steady)
         others = [(i, name) for i, name in enumerate(names) if name not in members]
         last = [out[i] for i in steady_at]
@@ -228,6 +277,10 @@ class DigestCache:
             e.retry_in -= plan.calls
             e.changed_run += plan.calls
             e.record = record
+
+    def _hashed(self, data: np.ndarray, t: torch.Tensor) -> np.ndarray:
+        """The bytes of ``t`` (``data``) its record hashes."""
+        return nans_canonical(data, t.dtype) if self.canonical_nans else data
 
     def record(self, name: str, t: torch.Tensor) -> bytes:
         """``t``'s record under ``name`` (:func:`tensor_record`), reused if its bytes did not change."""
@@ -244,7 +297,7 @@ class DigestCache:
                 e.retry_in -= 1
                 e.changed_run += 1
                 self.misses += 1
-                e.record = _record(e.header, data)
+                e.record = _record(e.header, self._hashed(data, t))
                 return e.record
         else:
             data = _tensor_buffer(t)
@@ -260,7 +313,7 @@ class DigestCache:
             return e.record
         self.misses += 1
         header = _record_header(name, t.dtype, tuple(t.shape), data.nbytes)
-        record = _record(header, data)
+        record = _record(header, self._hashed(data, t))
         if e is None:
             e = self._entries[name] = _Entry(record, t.dtype, t.shape)
         else:
@@ -299,6 +352,11 @@ class DigestCache:
         e.retry_in = e.backoff
 
 
+def _nans_canonical_of(view: np.ndarray, t: torch.Tensor) -> np.ndarray:
+    """:func:`nans_canonical` of ``t``'s bytes (``view``): what ``SteadyRecords`` hashes where it found a NaN."""
+    return nans_canonical(view, t.dtype)
+
+
 def _steady(e: _Entry, t: torch.Tensor) -> bool:
     """Whether :meth:`DigestCache.record` would take its steady path for ``t`` next: no copy to compare, a
     wait before the next copy, and a view of ``t``'s memory kept."""
@@ -322,19 +380,23 @@ def hash_tensors(
     extra: Iterable[tuple[str, bytes]] = (),
     cache: DigestCache | None = None,
     tag: bytes = STATE_TAG,
+    canonical_nans: bool = False,
 ) -> bytes:
     """BLAKE3 of ``tag, count, name-sorted tensor records, count, name-sorted extra blobs``.
 
     Each tensor record (:func:`tensor_record`) carries its own name, dtype, shape and byte count, and the
     digest of its bytes; the counts and the length prefixes of the extra names and blobs make the encoding
     parse back uniquely. ``cache``: take unchanged tensors' records from it (:class:`DigestCache`: its own
-    byte comparison decides, never a claim of the caller's).
+    byte comparison decides, never a claim of the caller's; it takes NaNs as ``canonical_nans`` says).
+    ``canonical_nans``: each record takes every NaN as its dtype's one NaN (:func:`nans_canonical`).
     """
     h = _hasher(tag + struct.pack("<Q", len(tensors)))
     if cache is not None:
+        if cache.canonical_nans != canonical_nans:
+            raise ValueError("hash_tensors: the digest cache takes NaNs otherwise than asked")
         records = cache.records(tensors)
     else:
-        records = [tensor_record(name, tensors[name]) for name in sorted(tensors)]
+        records = [tensor_record(name, tensors[name], canonical_nans) for name in sorted(tensors)]
     h.update(b"".join(records))  # one call, not one each
     blobs = sorted(extra)
     h.update(struct.pack("<Q", len(blobs)))
@@ -350,11 +412,14 @@ def state_hash(
     sources: bytes,
     parts: Mapping[str, bytes],
     cache: DigestCache | None = None,
+    canonical_nans: bool = False,
 ) -> bytes:
     """A step's state commitment: the state tensors, the switchboard's canonical bytes (``sources``) and
-    each attached part's digest (``parts``: name -> digest, e.g. a replay buffer's hash chain)."""
+    each attached part's digest (``parts``: name -> digest, e.g. a replay buffer's hash chain).
+    ``canonical_nans``: from rules revision 13 (:func:`detrl.core.oprules.canonical_nans`), every NaN is
+    committed as its dtype's one NaN (:func:`nans_canonical`)."""
     extra = [("sources", sources), *((f"part/{name}", digest) for name, digest in parts.items())]
-    return hash_tensors(tensors, extra, cache)
+    return hash_tensors(tensors, extra, cache, canonical_nans=canonical_nans)
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer, param_names: Mapping[int, str]) -> dict[str, torch.Tensor]:
