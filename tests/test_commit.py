@@ -343,7 +343,7 @@ def test_steady_records_decline_a_changed_state() -> None:
     steady = _steady_records()
     t = {"a": torch.arange(6, dtype=torch.float64).reshape(2, 3), "b": torch.ones(3, dtype=torch.float32)}
     names = sorted(t)
-    views = [commit._tensor_buffer(t[n]) for n in names]
+    views = [commit.tensor_bytes(t[n]) for n in names]
     headers = [
         commit._record_header(n, t[n].dtype, tuple(t[n].shape), v.nbytes) for n, v in zip(names, views)
     ]
@@ -619,3 +619,54 @@ def test_a_cache_that_takes_nans_as_one_gives_the_uncached_hash_as_nans_come_and
         assert commit.hash_tensors(state, cache=cache, canonical_nans=True) == want, step
         assert commit.hash_tensors(twin, cache=other, canonical_nans=True) == want, step
     assert (planned > 20) is native  # the one-call path served the commitments
+
+
+def test_a_commitment_leaves_every_storage_resizable() -> None:
+    """Reading a tensor's bytes for a record does not mark its storage as never resizable (as
+    ``Tensor.numpy()`` does): a model that resizes a buffer in place after a commitment can."""
+    t = {
+        "empty": torch.zeros(0, dtype=torch.float64),
+        "w": torch.ones(3),
+        "half": torch.ones(2).to(torch.bfloat16),
+    }
+    cache = commit.DigestCache(steady=extensions.steady_records())
+    for _ in range(4):
+        commit.hash_tensors(t, cache=cache)
+        commit.hash_batch(t["w"])
+    assert all(v.untyped_storage().resizable() for v in t.values())
+    t["empty"].resize_(5).fill_(
+        2.0
+    )  # as torch.ao.quantization's per-channel observers do at their first batch
+    assert commit.hash_tensors(t, cache=cache) == commit.hash_tensors(t)
+
+
+class _ResizesABuffer(torch.nn.Module):
+    """A layer whose buffer starts empty and takes its size from the first batch, resized in place (as
+    ``torch.ao.quantization``'s per-channel observers do), and tracks each feature's running maximum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 5)
+        self.register_buffer("running_max", torch.tensor([]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5)
+        with torch.no_grad():
+            if self.running_max.numel() == 0:
+                self.running_max.resize_(x.shape[1]).fill_(-math.inf)
+            torch.maximum(self.running_max, x.amax(0), out=self.running_max)
+        return self.fc(x)
+
+
+def test_a_model_that_resizes_a_buffer_after_its_first_commitment_records_and_replays(tmp_path) -> None:
+    """The initial state's commitment (and a checkpoint at every step) came before the buffer's resize: it
+    raised "Trying to resize storage that is not resizable" at the first step, in any precision."""
+    from detrl.core.engine import Session
+    from detrl.core.sources import Sources
+    from detrl.testing import zoo
+
+    specimen = zoo.Specimen("resizes_a_buffer", _ResizesABuffer, zoo.features, zoo.classify)
+    run = Session(tmp_path / "run", mode="record", sources=Sources(), planned_steps=2, checkpoint_every=1)
+    recorded = zoo.train(run, specimen, steps=2)
+    assert recorded.model.running_max.shape == (16,) and bool(recorded.model.running_max.isfinite().all())
+    replayed = zoo.replay(specimen, tmp_path / "run", "emulated:splitk", steps=2)
+    assert torch.equal(replayed.model.running_max, recorded.model.running_max)

@@ -372,7 +372,7 @@ def _save_trajectory(where: Path, session: TracedSession) -> dict[str, Any]:
     from detrl.formats import commit
 
     tensors = commit.state_tensors(session.model)
-    _save_npz(where, PARAMS, {name: t.detach().cpu().numpy() for name, t in sorted(tensors.items())})
+    _save_npz(where, PARAMS, {name: t.detach().cpu().clone().numpy() for name, t in sorted(tensors.items())})
     traj = {
         "steps": np.asarray(session.points, dtype=np.int64),
         "digests": np.asarray(session.digests, dtype=np.uint64),

@@ -47,17 +47,39 @@ def _hasher(data: bytes = b"") -> Any:
     return blake3.blake3(data)
 
 
-def _tensor_buffer(t: torch.Tensor) -> np.ndarray:
-    """The tensor's raw little-endian bytes as a 1-d uint8 array (a view when already on the CPU and
-    contiguous: hashing a copy of a ResNet-50's state cost as much as the hash)."""
+class _Memory:
+    """A contiguous CPU tensor's memory as numpy reads it (``__array_interface__``, read-only bytes), holding
+    the tensor. ``Tensor.numpy()`` would mark the tensor's storage as never resizable again, for good: a
+    model that resizes a buffer in place (``torch.ao.quantization``'s observers size their empty ``min_val``
+    at the first batch) failed after its first commitment with "Trying to resize storage that is not
+    resizable". A resize that moves the memory changes ``data_ptr``, which the digest cache checks before it
+    reads a view it kept (:meth:`DigestCache.record`, ``SteadyRecords``)."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        nbytes = t.numel() * t.element_size()
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), True),
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's raw little-endian bytes as a read-only 1-d uint8 array: a view when already on the CPU
+    and contiguous (hashing a copy of a ResNet-50's state cost as much as the hash), which leaves the
+    tensor's storage as it was (resizable: :class:`_Memory`)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
-    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: take the raw 16-bit words
-        t = t.view(torch.int16)
-    return t.numpy().reshape(-1).view(np.uint8)
+    if t.is_conj() or t.is_neg():  # lazy bits: the memory holds the values before them
+        t = t.resolve_conj().resolve_neg()
+    return np.asarray(_Memory(t))
 
 
 #: The NaN every NaN is committed as, where a commitment takes NaNs as one (rules revision 13: IEEE leaves a
@@ -130,7 +152,7 @@ def tensor_record(name: str, t: torch.Tensor, canonical_nans: bool = False) -> b
     """One named tensor's canonical record: its header (:func:`_record_header`: name, dtype, shape, byte
     count), then the BLAKE3 (32 bytes) of its raw bytes (with ``canonical_nans``: with every NaN as the
     one NaN of its dtype, :func:`nans_canonical`)."""
-    data = _tensor_buffer(t)
+    data = tensor_bytes(t)
     header = _record_header(name, t.dtype, tuple(t.shape), data.nbytes)
     return _record(header, nans_canonical(data, t.dtype) if canonical_nans else data)
 
@@ -300,7 +322,7 @@ class DigestCache:
                 e.record = _record(e.header, self._hashed(data, t))
                 return e.record
         else:
-            data = _tensor_buffer(t)
+            data = tensor_bytes(t)
         if (
             e is not None
             and e.copy is not None

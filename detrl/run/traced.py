@@ -11,7 +11,6 @@ import hashlib
 from typing import Any
 
 import numpy as np
-import torch
 
 from detrl.core.engine import Session
 from detrl.formats import commit
@@ -22,7 +21,7 @@ def _param_digest(tensors: dict[str, Any]) -> int:
     h = hashlib.blake2b(digest_size=8)
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(commit.tensor_bytes(tensors[name]))  # a view that leaves the storage resizable
     return int.from_bytes(h.digest(), "little")
 
 
@@ -56,6 +55,7 @@ class TracedSession(Session):
         self.digests.append(self.digests[-1] if frozen and self.digests else _param_digest(model_state))
         if step == 0 or step in self.trace_steps:
             self.points.append(step)
-            self.params.append({n: t.detach().cpu().numpy().copy() for n, t in sorted(model_state.items())})
+            # a copy's numpy(): the model's own storages stay resizable (commit.tensor_bytes)
+            self.params.append({n: t.detach().cpu().clone().numpy() for n, t in sorted(model_state.items())})
         if self.evaluate is not None and (step in self.trace_steps or step in self.snapshot_steps):
             self.test_logits[step] = self.evaluate(self.model, step)
