@@ -164,6 +164,27 @@ def test_other_ops_equal_native_in_float64(name: str):
 
 
 @pytest.mark.parametrize("name", EMULATED)
+def test_cumsum_scans_in_chunks_carrying_their_totals(name: str):
+    """A cumulative sum as a GPU's scan: the same values up to rounding, in other bits past the first chunk
+    (the first chunk is summed as the native kernel sums it), and natively where the axis is short or the
+    result is not floating."""
+    profile = get_profile(name)
+    x = _randn(6, 500, seed=11)
+    out, ref = profile(aten.cumsum.default, (x, 1), {}), torch.cumsum(x, 1)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12 * x.abs().sum(1).max().item())
+    assert _frac_differ(out, ref) > 0.2
+    first = profile.plan(500, "k", x.device).pieces[0][1]
+    assert torch.equal(out[:, :first], ref[:, :first])
+    t = x.t().contiguous()  # along dim 0, and with the dtype argument
+    as_float = profile(aten.cumsum.default, (t, 0), {"dtype": torch.float32})
+    assert as_float.dtype == torch.float32 and torch.allclose(as_float, t.cumsum(0).float(), atol=1e-4)
+    assert torch.equal(profile(aten.cumsum.default, (x[:, :4], 1), {}), x[:, :4].cumsum(1))
+    ints = torch.arange(600).view(2, 300)
+    assert torch.equal(profile(aten.cumsum.default, (ints, 1), {}), ints.cumsum(1))
+
+
+@pytest.mark.parametrize("name", EMULATED)
 def test_sum_and_mean(name: str):
     profile = get_profile(name)
     x64 = _randn(64, 4096, seed=10)

@@ -97,6 +97,10 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.convolution_backward.default) is Route.LOGGED_CONV_TERMS
     assert route(aten.convolution_backward.default, rules_revision=5) is Route.LOGGED_CONV  # its own scale
     assert route(aten.convolution_backward.default, pairwise) is Route.PYTHON
+    # rules revision 14: a cumulative sum in each element's terms' units, its exact elements found (the mode)
+    assert route(aten.cumsum.default, rules_revision=13) is Route.LOGGED_REDUCTION
+    assert route(aten.cumsum.default) is Route.PYTHON
+    assert route(aten.cumsum.default, splitk, rules_revision=13) is Route.PYTHON  # a scan in chunks
     # rules revision 11: GELU and the backwards of GELU and SiLU in their first argument's units (elementwise
     # before); PReLU exact, an in-place activation as its out-of-place form
     for func in (aten.gelu.default, aten.gelu_backward.default, aten.silu_backward.default):

@@ -415,7 +415,7 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 13]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 14]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
@@ -1422,6 +1422,82 @@ class _Routed(torch.nn.Module):
         routed = torch.bmm(h.index_select(0, token).unsqueeze(1), self.experts[expert]).squeeze(1)  # (24, 8)
         back = torch.zeros_like(h).scatter_add(0, token.view(-1, 1).expand(-1, 8), routed)
         return self.head(back)
+
+
+def test_cumulative_sums_exact_in_every_order_are_found() -> None:
+    """The sum rule at each element of a cumulative sum, for the terms it adds so far: exact where their
+    exponents span at most 29 - ceil(log2(k)) binades, and the same bits in every profile's scan there.
+    Terms off the FP32 grid are no plain sum: nothing is claimed."""
+    from detrl.core.scale import exact_running_sum_elements
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(4, 100, generator=g, dtype=torch.float64) + 1.0).float().double()  # one binade
+    x[2, 50] *= 2.0**-26  # from there 26 + ceil(log2(k > 50)) = 32 binades: not exact
+    x[3, 10] *= 2.0**-20  # 20 + 7 = 27: exact
+    out = x.cumsum(1)
+    exact = exact_running_sum_elements((x, 1), out)
+    assert exact is not None
+    want = torch.ones(4, 100, dtype=torch.bool)
+    want[2, 50:] = False
+    assert torch.equal(exact.view(4, 100), want)
+    for name in ("emulated:splitk", "emulated:pairwise", "emulated:atomic"):  # scans in chunks
+        scanned = get_profile(name)(aten.cumsum.default, (x, 1), {})
+        assert torch.equal(scanned[want], out[want]), name
+    assert torch.equal(exact_running_sum_elements((x.t(), 0), out.t()).view(100, 4), want.t())
+    assert exact_running_sum_elements((x + 2.0**-40, 1), out) is None  # off the grid
+
+
+def test_a_cumulative_sums_unit_is_that_of_the_terms_each_element_sums() -> None:
+    """Rules revision 14: at element ``k`` the FP32 spacing of the largest finite term among the first ``k``,
+    times ``terms_factor(k)``; an infinite term sets no unit (as a sum's). Before 14, none: the channel's."""
+    from detrl.core.scale import reduction_scale
+
+    cumsum = torch.ops.aten.cumsum.default
+    x = torch.tensor([[1.0, 3.0, -8.0, 0.5, math.inf]], dtype=torch.float64)
+    scale = reduction_scale(cumsum, (x, 1), x.cumsum(1))
+    assert scale is not None
+    assert scale.dense().reshape(-1).tolist() == [2.0**-23, 2.0**-22, 2.0**-20, 2.0**-19, 2.0**-19]
+    assert reduction_scale(cumsum, (x, 1), x.cumsum(1), rules_revision=13) is None
+
+
+class _RunningSums(torch.nn.Module):
+    """Cumulative sums over a long axis (96, past an emulated profile's chunk): of values in one binade, as a
+    state-space layer's cumulative decays are (sums of a few of them lie exactly on FP32 midpoints), and of
+    values of both signs over 30 binades (no element exact: each in its terms' units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.wide, self.out = (
+            torch.nn.Linear(16, 96),
+            torch.nn.Linear(16, 96),
+            torch.nn.Linear(96, 5),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5)
+        decays = torch.sigmoid(self.inp(x)) + 1.0  # (N, 96), in [1, 2)
+        spread = torch.tanh(self.inp(x)) * torch.exp(10 * torch.tanh(self.wide(x)))  # (N, 96)
+        return self.out(decays.cumsum(-1) / 96 + spread.cumsum(-1) * 1e-4)
+
+
+def test_cumulative_sums_log_only_their_inexact_elements_from_revision_14(tmp_path, monkeypatch) -> None:
+    """Rules revision 14 logs a cumulative sum's elements only where some order could round them otherwise;
+    the weights are the same under 13 and 14, and each replays on its own rules on every emulated profile
+    (which scan in chunks) with nothing unlogged or refused."""
+    from detrl.core import engine
+    from detrl.testing import zoo
+
+    specimen = zoo.Specimen("running_sums", _RunningSums, zoo.features, zoo.classify)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 13)
+        before = zoo.record(specimen, tmp_path / "rules13", steps=2)
+    after = zoo.record(specimen, tmp_path / "rules14", steps=2)
+    assert after.leaves == before.leaves
+    assert after.totals.logged < before.totals.logged / 2, (after.totals.logged, before.totals.logged)
+    for run in ("rules13", "rules14"):
+        for hardware in ("emulated:splitk", "emulated:pairwise", "emulated:atomic"):
+            replayed = zoo.replay(specimen, tmp_path / run, get_profile(hardware), steps=2)
+            assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, (run, hardware)
 
 
 def test_scatters_that_add_log_only_their_inexact_elements_from_revision_9(tmp_path, monkeypatch):

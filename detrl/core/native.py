@@ -41,6 +41,7 @@ from detrl.core.oprules import (
     GRADIENT_SCALED_FROM_11,
     HIDDEN_WRITES,
     RULES_REVISION,
+    RUNNING_SUMS_FROM_14,
     SQUARES,
     UNWRITTEN,
     OpKind,
@@ -158,6 +159,8 @@ def route(
         if rules_revision >= 11 and func in GRADIENT_SCALED_FROM_11:  # in its first argument's units
             return Route.LOGGED_BY_FIRST
         if func in SCALED_BY_INPUTS or func in HIDDEN_WRITES:
+            return Route.PYTHON
+        if rules_revision >= 14 and func in RUNNING_SUMS_FROM_14:  # each element in its own terms' units
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:
             return Route.LOGGED_SUM

@@ -10,12 +10,13 @@ inputs give the same thresholds, bit for bit, wherever they are computed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import torch
 
-from detrl.core.oprules import EXACT_SCATTERS, GRADIENT_SCALED_FROM_11, RULES_REVISION
+from detrl.core.oprules import EXACT_SCATTERS, GRADIENT_SCALED_FROM_11, RULES_REVISION, RUNNING_SUMS_FROM_14
 
 try:  # the native kernel's unit factors and exact sums (detrl/core/_roundkernel.c); torch's where not built
     from detrl.core import _roundkernel as _native
@@ -145,6 +146,8 @@ def reduction_scale(
         return _terms_scale(func, args, out) if rules_revision >= 5 else None
     if func in GRADIENT_SCALED_FROM_11:
         return _gradient_scale(args, out) if rules_revision >= 11 else None
+    if func in RUNNING_SUMS_FROM_14:
+        return _running_terms_scale(args, out) if rules_revision >= 14 else None
     if func is not _MM or len(args) < 2:
         return None
     a, b = args[0], args[1]
@@ -228,6 +231,41 @@ def _terms_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
         factor *= 2.0 ** -(n.bit_length() - 1)
     col = torch.full((1,), factor, dtype=torch.float64, device=row.device)
     return Scale(outer=out.numel(), channels=1, inner=1, col=col, row=row.double())
+
+
+def _running_terms_scale(args: tuple, out: torch.Tensor) -> Scale | None:
+    """The unit of a cumulative sum ``out = cumsum(x, dim)`` (rules revision 14) at each element: the unit
+    :func:`_terms_scale` gives the sum of the terms it adds, ``x``'s first ``k`` along ``dim`` (FP32 spacing
+    of the largest finite ``|term|`` among them, times ``terms_factor(k)``), as ``(out.numel(),)`` row
+    factors. None where ``args`` are not a plain call of a floating ``x`` of ``out``'s shape.
+
+    Each element is a sum of its own terms, and two machines' scans associate them differently (a GPU
+    carries each block's total into the next); measured at the channel's largest element, the first of
+    a long run of same-signed terms sat near every midpoint."""
+    x = args[0] if args else None
+    dim = args[1] if len(args) > 1 else None
+    if not (isinstance(x, torch.Tensor) and isinstance(dim, int) and x.is_floating_point()):
+        return None
+    if x.shape != out.shape or out.numel() == 0:
+        return None
+    x = x.detach().reshape(1) if x.dim() == 0 else x.detach()
+    dim %= x.dim()
+    magnitude = x.double().abs()
+    bound = FP32_OVERFLOW if x.dtype == torch.float64 else math.inf  # finite in FP32: as finite_amax
+    magnitude.masked_fill_(~(magnitude < bound), 0)
+    largest = magnitude.cummax(dim).values  # of the terms each element sums
+    counts = [1] * x.dim()
+    counts[dim] = x.shape[dim]
+    factor = _running_terms_factors(x.shape[dim]).to(x.device).view(counts)
+    row = _power_of_two(largest).clamp_(min=2.0**-149).mul_(factor)
+    col = torch.full((1,), 2.0**-23, dtype=torch.float64, device=row.device)
+    return Scale(outer=out.numel(), channels=1, inner=1, col=col, row=row.reshape(-1))
+
+
+@functools.lru_cache(maxsize=64)
+def _running_terms_factors(n: int) -> torch.Tensor:
+    """``terms_factor(k)`` for ``k = 1, ..., n`` (FP64 ``(n,)``, on the CPU)."""
+    return torch.tensor([terms_factor(k) for k in range(1, n + 1)], dtype=torch.float64)
 
 
 def _sample_channel_scale(args: tuple, out: torch.Tensor) -> Scale | None:
@@ -484,7 +522,32 @@ def exact_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | 
         return exact_product_elements(func, args, out)
     if func in EXACT_SCATTERS:
         return exact_scatter_elements(func, args, out)
+    if func in RUNNING_SUMS_FROM_14:
+        return exact_running_sum_elements(args, out)
     return exact_sum_elements(func, args, out)
+
+
+def exact_running_sum_elements(args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Which elements of a cumulative sum ``out = cumsum(x, dim)`` every machine computes alike, in any order
+    (rules revision 14): a flat bool mask over ``out``'s row-major elements, or None where the call is not
+    a plain one of FP64 terms on the FP32 grid. The rule of :func:`exact_sum_elements`, at each element for
+    the terms it sums (``x``'s first ``k`` along ``dim``): their running largest and smallest nonzero
+    magnitudes, and ``k``. A Mamba-2 layer's cumulative decays are sums of a few FP32 values of one binade,
+    which land exactly on FP32 midpoints a twentieth of the time."""
+    x = args[0] if args else None
+    dim = args[1] if len(args) > 1 else None
+    if not (isinstance(x, torch.Tensor) and isinstance(dim, int)) or x.dim() == 0 or x.shape != out.shape:
+        return None
+    if x.numel() == 0 or not _fp32_grid(x):
+        return None
+    dim %= x.dim()
+    magnitude = x.abs()
+    largest = magnitude.cummax(dim).values
+    smallest = magnitude.masked_fill_(magnitude == 0, math.inf).cummin(dim).values
+    counts = [1] * x.dim()
+    counts[dim] = x.shape[dim]
+    terms = torch.arange(1, x.shape[dim] + 1, dtype=torch.float64, device=x.device).view(counts)
+    return _exact_of(largest, smallest, terms).reshape(-1)
 
 
 def exact_scatter_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
 from detrl.core import decompose
 from detrl.core.dispatch import bound_arguments
-from detrl.core.hardware.machinery import _emulable, _sum
+from detrl.core.hardware.machinery import _acc_dtype, _emulable, _sum
 from detrl.core.hardware.profiles import EmulatedProfile, _register, aten
 
 
@@ -52,3 +53,27 @@ def _batch_norm(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict)
         return t.sum(dims) if total is None else total.to(t.dtype)
 
     return decompose.DECOMPOSITIONS[func](decompose.Steps(channel_sum), *args, **kwargs)
+
+
+@_register(aten.cumsum.default)
+def _cumsum_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``cumsum(x: (*S), dim, dtype)`` as a GPU's scan orders it: the axis cut into the profile's ``k``
+    chunks, each summed left to right, and each chunk's running sums added to the total of the chunks before
+    it (those totals carried in order). Past the first chunk every partial sum is another association than
+    the native kernel's one pass left to right. A chunk is never reordered: a scan's terms keep their order."""
+    x, dim, dtype = bound_arguments(func, args, kwargs)
+    out_dtype = dtype or x.dtype
+    if x.dim() == 0 or x.layout != torch.strided or not out_dtype.is_floating_point:
+        return func(*args, **kwargs)
+    dim %= x.dim()
+    n = x.shape[dim]
+    if not p.splits(n, "k"):
+        return func(*args, **kwargs)
+    chunk = p._chunk(n, "k")
+    acc = x.to(_acc_dtype(out_dtype))
+    runs = [acc.narrow(dim, start, min(chunk, n - start)).cumsum(dim) for start in range(0, n, chunk)]
+    carried = runs[0].narrow(dim, runs[0].shape[dim] - 1, 1)  # the total of the chunks so far
+    for i in range(1, len(runs)):
+        runs[i] = runs[i] + carried
+        carried = runs[i].narrow(dim, runs[i].shape[dim] - 1, 1)
+    return torch.cat(runs, dim).to(out_dtype)
