@@ -271,19 +271,24 @@ def test_ctrl_c_to_a_parallel_audit_is_one_line(moment: str, honest: Path) -> No
     import sys
     import time
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "detrl.cli", "audit", str(honest), "--workers", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    assert proc.stderr is not None
-    if moment == "workers importing":
-        time.sleep(1.0)
-        early = ""
-    else:  # the parent has checked the bundle and handed the segments to the pool
-        early = proc.stderr.readline()
-        assert early.startswith("audit: 8 steps in 4 segments"), early
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    for _attempt in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "detrl.cli", "audit", str(honest), "--workers", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+        assert proc.stderr is not None
+        if moment == "workers importing":
+            time.sleep(1.0)
+            early = ""
+        else:  # the parent has checked the bundle and handed the segments to the pool
+            early = proc.stderr.readline()
+            assert early.startswith("audit: 8 steps in 4 segments"), early
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        # On a loaded machine this process can wake after the audit is over (it then ignores a late Ctrl-C
+        # while it exits): that attempt missed its moment, and a fresh audit tries again.
+        if not (proc.returncode == 0 and "segment 4/4 steps 7..8 replicated" in err):
+            break
     assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, early + err)
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "detrl: interrupted", err
 
