@@ -66,12 +66,11 @@ def _cumsum_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) 
     if x.dim() == 0 or x.layout != torch.strided or not out_dtype.is_floating_point:
         return func(*args, **kwargs)
     dim %= x.dim()
-    n = x.shape[dim]
-    if not p.splits(n, "k"):
+    plan = p.plan(x.shape[dim], "k", x.device)
+    if plan is None:
         return func(*args, **kwargs)
-    chunk = p._chunk(n, "k")
     acc = x.to(_acc_dtype(out_dtype))
-    runs = [acc.narrow(dim, start, min(chunk, n - start)).cumsum(dim) for start in range(0, n, chunk)]
+    runs = [acc.narrow(dim, start, length).cumsum(dim) for start, length in plan.pieces]  # the plan's chunks
     carried = runs[0].narrow(dim, runs[0].shape[dim] - 1, 1)  # the total of the chunks so far
     for i in range(1, len(runs)):
         runs[i] = runs[i] + carried
