@@ -273,6 +273,16 @@ def test_cache_follows_a_swap_of_a_tensor_written_at_every_commitment() -> None:
     assert cache.record("p", t) == commit.tensor_record("p", t)
 
 
+def test_the_state_records_helper_is_built_where_a_cpp_compiler_exists() -> None:
+    """``pip install`` builds it (``setup.py``: optional, so a compile error is no install error), else the
+    first use does: where a compiler exists, a source that does not compile fails here, not as skips."""
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the digest cache and the state tensor cache take their Python paths")
+    assert extensions.steady_records() is not None and extensions.same_listing() is not None
+
+
 def _steady_records() -> type:
     from detrl.core import extensions
 

@@ -98,8 +98,8 @@ class SteadyRecords {
     py::list out(n);
     for (size_t i = 0; i < n; ++i) {
       const bool canonical = !canonical_.is_none() && has_nan(THPVariable_Unpack(tensors_[i].ptr()));
-      py::object hashed = canonical ? canonical_(views_[i], tensors_[i]) : views_[i];
-      py::bytes digest = hasher_(hashed).attr("digest")();
+      py::object bytes = canonical ? canonical_(views_[i], tensors_[i]) : views_[i];
+      py::bytes digest = hasher_(bytes).attr("digest")();
       char* header = nullptr;
       char* hashed = nullptr;
       Py_ssize_t header_size = 0, digest_size = 0;
