@@ -283,6 +283,28 @@ def test_the_state_records_helper_is_built_where_a_cpp_compiler_exists() -> None
     assert extensions.steady_records() is not None and extensions.same_listing() is not None
 
 
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path, capsys) -> None:
+    """Torch waits without end on a build lock; a first-use build killed midway leaves one. detrl removes a
+    lock older than any build takes, in one line, and keeps a younger one (another process building)."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    assert not extensions.clear_stale_lock(tmp_path)  # no lock
+    lock.write_text("")
+    assert not extensions.clear_stale_lock(tmp_path) and lock.exists()  # a build in progress
+    old = time.time() - extensions.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert extensions.clear_stale_lock(tmp_path) and not lock.exists()
+    assert "removed a build lock left 11 minutes ago" in capsys.readouterr().err
+
+
+def test_first_use_builds_go_to_one_folder_per_python_and_torch(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    path = extensions.build_directory("detrl_core__state_records")
+    assert path.is_dir() and path.parent.parent == tmp_path and torch.__version__ in path.parent.name
+
+
 def _steady_records() -> type:
     from detrl.core import extensions
 
