@@ -184,6 +184,71 @@ def test_cumsum_scans_in_chunks_carrying_their_totals(name: str):
     assert torch.equal(profile(aten.cumsum.default, (ints, 1), {}), ints.cumsum(1))
 
 
+#: Average-pool calls: (kernel, stride, padding, ceil_mode, count_include_pad, divisor_override), covering
+#: overlapping windows, padding counted and not, ceil mode's windows past the padding, and a divisor given.
+POOL_CALLS = [
+    (2, 2, 0, False, True, None),
+    (3, 1, 1, False, True, None),
+    (3, 2, 1, True, False, None),
+    (2, 1, 1, True, True, None),
+    (3, 2, 1, False, True, 5),
+    (2, 3, 1, True, False, None),
+]
+
+
+def _pool_args(dims: int, call: tuple, seed: int) -> tuple:
+    """An average pool's arguments, of values spread over 60 binades (so that orders differ)."""
+    k, s, p, ceil, include, override = call
+    shape = (2, 3, 7, 6) if dims == 2 else (2, 3, 5, 6, 7)
+    spread = torch.exp2(torch.randint(-30, 30, shape, generator=torch.Generator().manual_seed(seed)).double())
+    return (_randn(*shape, seed=seed) * spread, [k] * dims, [s] * dims, [p] * dims, ceil, include, override)
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_average_pools_in_kernel_order_are_the_native_bits(dims: int) -> None:
+    """With one term a chunk, added left to right, the emulated pools and their backwards give the native
+    bits on every call: the terms are laid out in the kernels' order (a window row-major forward; the windows
+    holding an element in order backward), and divided as the kernels divide."""
+    from detrl.core.hardware.profiles import EmulatedProfile
+
+    in_order = EmulatedProfile("in-order", "one term a chunk", {"k": 1, "channel": 1, "batch": 1, "row": 1})
+    forward = aten.avg_pool2d.default if dims == 2 else aten.avg_pool3d.default
+    backward = aten.avg_pool2d_backward.default if dims == 2 else aten.avg_pool3d_backward.default
+    for i, call in enumerate(POOL_CALLS):
+        args = _pool_args(dims, call, seed=i)
+        out = forward(*args)
+        grad = _randn(*out.shape, seed=100 + i) * 2.0**20
+        for func, call_args in ((forward, args), (backward, (grad, *args))):
+            ref = func(*call_args)
+            assert torch.equal(in_order(func, call_args, {}).view(torch.int64), ref.view(torch.int64)), (
+                func,
+                call,
+            )
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_average_pools_sum_each_window_in_the_profiles_chunks(name: str) -> None:
+    """Each profile sums a pool's windows (and a backward's windows per element) in its own order: the same
+    values up to rounding, other bits for some elements; a window too short to split runs natively."""
+    profile = get_profile(name, seed=0)
+    differ = 0
+    for i, call in enumerate(POOL_CALLS):
+        args = _pool_args(3, call, seed=i)
+        out = aten.avg_pool3d.default(*args)
+        grad = _randn(*out.shape, seed=100 + i)
+        for func, call_args in (
+            (aten.avg_pool3d.default, args),
+            (aten.avg_pool3d_backward.default, (grad, *args)),
+        ):
+            ref, got = func(*call_args), profile(func, call_args, {})
+            assert got.shape == ref.shape and got.dtype == ref.dtype
+            assert float((got - ref).abs().max()) <= 1e-14 * float(ref.abs().max()), (func, call)
+            differ += int((got != ref).sum())
+    assert differ > 0
+    x = _randn(1, 2, 6, 6)
+    assert torch.equal(profile(aten.avg_pool2d.default, (x, [1, 1]), {}), x)  # one term a window
+
+
 @pytest.mark.parametrize("name", EMULATED)
 def test_sum_and_mean(name: str):
     profile = get_profile(name)

@@ -101,6 +101,10 @@ def test_routes_follow_the_modes_plan_and_the_profile() -> None:
     assert route(aten.cumsum.default, rules_revision=13) is Route.LOGGED_REDUCTION
     assert route(aten.cumsum.default) is Route.PYTHON
     assert route(aten.cumsum.default, splitk, rules_revision=13) is Route.PYTHON  # a scan in chunks
+    # rules revision 15: so are the average pools and their backwards (they sum windows in chunks there)
+    for func in (aten.avg_pool2d.default, aten.avg_pool3d_backward.default):
+        assert route(func, rules_revision=14) is Route.LOGGED_REDUCTION
+        assert route(func) is Route.PYTHON and route(func, splitk, rules_revision=14) is Route.PYTHON
     # rules revision 11: GELU and the backwards of GELU and SiLU in their first argument's units (elementwise
     # before); PReLU exact, an in-place activation as its out-of-place form
     for func in (aten.gelu.default, aten.gelu_backward.default, aten.silu_backward.default):

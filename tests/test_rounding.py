@@ -3,6 +3,7 @@
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import warnings
 from collections.abc import Callable
@@ -415,7 +416,7 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 14]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 15]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
@@ -1498,6 +1499,147 @@ def test_cumulative_sums_log_only_their_inexact_elements_from_revision_14(tmp_pa
         for hardware in ("emulated:splitk", "emulated:pairwise", "emulated:atomic"):
             replayed = zoo.replay(specimen, tmp_path / run, get_profile(hardware), steps=2)
             assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, (run, hardware)
+
+
+def test_average_pool_elements_exact_in_every_order_are_found() -> None:
+    """Rules revision 15: a pool's element is exact where its window's sum is (the sum rule over a window's
+    size of terms), whatever its divisor; a backward's where its terms are on the FP32 grid too (every
+    window holding it divides by a power of two) and their sum exact. Those elements have the same bits
+    under every profile; values off the FP32 grid claim nothing."""
+    from detrl.core.scale import exact_pool_elements
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(2, 3, 8, 8, generator=g, dtype=torch.float64) + 1.0).float().double()  # one binade
+    x[0, 0, 0, 0] *= 2.0**-27  # 27 + ceil(log2(9)) = 31 binades in its windows: not exact
+    pool = (x, [3, 3], [1, 1], [1, 1], False, False, None)  # divisors 4, 6 and 9
+    out = aten.avg_pool2d.default(*pool)
+    exact = exact_pool_elements(aten.avg_pool2d.default, pool, out)
+    assert exact is not None
+    want = torch.ones(2, 3, 8, 8, dtype=torch.bool)
+    want[0, 0, :2, :2] = False  # the windows holding x[0, 0, 0, 0]
+    assert torch.equal(exact.view(2, 3, 8, 8), want)
+    grad = (torch.rand(2, 3, 8, 8, generator=g, dtype=torch.float64) + 1.0).float().double()
+    back = (grad, *pool)
+    grad_in = aten.avg_pool2d_backward.default(*back)
+    exact_back = exact_pool_elements(aten.avg_pool2d_backward.default, back, grad_in)
+    assert exact_back is not None and not bool(exact_back.any())  # every element has a term divided by 6 or 9
+    halves = (grad, x, [2, 2], [2, 2], [0, 0], False, True, None)  # each element one term, divided by 4
+    grad_half = (torch.rand(2, 3, 4, 4, generator=g, dtype=torch.float64) + 1.0).float().double()
+    halves = (grad_half, *halves[1:])
+    exact_half = exact_pool_elements(
+        aten.avg_pool2d_backward.default, halves, aten.avg_pool2d_backward.default(*halves)
+    )
+    assert exact_half is not None and bool(exact_half.all())
+    for name in ("emulated:splitk", "emulated:pairwise", "emulated:atomic", "emulated:reversed"):
+        assert torch.equal(get_profile(name)(aten.avg_pool2d.default, pool, {})[want], out[want]), name
+    assert (
+        exact_pool_elements(aten.avg_pool2d.default, (x + 2.0**-40, *pool[1:]), out) is None
+    )  # off the grid
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_every_profile_gives_an_average_pools_exact_elements_the_same_bits(dims: int) -> None:
+    """Over pools with and without overlap, padding counted or not, ceil mode and a divisor given, of values
+    in 3 binades and over 40: the elements found exact have the native bits under every profile (which
+    differ elsewhere), forward and backward, and the profiles' disagreement is far inside the unit."""
+    from detrl.core.scale import exact_pool_elements
+
+    aten = torch.ops.aten
+    forward = aten.avg_pool2d.default if dims == 2 else aten.avg_pool3d.default
+    backward = aten.avg_pool2d_backward.default if dims == 2 else aten.avg_pool3d_backward.default
+    shape = (2, 3, 9, 8) if dims == 2 else (2, 3, 5, 6, 7)
+    g = torch.Generator().manual_seed(dims)
+
+    def values(*size: int, binades: int) -> torch.Tensor:
+        spread = torch.exp2(-torch.randint(0, binades, size, generator=g).double())
+        return (torch.randn(*size, generator=g, dtype=torch.float64) * spread).float().double()
+
+    calls = [(2, 2, 0, False, True, None), (3, 1, 1, False, True, None), (3, 2, 1, True, False, None),
+             (2, 1, 1, True, True, None), (3, 2, 1, False, True, 5), (2, 1, 0, False, True, 4)]  # fmt: skip
+    exact_seen = differ = 0
+    for (k, s, p, ceil, include, override), binades in itertools.product(calls, (3, 40)):
+        pool = (values(*shape, binades=binades), [k] * dims, [s] * dims, [p] * dims, ceil, include, override)
+        out = forward(*pool)
+        back = (values(*out.shape, binades=binades), *pool)
+        for func, args in ((forward, pool), (backward, back)):
+            ref = func(*args)
+            exact = exact_pool_elements(func, args, ref)
+            unit = reduction_scale(func, args, ref)
+            assert exact is not None and unit is not None
+            exact_seen += int(exact.sum())
+            for name in ("emulated:splitk", "emulated:pairwise", "emulated:reversed", "emulated:atomic"):
+                got = get_profile(name, seed=0)(func, args, {})
+                same = got.reshape(-1).view(torch.int64) == ref.reshape(-1).view(torch.int64)
+                assert bool(same[exact].all()), (name, func, k, s, p, ceil, include, override)
+                differ += int((~same).sum())
+                apart = (got - ref).abs().reshape(-1) / unit.dense().reshape(-1)
+                assert float(apart.max()) < 2.0**-20, (name, func, float(apart.max()))
+    assert exact_seen > 0 and differ > 0
+
+
+def test_an_average_pools_unit_is_that_of_the_terms_each_element_sums() -> None:
+    """Rules revision 15: at each element the FP32 spacing of its largest term, times ``terms_factor`` of the
+    window's size; a forward's divided by the power of two at or below its divisor. Before 15, none."""
+    from detrl.core.scale import reduction_scale
+
+    aten = torch.ops.aten
+    x = torch.tensor([[[[1.0, 3.0, 0.25], [-8.0, 0.5, 0.125]]]], dtype=torch.float64)  # (1, 1, 2, 3)
+    pool = (x, [2, 2], [1, 1], [0, 0], False, True, None)  # two windows of 4: terms_factor(4) = 2
+    out = aten.avg_pool2d.default(*pool)
+    scale = reduction_scale(aten.avg_pool2d.default, pool, out)
+    assert scale is not None
+    assert scale.dense().reshape(-1).tolist() == [2.0**-23 * 8 * 2 / 4, 2.0**-23 * 2 * 2 / 4]
+    assert reduction_scale(aten.avg_pool2d.default, pool, out, rules_revision=14) is None
+    grad = torch.tensor([[[[4.0, -1.0]]]], dtype=torch.float64)
+    back = (grad, *pool)
+    scale = reduction_scale(aten.avg_pool2d_backward.default, back, aten.avg_pool2d_backward.default(*back))
+    assert scale is not None  # the terms 1 and -0.25: the first window's, where it is
+    assert scale.dense().reshape(-1).tolist() == [2.0**-23 * 2] * 2 + [2.0**-23 * 2 / 4] + [
+        2.0**-23 * 2
+    ] * 2 + [2.0**-23 * 2 / 4]
+
+
+class _Pools(torch.nn.Module):
+    """Average pools whose elements lie exactly on FP32 midpoints: a 2x2 pool of values in one binade,
+    a local response norm (a pool over 3 channels of squares, and its backward divides by 3), and an
+    overlapping 3x3 pool that leaves padding out (divisors 4, 6 and 9)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(16, 4 * 8 * 8), torch.nn.Linear(4 * (16 + 64 + 64), 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5)
+        h = (torch.sigmoid(self.inp(x)) + 1.0).view(-1, 4, 8, 8)  # in [1, 2)
+        halves = torch.nn.functional.avg_pool2d(h, 2)  # (N, 4, 4, 4)
+        normed = torch.nn.functional.local_response_norm(h, 3)  # (N, 4, 8, 8)
+        smooth = torch.nn.functional.avg_pool2d(h * torch.tanh(h), 3, 1, 1, count_include_pad=False)
+        return self.out(torch.cat([halves.flatten(1), normed.flatten(1), smooth.flatten(1)], 1))
+
+
+def test_average_pools_log_only_their_inexact_elements_from_revision_15(tmp_path, monkeypatch) -> None:
+    """Rules revision 15 logs an average pool's elements only where some order could round them otherwise:
+    none of the forwards' here, and only backward elements with terms divided by 3, 6 or 9. The weights
+    are the same under 14 and 15, and each replays on its own rules on every emulated profile (which sum
+    the windows in their own orders) with nothing unlogged or refused."""
+    from detrl.core import engine
+    from detrl.testing import zoo
+
+    specimen = zoo.Specimen("pools", _Pools, zoo.features, zoo.classify)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 14)
+        before = zoo.record(specimen, tmp_path / "rules14", steps=2)
+    after = zoo.record(specimen, tmp_path / "rules15", steps=2)
+    assert after.leaves == before.leaves
+    assert after.totals.logged < before.totals.logged / 3, (
+        after.totals.logged,
+        before.totals.logged,
+    )  # 548 and 2,046
+    for run in ("rules14", "rules15"):
+        for hardware in ("emulated:splitk", "emulated:pairwise", "emulated:atomic", "emulated:reversed"):
+            replayed = zoo.replay(specimen, tmp_path / run, get_profile(hardware), steps=2)
+            assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, (run, hardware)
+            assert replayed.leaves == (before if run == "rules14" else after).leaves, (run, hardware)
 
 
 def test_scatters_that_add_log_only_their_inexact_elements_from_revision_9(tmp_path, monkeypatch):

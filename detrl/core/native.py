@@ -40,6 +40,7 @@ from detrl.core.oprules import (
     FLOAT32_EXACT,
     GRADIENT_SCALED_FROM_11,
     HIDDEN_WRITES,
+    POOL_SUMS_FROM_15,
     RULES_REVISION,
     RUNNING_SUMS_FROM_14,
     SQUARES,
@@ -161,6 +162,8 @@ def route(
         if func in SCALED_BY_INPUTS or func in HIDDEN_WRITES:
             return Route.PYTHON
         if rules_revision >= 14 and func in RUNNING_SUMS_FROM_14:  # each element in its own terms' units
+            return Route.PYTHON
+        if rules_revision >= 15 and func in POOL_SUMS_FROM_15:  # so are a pool's: scale.exact_pool_elements
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:
             return Route.LOGGED_SUM

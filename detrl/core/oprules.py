@@ -199,6 +199,11 @@ GRADIENT_SCALED_FROM_11 = frozenset(
 )
 #: Rules revision 14: the cumulative sums measured in their terms' units, element by element.
 RUNNING_SUMS_FROM_14 = frozenset({aten.cumsum.default})
+#: Rules revision 15: the average pools and their backwards, measured in their terms' units element by element.
+POOL_SUMS_FROM_15 = frozenset({
+    aten.avg_pool2d.default, aten.avg_pool3d.default,
+    aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default,
+})  # fmt: skip
 
 
 def classify(func: Any, kwargs: dict[str, Any], rules_revision: int | None = None) -> OpKind:
@@ -321,7 +326,13 @@ def _base_kind(func: Any) -> OpKind:
 #:    at its channel's largest value, and its elements that are sums of a few FP32 values of one binade,
 #:    exactly on an FP32 midpoint, took entries no machine needed: a tiny Mamba-2's cumulative decays, a
 #:    twentieth of their elements and 85 % of its log.
-RULES_REVISION = 14
+#: 15. An average pool and its backward (:data:`POOL_SUMS_FROM_15`) are sums at each element: those exact in
+#:    every order need no log entry (:func:`detrl.core.scale.exact_pool_elements`: a window's sum exact in
+#:    FP64, then one IEEE division; a backward's terms divided by a power of two), and each is measured in
+#:    the units of the terms it sums (:func:`detrl.core.scale.reduction_scale`). Unlisted, a 2x2 pool of
+#:    FP32 values, a sum of four divided by 4, lay exactly on an FP32 midpoint for one element in twenty,
+#:    and each took an entry: local response norm's and LP pool's pools were 98 % of a model's log.
+RULES_REVISION = 15
 #: The revisions that fixed a replication hazard, with what they fixed: under the revision before, an honest
 #: replay on hardware unlike the recorder's could diverge, with no log entry where the machines disagreed.
 #: (The others made the log smaller.) The auditor names those after a bundle's revision when it diverges.
@@ -357,6 +368,7 @@ def exact_rule(func: Any, rules_revision: int) -> bool:
         or (rules_revision >= 3 and func in EXACT_PRODUCTS)
         or (rules_revision >= 9 and func in EXACT_SCATTERS)
         or (rules_revision >= 14 and func in RUNNING_SUMS_FROM_14)
+        or (rules_revision >= 15 and func in POOL_SUMS_FROM_15)
     )
 
 

@@ -12,11 +12,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from detrl.core.oprules import EXACT_SCATTERS, GRADIENT_SCALED_FROM_11, RULES_REVISION, RUNNING_SUMS_FROM_14
+from detrl.core import pools
+from detrl.core.oprules import (
+    EXACT_SCATTERS,
+    GRADIENT_SCALED_FROM_11,
+    POOL_SUMS_FROM_15,
+    RULES_REVISION,
+    RUNNING_SUMS_FROM_14,
+)
 
 try:  # the native kernel's unit factors and exact sums (detrl/core/_roundkernel.c); torch's where not built
     from detrl.core import _roundkernel as _native
@@ -148,6 +156,8 @@ def reduction_scale(
         return _gradient_scale(args, out) if rules_revision >= 11 else None
     if func in RUNNING_SUMS_FROM_14:
         return _running_terms_scale(args, out) if rules_revision >= 14 else None
+    if func in POOL_SUMS_FROM_15:
+        return _pool_terms_scale(func, args, out) if rules_revision >= 15 else None
     if func is not _MM or len(args) < 2:
         return None
     a, b = args[0], args[1]
@@ -260,6 +270,84 @@ def _running_terms_scale(args: tuple, out: torch.Tensor) -> Scale | None:
     row = _power_of_two(largest).clamp_(min=2.0**-149).mul_(factor)
     col = torch.full((1,), 2.0**-23, dtype=torch.float64, device=row.device)
     return Scale(outer=out.numel(), channels=1, inner=1, col=col, row=row.reshape(-1))
+
+
+def _pool_terms_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
+    """The unit of an average pool's output, or of its backward's (rules revision 15), at each element: the
+    FP32 spacing of the largest finite ``|term|`` its sum adds, times ``terms_factor`` of a window's size; a
+    forward's, divided by the power of two at or below its window's divisor. As ``(out.numel(),)`` row
+    factors; None where the call is not a plain one (:func:`detrl.core.pools.pool_call`)."""
+    terms = _pool_terms(func, args, out)
+    if terms is None:
+        return None
+    bound = FP32_OVERFLOW if terms.pool.input.dtype == torch.float64 else math.inf  # as finite_amax
+    largest = terms.largest.masked_fill(~(terms.largest < bound), 0)
+    row = _power_of_two(largest).clamp_(min=2.0**-149)
+    if terms.divisors is not None:
+        row = row.div_(_power_of_two(terms.divisors))
+    col = torch.full((1,), 2.0**-23 * terms_factor(terms.pool.terms), dtype=torch.float64, device=row.device)
+    return Scale(outer=out.numel(), channels=1, inner=1, col=col, row=row.reshape(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PoolTerms:
+    """The terms behind each element of an average pool's output (or its backward's), in the output's shape:
+    the largest and the smallest nonzero magnitude (inf: none; NaN where a term is NaN), and whether all
+    are on the FP32 grid (a forward's window elements are; a backward's ``grad_output / divisor`` is where
+    the divisor is a power of two, or the gradient zero). ``divisors``: a forward's windows' divisors (its
+    spatial shape), None for a backward."""
+
+    pool: pools.Pool
+    largest: torch.Tensor
+    smallest: torch.Tensor
+    on_grid: torch.Tensor
+    divisors: torch.Tensor | None
+
+
+def _pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
+    """:class:`_PoolTerms` of a call of an average pool or its backward. A forward's terms are its window's
+    elements, a backward's ``grad_output / divisor`` of each window that holds the element. None where the
+    call is not a plain one of ``out``'s shape."""
+    pool = pools.pool_call(func, args, {})
+    if pool is None or out.numel() == 0:
+        return None
+    divisors = pool.divisors()
+    spatial = tuple(divisors.shape)
+    if pool.grad is None:
+        if out.shape != (*pool.input.shape[: -len(spatial)], *spatial):
+            return None
+        magnitude = pool.input.detach().double().abs()
+        nonzero = magnitude.masked_fill(magnitude == 0, math.inf)
+        largest = _reduced(pool.views(pool.padded(magnitude, spatial), spatial), torch.maximum)
+        smallest = _reduced(pool.views(pool.padded(nonzero, spatial, math.inf), spatial), torch.minimum)
+        on_grid = torch.ones((), dtype=torch.bool, device=out.device).expand(out.shape)
+        return _PoolTerms(pool, largest, smallest, on_grid, divisors)
+    if out.shape != pool.input.shape or pool.grad.shape[-len(spatial) :] != spatial:
+        return None
+    share = pool.grad.detach().double().abs() / divisors  # each window's term, in magnitude
+    nonzero = share.masked_fill(share == 0, math.inf)
+    off_grid = (share != 0) & ~_is_power_of_two(divisors)
+    largest = pool.padded(torch.zeros(out.shape, dtype=torch.float64, device=out.device), spatial)
+    smallest = pool.padded(torch.full(out.shape, math.inf, dtype=torch.float64, device=out.device), spatial)
+    off = pool.padded(torch.zeros(out.shape, dtype=torch.bool, device=out.device), spatial)
+    for at, least, any_off in zip(*(pool.views(t, spatial) for t in (largest, smallest, off)), strict=True):
+        at.copy_(torch.maximum(at, share))
+        least.copy_(torch.minimum(least, nonzero))
+        any_off.logical_or_(off_grid)
+    return _PoolTerms(pool, pool.crop(largest), pool.crop(smallest), ~pool.crop(off), None)
+
+
+def _reduced(views: Iterator[torch.Tensor], combine: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``combine`` (elementwise max or min) over ``views``, as a new tensor."""
+    acc = next(views).clone()
+    for view in views:
+        acc = combine(acc, view, out=acc)
+    return acc
+
+
+def _is_power_of_two(x: torch.Tensor) -> torch.Tensor:
+    """Whether each element of positive FP64 ``x`` is a power of two (frexp's mantissa 0.5)."""
+    return torch.frexp(x)[0] == 0.5
 
 
 @functools.lru_cache(maxsize=64)
@@ -524,7 +612,31 @@ def exact_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | 
         return exact_scatter_elements(func, args, out)
     if func in RUNNING_SUMS_FROM_14:
         return exact_running_sum_elements(args, out)
+    if func in POOL_SUMS_FROM_15:
+        return exact_pool_elements(func, args, out)
     return exact_sum_elements(func, args, out)
+
+
+def exact_pool_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Which elements of an average pool's output, or of its backward's, every machine computes alike, in any
+    order (rules revision 15): a flat bool mask over ``out``'s row-major elements, or None where the call is
+    not a plain one of FP64 values on the FP32 grid. The rule of :func:`exact_sum_elements` for the terms
+    each element sums (:func:`_pool_terms`), counting a window's size of them. A forward's terms are its
+    window's elements; its sum, exact, is then divided by the window's divisor in one IEEE division (torch's
+    CPU and CUDA kernels divide; none multiplies by a reciprocal), which every machine rounds alike,
+    whatever the divisor. A backward's terms are ``grad_output / divisor`` of the windows that hold the
+    element, on the FP32 grid only where the divisor is a power of two: elsewhere its element is not exact.
+    A 2x2 pool of FP32 values of one binade lies exactly on an FP32 midpoint for one element in twenty, and
+    a local response norm's pool over 3 channels (a sum of three squares divided by 3) for 4 % of a small
+    model's."""
+    values = args[0] if args else None  # the input, or a backward's grad_output: the terms' numerators
+    if not isinstance(values, torch.Tensor) or not _fp32_grid(values):
+        return None
+    terms = _pool_terms(func, args, out)
+    if terms is None:
+        return None
+    count = torch.tensor(float(terms.pool.terms), dtype=torch.float64, device=out.device)
+    return (_exact_of(terms.largest, terms.smallest, count) & terms.on_grid).reshape(-1)
 
 
 def exact_running_sum_elements(args: tuple, out: torch.Tensor) -> torch.Tensor | None:

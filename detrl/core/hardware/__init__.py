@@ -49,7 +49,8 @@ Emulated ops (float32 and float64 everywhere, half types where noted; any device
   ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution`` (split over input channels, within each group),
   ``convolution_backward`` (grad_input split over output channels, grad_weight / grad_bias over the batch).
 * ``sum`` and ``mean``; batch norm forward and backward in training mode (per-channel sums in profile order,
-  :mod:`detrl.core.decompose`).
+  :mod:`detrl.core.decompose`); ``cumsum`` as a chunked scan; ``avg_pool2d``, ``avg_pool3d`` and their
+  backward (each element's terms, :mod:`detrl.core.pools`, summed in the profile's row chunks).
 * Rows, recomputed from their textbook formulas with every sum in the profile's row order (the ``"row"``
   chunk) and pairwise's libm: layer norm and group norm, forward (two-pass mean and variance where native
   kernels use Welford's update, which leaves an ulp of error in the mean that a two-pass sum of FP32-grid

@@ -1,4 +1,5 @@
-"""Sums, means and batch norm: the reduced axis cut into a profile's chunks."""
+"""Sums, means, batch norm, cumulative sums and average pools: the reduced axis cut into a profile's
+chunks."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
-from detrl.core import decompose
+from detrl.core import decompose, pools
 from detrl.core.dispatch import bound_arguments
 from detrl.core.hardware.machinery import _acc_dtype, _emulable, _sum
-from detrl.core.hardware.profiles import EmulatedProfile, _register, aten
+from detrl.core.hardware.profiles import EmulatedProfile, _register, _splits, aten
 
 
 @_register(aten.sum.default, aten.sum.dim_IntList)
@@ -76,3 +77,53 @@ def _cumsum_op(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) 
         runs[i] = runs[i] + carried
         carried = runs[i].narrow(dim, runs[i].shape[dim] - 1, 1)
     return torch.cat(runs, dim).to(out_dtype)
+
+
+_POOLS = (aten.avg_pool2d.default, aten.avg_pool3d.default)
+_POOL_BACKWARDS = (aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+
+
+@_register(*_POOLS)
+def _avg_pool(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``avg_pool2d/3d(x: (*B, *S)) -> (*B, *S')``: each window's elements (its kernel positions in
+    row-major order, the order a CPU or GPU kernel adds them) summed in the profile's ``row`` chunks, then
+    divided by the window's divisor, as the kernels do. Padding's zeros are terms here: adding a zero
+    changes no sum, and the result's zeros are +0 as the kernels' (their sums start from +0)."""
+    pool = pools.pool_call(func, args, kwargs)
+    if pool is None or not p.splits(pool.terms, "row"):
+        return func(*args, **kwargs)
+    out = pool.out_shape()
+    x = pool.input.to(_acc_dtype(pool.input.dtype))
+    terms = torch.stack(list(pool.views(pool.padded(x, out), out)), dim=-1)  # (*B, *S', terms)
+    total = _sum(p, terms, [-1], False, None, "row")
+    if total is None:
+        return func(*args, **kwargs)
+    return total.add_(0.0).div_(pool.divisors().to(total.dtype)).to(pool.input.dtype)
+
+
+@_register(*_POOL_BACKWARDS)
+def _avg_pool_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """The backward of :func:`_avg_pool`: each input element's terms ``grad_output / divisor`` (one per window
+    that holds it) summed in the profile's ``row`` chunks. The kernels add them window by window in order,
+    which is the kernel positions in reverse: the terms are laid out so, and summed from +0."""
+    pool = pools.pool_call(func, args, kwargs)
+    if pool is None or pool.grad is None or not p.splits(pool.terms, "row"):
+        return func(*args, **kwargs)
+    out = pool.out_shape()
+    share = pool.grad.to(_acc_dtype(pool.grad.dtype)) / pool.divisors().to(_acc_dtype(pool.grad.dtype))
+    blank = pool.padded(torch.zeros(pool.input.shape, dtype=share.dtype, device=share.device), out)
+    placed = []
+    for view in reversed(list(pool.views(blank, out))):
+        view.copy_(share)
+        placed.append(pool.crop(blank).clone())
+        view.zero_()
+    total = _sum(p, torch.stack(placed, dim=-1), [-1], False, None, "row")
+    if total is None:
+        return func(*args, **kwargs)
+    return total.add_(0.0).to(pool.input.dtype)
+
+
+@_splits(*_POOLS, *_POOL_BACKWARDS)
+def _avg_pool_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
+    pool = pools.pool_call(func, args, kwargs)
+    return pool is not None and p.splits(pool.terms, "row")
