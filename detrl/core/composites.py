@@ -8,6 +8,9 @@ and logged by its own rule), so that the model that calls it records and replays
 their kin call it (``torch.nn.functional.grouped_mm``) for every expert's tokens at once, and its backward
 calls it again. Its CPU kernel takes float32 and half types only.
 
+Quantization-aware training's observer and per-channel fake quantization are two more: their CPU kernels
+take float32 state and scales only (:mod:`detrl.core.fake_quant` writes them out).
+
 ``_efficientzerotensor`` is here for a kindred reason: its result is a "zero tensor" that holds no memory
 (autograd makes one for a gradient known to be zero: ``torch.sgn``'s backward on real values), which the
 rounding, like every kernel reading its data, cannot read. Inside a step it is ``torch.zeros``.
@@ -19,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from detrl.core import fake_quant
 
 aten = torch.ops.aten
 
@@ -94,3 +99,4 @@ def zeros(
 COMPOSITES: dict[Any, Callable[..., torch.Tensor]] = {aten._efficientzerotensor.default: zeros}
 if hasattr(aten, "_grouped_mm"):  # torch 2.8+
     COMPOSITES[aten._grouped_mm.default] = grouped_mm
+COMPOSITES.update(fake_quant.COMPOSITES)

@@ -1,0 +1,159 @@
+"""Quantization-aware training's fake quantization, written as ops torch computes in FP64.
+
+``torch.ao.quantization.prepare_qat`` puts a ``FusedMovingAvgObsFakeQuantize`` on each weight and
+activation. Its op, ``_fused_moving_avg_obs_fq_helper``, updates the observer's running minimum and maximum
+in place, chooses a scale and zero point from them, and rounds its input to that grid. Its CPU kernel
+takes float32 state only, and the per-channel fake quantization it calls for weights
+(``fake_quantize_per_channel_affine_cachemask``) refuses an FP64 scale: in verifiable precision, where every
+floating tensor is FP64, a QAT model failed at its first step. The rounding mode runs both as the
+functions here (:data:`detrl.core.composites.COMPOSITES`), every op in them an op of the step.
+
+The arithmetic is the kernels', in the same order. The kernels compute in float32, and each op here is
+one IEEE operation on float32 values, rounded to FP32 by the mode: ``+ - *`` and a reciprocal rounded once
+from FP64 are the float32 results (FP64 holds more than twice float32's precision). So a QAT step here
+quantizes to the grid a float32 step would. The scale and zero point are chosen in Python floats
+(IEEE double, the same on every machine), as torch's ``ChooseQuantizationParams`` chooses them in C++.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+aten = torch.ops.aten
+
+#: torch's least quantization scale (float16's smallest normal): a smaller one is raised to it.
+SMALL_SCALE = float(np.float32(6.1e-5))
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32 (to nearest, ties to even; inf past its range), as a Python float."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+def choose_qparams(
+    low: float, high: float, quant_min: int, quant_max: int, symmetric: bool
+) -> tuple[float, int]:
+    """The scale (a float32 value) and zero point torch chooses for the observed range ``[low, high]`` (float32
+    values) and the integer range ``[quant_min, quant_max]``; ``symmetric`` keeps zero in the middle.
+
+    The steps of torch's ``ChooseQuantizationParams``, each in the precision torch takes it in: float32
+    where its C++ variable is a ``float``, double elsewhere. Raises ValueError where ``low > high`` (an
+    observer that has seen nothing), as torch does."""
+    if not low <= high:
+        raise ValueError(f"fake quantization: the observed minimum {low} is above the maximum {high}")
+    if low < 0 < high and symmetric:
+        span_low, span_high = -((quant_max - quant_min) // 2 + 1), (quant_max - quant_min) // 2
+        widest = max(abs(_f32(low / span_low)), abs(_f32(high / span_high)))
+        low, high = _f32(widest * span_low), _f32(widest * span_high)
+    low, high = min(low, 0.0), max(high, 0.0)
+    scale = (high - low) / (quant_max - quant_min)
+    if _f32(scale) == 0.0 or math.isinf(_f32(1.0 / _f32(scale))):
+        scale = 0.1
+    if scale < SMALL_SCALE:
+        below = _f32(scale)
+        scale = SMALL_SCALE
+        if low == 0.0:
+            high = _f32(SMALL_SCALE * (quant_max - quant_min))
+        elif high == 0.0:
+            low = _f32(-SMALL_SCALE * (quant_max - quant_min))
+        else:
+            amplifier = _f32(SMALL_SCALE / below)
+            low, high = _f32(low * amplifier), _f32(high * amplifier)
+    from_min, from_max = quant_min - low / scale, quant_max - high / scale
+    error_min, error_max = abs(quant_min) - abs(low / scale), abs(quant_max) - abs(high / scale)
+    initial = from_min if error_min < error_max else from_max
+    if low < 0 < high and symmetric:
+        initial = (quant_min + quant_max) / 2
+    if initial < quant_min:
+        point = quant_min
+    elif initial > quant_max:
+        point = quant_max
+    else:
+        point = round(initial)  # to nearest, ties to even: C's nearbyint
+    return _f32(scale), int(point)
+
+
+def _fake_quantize(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int, quant_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` rounded to the grid of ``scale`` and ``zero_point`` (broadcast against ``x``), clamped to
+    ``[quant_min, quant_max]``, and the mask of elements inside it: the kernels' ``zero_point +
+    nearbyint(x * (1 / scale))``, then ``(clamp(q) - zero_point) * scale``."""
+    point = zero_point.to(x.dtype)
+    q = torch.round(x * torch.reciprocal(scale.to(x.dtype))) + point  # round: to nearest, ties to even
+    mask = (q >= quant_min) & (q <= quant_max)
+    return (q.clamp(quant_min, quant_max) - point) * scale.to(x.dtype), mask
+
+
+def per_channel(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, quant_min: int, quant_max: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fake_quantize_per_channel_affine_cachemask``: ``x`` quantized with ``scale[c]`` and
+    ``zero_point[c]`` (``(C,)`` each) along ``axis`` (of size ``C``); the output and its mask, ``x``'s
+    shape."""
+    along = [1] * x.dim()
+    along[axis] = -1
+    return _fake_quantize(x, scale.reshape(along), zero_point.reshape(along), quant_min, quant_max)
+
+
+def fused_observe(
+    x: torch.Tensor,
+    observer_on: torch.Tensor,
+    fake_quant_on: torch.Tensor,
+    running_min: torch.Tensor,
+    running_max: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    averaging_const: float,
+    quant_min: int,
+    quant_max: int,
+    ch_axis: int,
+    per_row_fake_quant: bool = False,
+    symmetric_quant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_fused_moving_avg_obs_fq_helper``: observe ``x`` (its minimum and maximum, per channel along
+    ``ch_axis`` with ``per_row_fake_quant``) into the moving averages ``running_min`` and ``running_max``
+    (in place; an infinite one, not yet observed, takes the observation), choose ``scale`` and
+    ``zero_point`` from them (in place), and fake-quantize ``x``. ``observer_on`` and ``fake_quant_on``
+    (one-element tensors) switch the two halves; with fake quantization off, ``x`` and an all-true mask."""
+    if per_row_fake_quant:
+        rows = x.movedim(ch_axis, 0).flatten(1)  # (C, the rest)
+        if running_min.numel() == 0:  # the first call sizes the observer's state by the channels
+            channels = rows.shape[0]
+            running_min.resize_(channels).fill_(math.inf)
+            running_max.resize_(channels).fill_(-math.inf)
+            scale.resize_(channels)
+            zero_point.resize_(channels)
+        observed = (rows.amin(1), rows.amax(1))
+    else:
+        observed = (x.amin(), x.amax())
+    if int(observer_on.reshape(-1)[0]):
+        weight = _f32(averaging_const)  # the kernel's float averaging constant
+        for running, now in zip((running_min, running_max), observed, strict=True):
+            moved = running + (now.reshape(running.shape) - running) * weight
+            running.copy_(torch.where(torch.isinf(running), now.reshape(running.shape), moved))
+    if not int(fake_quant_on.reshape(-1)[0]):
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    chosen = [
+        choose_qparams(low, high, quant_min, quant_max, symmetric_quant)
+        for low, high in zip(running_min.reshape(-1).tolist(), running_max.reshape(-1).tolist(), strict=True)
+    ]
+    scale.copy_(
+        torch.tensor([s for s, _ in chosen], dtype=scale.dtype, device=scale.device).reshape(scale.shape)
+    )
+    points = torch.tensor([p for _, p in chosen], dtype=zero_point.dtype, device=zero_point.device)
+    zero_point.copy_(points.reshape(zero_point.shape))
+    if per_row_fake_quant:
+        return per_channel(x, scale, zero_point, ch_axis, quant_min, quant_max)
+    return _fake_quantize(x, scale.reshape(-1)[:1], zero_point.reshape(-1)[:1], quant_min, quant_max)
+
+
+#: The fake quantizations torch has no FP64 kernel for, by overload: what the rounding mode runs instead.
+COMPOSITES = {
+    aten._fused_moving_avg_obs_fq_helper.default: fused_observe,
+    aten.fake_quantize_per_channel_affine_cachemask.default: per_channel,
+}
