@@ -100,7 +100,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg, out = _train_config(args)
     if not args.no_tensorboard:
-        _check_tb(out / "tb")  # before the bundle is touched: a refused start changes nothing on disk
+        config_mod.check_tensorboard_dir(
+            out / "tb"
+        )  # before the bundle is touched: a refused start changes nothing on disk
     task = tasks.get(cfg.task)
     torch.set_num_threads(cfg.threads)
     session = sessions.session_for(cfg, out, "record", resume=bool(args.resume), force=args.force)
@@ -138,26 +140,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_tb(path: Path) -> None:
-    """Refuse a ``tb/`` beside the bundle that is a symbolic link or not a directory: a bundle comes from
-    another party, and TensorBoard's event files are written only inside it, never through a link."""
-    from detrl.run.config import ConfigError
-
-    if path.is_symlink():
-        raise ConfigError(
-            f"{path}: is a symbolic link; TensorBoard writes only into a directory of the bundle's own (remove "
-            "it, or use --no-tensorboard)"
-        )
-    if os.path.lexists(path) and not path.is_dir():
-        raise ConfigError(f"{path}: exists and is not a directory (remove it, or use --no-tensorboard)")
-
-
 class _TensorBoard:
     """``detrl train``'s TensorBoard writer, opened at its first event once the bundle is the run's to change.
 
     While a resume re-records the steps its bundle holds (``session.rerecording``) the events wait in memory:
     a resume refused there (a step that differs) leaves no ``tb/`` behind, as it leaves the bundle unchanged.
-    ``tb/`` is checked again (:func:`_check_tb`) when the writer opens. Any ``add_*`` call is an event.
+    ``tb/`` is checked again (:func:`detrl.run.config.check_tensorboard_dir`) when the writer opens. Any
+    ``add_*`` call is an event.
     """
 
     def __init__(self, path: Path, session: Any) -> None:
@@ -179,7 +168,9 @@ class _TensorBoard:
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            _check_tb(self.path)
+            from detrl.run.config import check_tensorboard_dir
+
+            check_tensorboard_dir(self.path)
             self._writer = SummaryWriter(str(self.path))
         for name, args, kwargs in self._pending:
             getattr(self._writer, name)(*args, **kwargs)

@@ -322,6 +322,24 @@ def test_unknown_source_is_one_line_exit_2(tmp_path: Path, capsys: pytest.Captur
     assert not (tmp_path / "o").exists()  # refused before any run
 
 
+def test_a_runs_tensorboard_folder_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    """A run's ``tb/`` that links out of the sweep is refused in one line before the run is touched: no
+    event file is written through it, and the run's folder holds only the link."""
+    from detrl.run import config as config_mod
+
+    spec = rl_spec(["init"], runs=1)
+    where = ablation.run_dir(tmp_path / "sweep", "control", 0)
+    where.mkdir(parents=True)
+    (where / "result.json").write_text("{}")  # a stale result, which a run that starts removes
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (where / "tb").symlink_to(outside)
+    raw = json.dumps(config_mod.read_raw(spec.base))
+    with pytest.raises(config_mod.ConfigError, match=r"tb: is a symbolic link; .* \(remove it\)$"):
+        ablation.run_one(spec.model_dump_json(), raw, str(tmp_path / "sweep"), "control", 0)
+    assert list(outside.iterdir()) == [] and sorted(p.name for p in where.iterdir()) == ["result.json", "tb"]
+
+
 def test_default_sources_follow_the_protocol(tmp_path: Path) -> None:
     cfg = tmp_path / "ab.yaml"
     cfg.write_text("base: configs/supervised/digits_cnn.yaml\nset: [data.holdout=100]\n")

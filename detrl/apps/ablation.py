@@ -298,6 +298,7 @@ def run_one(spec_json: str, base_raw_json: str, out: str, condition: str, k: int
     task = tasks.get(cfg.task)
     protocol = protocol_of(cfg)
     where = run_dir(out, condition, k)
+    config_mod.check_tensorboard_dir(where / "tb", "remove it")  # before this run's files are touched
     where.mkdir(parents=True, exist_ok=True)
     for stale in (RESULT, PARAMS, TRAJECTORY, LOGITS):  # a run killed before its result is redone whole
         (where / stale).unlink(missing_ok=True)

@@ -6,6 +6,7 @@ Every user mistake (unknown key, wrong type, missing file) becomes one :class:`C
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +21,18 @@ from detrl.run import tasks
 
 class ConfigError(ValueError):
     """A config file or override is invalid."""
+
+
+def check_tensorboard_dir(path: Path, remedy: str = "remove it, or use --no-tensorboard") -> None:
+    """Refuse a TensorBoard folder (``tb/`` beside a bundle, or in an ablation's run) that is a symbolic link
+    or not a directory, in one line that ends with ``remedy``: a bundle comes from another party, and event
+    files are written only inside it, never through a link."""
+    if path.is_symlink():
+        raise ConfigError(
+            f"{path}: is a symbolic link; TensorBoard writes only into a directory of the bundle's own ({remedy})"
+        )
+    if os.path.lexists(path) and not path.is_dir():
+        raise ConfigError(f"{path}: exists and is not a directory ({remedy})")
 
 
 class Strict(BaseModel):
