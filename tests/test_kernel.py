@@ -4,6 +4,7 @@ same bundle for a whole recording."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
@@ -33,11 +34,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int64) if t.dtype == torch.float64 else t.contiguous().view(torch.int32)
 
 
-def _reference(x: torch.Tensor, tau: float, scaled: bool | Scale, negative_zeros: bool = False):  # noqa: ANN202
+def _reference(  # noqa: ANN202
+    x: torch.Tensor, tau: float, scaled: bool | Scale, negative_zeros: bool = False, skip_nans: bool = False
+):
     x = x.clone()
     rounded = x.to(torch.float32)
     near = near_midpoint(
-        x, tau, scaled, rounded=rounded, negative_zeros=negative_zeros and scaled is not False
+        x,
+        tau,
+        scaled,
+        rounded=rounded,
+        negative_zeros=negative_zeros and scaled is not False,
+        skip_nans=skip_nans,
     )
     idx = near.reshape(-1).nonzero().squeeze(1)
     entries = None
@@ -50,13 +58,14 @@ def _reference(x: torch.Tensor, tau: float, scaled: bool | Scale, negative_zeros
 
 
 def _assert_same(
-    x: torch.Tensor, tau: float, scaled: bool | Scale, negative_zeros: bool = False
+    x: torch.Tensor, tau: float, scaled: bool | Scale, negative_zeros: bool = False, skip_nans: bool = False
 ) -> OpEntries | None:
     """The kernel's entries and rounding of ``x`` are the reference's (``negative_zeros``: rules revision 7's
-    test, which the kernel applies to reductions only, as the mode asks the reference for it)."""
-    want_x, want = _reference(x, tau, scaled, negative_zeros)
+    test, which the kernel applies to reductions only, as the mode asks the reference for it; ``skip_nans``:
+    revision 16's, for every op)."""
+    want_x, want = _reference(x, tau, scaled, negative_zeros, skip_nans)
     got_x = x.clone()
-    got = kernel.take_entries_(got_x, tau, scaled, 7, negative_zeros)
+    got = kernel.take_entries_(got_x, tau, scaled, 7, negative_zeros, skip_nans)
     assert torch.equal(_bits(got_x), _bits(want_x))
     assert (got is None) == (want is None)
     if got is not None:
@@ -106,13 +115,22 @@ def _adversarial() -> torch.Tensor:
 @pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("room", [kernel.FIRST_ROOM, 1])
 @pytest.mark.parametrize("negative_zeros", [False, True])
+@pytest.mark.parametrize("skip_nans", [False, True])
 def test_adversarial_values_flat(
-    tau: float, scaled: bool, room: int, negative_zeros: bool, monkeypatch: pytest.MonkeyPatch
+    tau: float,
+    scaled: bool,
+    room: int,
+    negative_zeros: bool,
+    skip_nans: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(kernel, "FIRST_ROOM", room)
     x = _adversarial()
-    _assert_same(x, tau, scaled, negative_zeros)
-    _assert_same(x[torch.isfinite(x)], tau, scaled, negative_zeros)  # one channel without inf or NaN
+    entries = _assert_same(x, tau, scaled, negative_zeros, skip_nans)
+    nans = set(torch.isnan(x).nonzero().squeeze(1).tolist())
+    logged = set() if entries is None else {*entries.indices, *entries.pinned_indices, *entries.short_indices}
+    assert nans & {int(i) for i in logged} == (set() if skip_nans else nans)  # a NaN was near every midpoint
+    _assert_same(x[torch.isfinite(x)], tau, scaled, negative_zeros, skip_nans)  # a channel without inf or NaN
 
 
 @needs_kernel
@@ -215,6 +233,10 @@ def test_rows_along_channels_are_tested_first_at_their_largest_threshold(
             scale = Scale(outer=rows_n, channels=cols_n, inner=1, col=c, row=row)
             _assert_same(x, tau, scale, negative_zeros)
             _assert_same(x, tau, Scale(outer=rows_n, channels=cols_n, inner=1, col=c), negative_zeros)
+            y = x.clone()
+            y[::2, 3::7] = math.nan  # NaN values along the channels, where the search runs a block at a time
+            _assert_same(y, tau, scale, negative_zeros, skip_nans=True)
+            _assert_same(y, tau, scale, negative_zeros, skip_nans=False)
 
 
 def test_matrix_scale_follows_the_rows_a_channel_scale_does_not() -> None:
@@ -422,11 +444,12 @@ def test_quiet_channels_at_the_floor_spacing(tau: float) -> None:
     st.sampled_from(TAUS),
     st.booleans(),
     st.booleans(),
+    st.booleans(),
 )
 def test_property_kernel_equals_reference(
-    values: np.ndarray, tau: float, scaled: bool, negative_zeros: bool
+    values: np.ndarray, tau: float, scaled: bool, negative_zeros: bool, skip_nans: bool
 ) -> None:
-    _assert_same(torch.from_numpy(values.copy()), tau, scaled, negative_zeros)
+    _assert_same(torch.from_numpy(values.copy()), tau, scaled, negative_zeros, skip_nans)
 
 
 @needs_kernel

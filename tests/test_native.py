@@ -158,6 +158,29 @@ def test_every_zoo_model_is_the_same_bundle_on_every_profile(tmp_path, name: str
     _assert_same_bundles(specimen, tmp_path, hardware)
 
 
+def _gone_nan() -> torch.nn.Module:
+    """A run gone NaN: one NaN bias makes every later value NaN (a softmax, a norm and GELU take it too)."""
+    first = torch.nn.Linear(16, 32)  # zoo.features: width // 2 = 16
+    with torch.no_grad():
+        first.bias[3] = math.nan
+    return torch.nn.Sequential(
+        first, torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Softmax(-1), torch.nn.Linear(32, 5)
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("hardware", ["native", "emulated:splitk"])
+def test_a_run_gone_nan_is_the_same_bundle_and_logs_no_nan(tmp_path, hardware: str) -> None:  # noqa: ANN001
+    """Rules revision 16: no NaN is near a midpoint, on the route (the C kernel's flags) as in the mode."""
+    specimen = zoo.Specimen("gone_nan", _gone_nan, zoo.features, zoo.classify)
+    routed = _record(specimen, tmp_path / "native", hardware, on=True)
+    plain = _record(specimen, tmp_path / "python", hardware, on=False)
+    assert routed.totals == plain.totals and routed.totals.logged == 0
+    assert any(p.isnan().any() for p in routed.model.parameters())
+    for name in (bundle_mod.ROUNDLOG, bundle_mod.COMMITMENTS):
+        assert (tmp_path / "native" / name).read_bytes() == (tmp_path / "python" / name).read_bytes(), name
+
+
 @needs_native
 @pytest.mark.parametrize("name", ["autocast_bf16", "hf_vit"])
 def test_without_the_c_kernel_the_route_leaves_entries_to_the_mode(tmp_path, name: str) -> None:  # noqa: ANN001

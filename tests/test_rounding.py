@@ -416,7 +416,7 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 15]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 16]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
@@ -732,16 +732,27 @@ def _gelu_of_a_nan() -> torch.nn.Module:
     return torch.nn.Sequential(first, torch.nn.GELU(), torch.nn.Linear(32, 5))
 
 
-def test_a_run_gone_nan_replays_on_its_own_hardware_with_nothing_refused(tmp_path) -> None:
-    """GELU's unit is its argument's (revision 11), and a NaN's is NaN: its NaN results are pinned. A replay
-    honours a pinned NaN with a NaN (which takes the recorder's sign and payload); it refused every one."""
+def test_a_run_gone_nan_replays_on_its_own_hardware_with_nothing_refused(tmp_path, monkeypatch) -> None:
+    """Under rules revision 15, GELU's unit is its argument's (revision 11), and a NaN's is NaN: its NaN
+    results are pinned, and a replay honours a pinned NaN with a NaN (which takes the recorder's sign and
+    payload); it refused every one. From 16 a NaN takes no entry: the same run logs nothing, its weights are
+    the same, and it replays on every profile with nothing unlogged or refused."""
+    from detrl.core import engine
     from detrl.testing import zoo
 
     specimen = zoo.Specimen("gelu_of_a_nan", _gelu_of_a_nan, zoo.features, zoo.classify)
-    recorded = zoo.record(specimen, tmp_path / "run", steps=2)
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", 15)
+        recorded = zoo.record(specimen, tmp_path / "rules15", steps=2)
     assert recorded.totals.logged > 0 and any(p.isnan().any() for p in recorded.model.parameters())
-    replayed = zoo.replay(specimen, tmp_path / "run", "native", steps=2)
+    replayed = zoo.replay(specimen, tmp_path / "rules15", "native", steps=2)
     assert replayed.totals.refused == 0 and replayed.totals.logged == recorded.totals.logged
+    unlogged = zoo.record(specimen, tmp_path / "rules16", steps=2)
+    assert unlogged.totals.logged == 0 and unlogged.leaves == recorded.leaves
+    for hardware in ("native", "emulated:splitk", "emulated:pairwise"):
+        replayed = zoo.replay(specimen, tmp_path / "rules16", get_profile(hardware), steps=2)
+        assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, hardware
+        assert replayed.leaves == unlogged.leaves, hardware
 
 
 class _InfiniteMasks(torch.nn.Module):

@@ -53,12 +53,17 @@ static inline double element_threshold(double x, double c1, double lo, double hi
     return t > hi ? hi : t;
 }
 
+/* The flags of a near-midpoint pass (near_pass's flags; rounding.near_midpoint's arguments). */
+#define NEAR_NEGATIVE_ZEROS 1 /* a reduction's negative value that rounds to -0 takes part (rules revision 7) */
+#define NEAR_NO_NANS 2        /* a NaN never takes part (rules revision 16) */
+
 /* x - t and x + t round to different FP32 values, and x takes part: its FP32 rounding is not zero or, with
- * tiny (a reduction's from rules revision 7: rounding.near_midpoint's negative_zeros), x is a negative
- * value that rounds to -0. An exact zero never takes part, nor a positive value that rounds to +0. Without a
- * branch, so that the loops that call it vectorise. */
+ * NEAR_NEGATIVE_ZEROS in tiny, x is a negative value that rounds to -0; with NEAR_NO_NANS, x is not a NaN.
+ * An exact zero never takes part, nor a positive value that rounds to +0. Without a branch, so that the
+ * loops that call it vectorise. */
 static inline int near_flag(double x, double t, int tiny) {
-    return ((float)(x - t) != (float)(x + t)) & (((float)x != 0.0f) | (tiny & (x < 0.0)));
+    return ((float)(x - t) != (float)(x + t)) & (((float)x != 0.0f) | ((tiny & NEAR_NEGATIVE_ZEROS) & (x < 0.0))) &
+           (((tiny >> 1) ^ 1) | (x == x));
 }
 
 /* Vector builds of the hot loops. The elements are independent, so a vector unit computes each exactly as
@@ -94,16 +99,16 @@ VECTOR_CLONES static Py_ssize_t first_near_at(const double *x, Py_ssize_t j0, Py
 }
 
 VECTOR_CLONES static Py_ssize_t first_near_each(const double *x, Py_ssize_t j0, Py_ssize_t n, double c1, double lo,
-                                                double hi) {
+                                                double hi, int tiny) {
     Py_ssize_t j = j0;
     for (; n - j >= BLOCK; j += BLOCK) {
         const double *b = x + j;
         int any = 0;
-        for (int i = 0; i < BLOCK; i++) any |= near_flag(b[i], element_threshold(b[i], c1, lo, hi), 0);
+        for (int i = 0; i < BLOCK; i++) any |= near_flag(b[i], element_threshold(b[i], c1, lo, hi), tiny);
         if (any) return j;
     }
     int any = 0;
-    for (Py_ssize_t i = j; i < n; i++) any |= near_flag(x[i], element_threshold(x[i], c1, lo, hi), 0);
+    for (Py_ssize_t i = j; i < n; i++) any |= near_flag(x[i], element_threshold(x[i], c1, lo, hi), tiny);
     return any ? j : n;
 }
 
@@ -305,10 +310,11 @@ typedef DetrlEntries Entries; /* roundkernel.h */
  * caller can resume there with larger buffers. */
 static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
                             const double *thresholds, const double *rows, double tau, double c1, double lo,
-                            double hi, int negative_zeros, Py_ssize_t start, Entries *out, Entries *counts) {
+                            double hi, int flags, Py_ssize_t start, Entries *out, Entries *counts) {
     Entries *e = out ? out : counts;
-    /* a reduction's (thresholds given) negative value that rounds to -0 takes part from rules revision 7 */
-    const int tiny = thresholds && negative_zeros;
+    /* a reduction's (thresholds given) negative value that rounds to -0 takes part from rules revision 7; no
+     * NaN from rules revision 16 */
+    const int tiny = (thresholds ? flags & NEAR_NEGATIVE_ZEROS : 0) | (flags & NEAR_NO_NANS);
     e->n_kept = e->n_pinned = e->n_short = 0;
     /* Blocks run along the innermost axis; with inner == 1 and thresholds per channel (a matrix product's
      * unit) they run along the channels of an outer row instead, with T per element. Rows shorter than a
@@ -342,7 +348,7 @@ static Py_ssize_t near_pass(double *x, Py_ssize_t outer, Py_ssize_t channels, Py
                                                                    column_threshold(&col_max, 0, rows != NULL,
                                                                                     row_factor, tau))
                              : thresholds     ? first_near_at(row, j0, length, tc, tiny)
-                                              : first_near_each(row, j0, length, c1, lo, hi);
+                                              : first_near_each(row, j0, length, c1, lo, hi, tiny);
             if (out) round_block(row + j0, hit - j0);
             if (hit == length) break;
             Py_ssize_t end = length - hit < BLOCK ? length : hit + BLOCK;
@@ -628,16 +634,16 @@ static PyObject *exact_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, negative_zeros, start) ->
+/* count_near(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, flags, start) ->
  * (directions, pinned, short): how many near elements from flat index start get each kind of entry. With
  * rows, thresholds are column factors. */
 static PyObject *count_near(PyObject *self, PyObject *args) {
     unsigned long long address, thresholds, rows;
     Py_ssize_t outer, channels, inner, start;
     double tau, c1, lo, hi;
-    int negative_zeros;
-    if (!PyArg_ParseTuple(args, "KnnnKKddddpn", &address, &outer, &channels, &inner, &thresholds, &rows, &tau, &c1,
-                          &lo, &hi, &negative_zeros, &start))
+    int flags;
+    if (!PyArg_ParseTuple(args, "KnnnKKddddin", &address, &outer, &channels, &inner, &thresholds, &rows, &tau, &c1,
+                          &lo, &hi, &flags, &start))
         return NULL;
     if (rows && !thresholds) {
         PyErr_SetString(PyExc_ValueError, "count_near: row factors need column factors");
@@ -646,12 +652,12 @@ static PyObject *count_near(PyObject *self, PyObject *args) {
     Entries counts;
     Py_BEGIN_ALLOW_THREADS
     near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
-              (const double *)(uintptr_t)rows, tau, c1, lo, hi, negative_zeros, start, NULL, &counts);
+              (const double *)(uintptr_t)rows, tau, c1, lo, hi, flags, start, NULL, &counts);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("nnn", counts.n_kept, counts.n_pinned, counts.n_short);
 }
 
-/* take_entries(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, negative_zeros, start, indices,
+/* take_entries(address, outer, channels, inner, thresholds or 0, rows or 0, tau, c1, lo, hi, flags, start, indices,
  * up, n, pinned_indices, pinned_values, n_pinned, short_indices, short_bits, n_short) -> (directions,
  * pinned, short, stop): from flat index start, writes the entries into buffers with room for n directions
  * (row-major indices; up as 0/1 bytes), n_pinned pinned values (FP32) and n_short short ones (low 16 key
@@ -661,9 +667,9 @@ static PyObject *take_entries(PyObject *self, PyObject *args) {
     unsigned long long address, thresholds, rows, kept, up, pinned, pinned_values, short_indices, short_bits;
     Py_ssize_t outer, channels, inner, start, n_kept, n_pinned, n_short;
     double tau, c1, lo, hi;
-    int negative_zeros;
-    if (!PyArg_ParseTuple(args, "KnnnKKddddpnKKnKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows,
-                          &tau, &c1, &lo, &hi, &negative_zeros, &start, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned,
+    int flags;
+    if (!PyArg_ParseTuple(args, "KnnnKKddddinKKnKKnKKn", &address, &outer, &channels, &inner, &thresholds, &rows,
+                          &tau, &c1, &lo, &hi, &flags, &start, &kept, &up, &n_kept, &pinned, &pinned_values, &n_pinned,
                           &short_indices, &short_bits, &n_short))
         return NULL;
     if (rows && !thresholds) {
@@ -681,7 +687,7 @@ static PyObject *take_entries(PyObject *self, PyObject *args) {
     Py_ssize_t stop;
     Py_BEGIN_ALLOW_THREADS
     stop = near_pass((double *)(uintptr_t)address, outer, channels, inner, (const double *)(uintptr_t)thresholds,
-                     (const double *)(uintptr_t)rows, tau, c1, lo, hi, negative_zeros, start, &out, NULL);
+                     (const double *)(uintptr_t)rows, tau, c1, lo, hi, flags, start, &out, NULL);
     Py_END_ALLOW_THREADS
     return Py_BuildValue("nnnn", out.n_kept, out.n_pinned, out.n_short, stop);
 }

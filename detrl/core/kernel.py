@@ -91,12 +91,17 @@ def _layout(x: torch.Tensor, scaled: bool) -> tuple[int, int, int]:
 
 
 def take_entries_(
-    x: torch.Tensor, tau: float, scaled: bool | Scale, seq: int, negative_zeros: bool = False
+    x: torch.Tensor,
+    tau: float,
+    scaled: bool | Scale,
+    seq: int,
+    negative_zeros: bool = False,
+    skip_nans: bool = False,
 ) -> OpEntries | None:
     """Round ``x`` (see :func:`applies`) to FP32 in place and return op ``seq``'s log entries for its elements
     within T of an FP32 midpoint, or None where there are none: the same entries as
     :func:`detrl.core.rounding.entries_for` makes from :func:`detrl.core.rounding.near_midpoint` (``scaled``: False,
-    True, or a :class:`~detrl.core.rounding.Scale`, and ``negative_zeros``, as there)."""
+    True, or a :class:`~detrl.core.rounding.Scale`, ``negative_zeros`` and ``skip_nans``, as there)."""
     assert _native is not None
     n = x.numel()
     if n == 0:
@@ -134,7 +139,7 @@ def take_entries_(
         tau * 2.0**-23,
         tau * 2.0**-149,
         tau * 2.0**104,
-        negative_zeros,
+        (1 if negative_zeros else 0) | (2 if skip_nans else 0),  # the kernel's NEAR_ flags
     )
     # One pass in the usual case: entries go to this thread's buffers while the output is rounded. A rare
     # output with more entries than they hold stops at the block that overflowed; the rest is counted, and

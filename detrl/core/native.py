@@ -47,6 +47,7 @@ from detrl.core.oprules import (
     UNWRITTEN,
     OpKind,
     finite_extremes,
+    nans_unlogged,
     negative_zeros,
 )
 from detrl.core.scale import SCALED_BY_INPUTS, TERMS_SCALED
@@ -301,6 +302,7 @@ class Routes:
             self._table, self._key = module.Table(resolve, negative_zeros(rules_revision), True), key
             # revision 12: a call with FP64's largest finite number as an argument goes to the mode
             self._table.finite_extremes = finite_extremes(rules_revision)
+            self._table.nans_unlogged = nans_unlogged(rules_revision)  # revision 16: a NaN is never near
         return self._table
 
 

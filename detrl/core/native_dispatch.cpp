@@ -122,6 +122,9 @@ struct Table {
   py::object resolve;  // (qualified name, overload) -> (route, in_place, tau, short name, OpOverload, ...)
   bool negative_zeros = false;  // a reduction's tiny negative values take part in the near test (oprules)
   bool finite_extremes = false;  // rules revision 12: a call with FP64's largest finite number goes to the mode
+  bool nans_unlogged = false;  // rules revision 16: a NaN never takes part in the near test
+  // The near test's flags for the C kernel's near_pass and for near_flag (NEAR_NEGATIVE_ZEROS, NEAR_NO_NANS).
+  int near_flags() const { return (negative_zeros ? 1 : 0) | (nans_unlogged ? 2 : 0); }
   // a verifiable step's table: results no rule rounds (complex, sparse) are refused; a plain step's
   // (native.random_route: its random ops to the stream's mode, every other op run as it is) refuses nothing
   bool refuses = true;
@@ -515,24 +518,25 @@ void round_exact(Step* step, const at::Tensor& t) {
 }
 
 // rounding.near_midpoint's test of one element x against its threshold t: x - t and x + t round to
-// different FP32 values, and x takes part: its FP32 rounding is not zero or, with tiny (a reduction's from
-// rules revision 7), x is a negative value that rounds to -0 (the C kernel's near_flag). Without a branch,
-// so that the loops vectorise.
+// different FP32 values, and x takes part: its FP32 rounding is not zero or, with bit 1 of tiny (a
+// reduction's from rules revision 7), x is a negative value that rounds to -0; with bit 2 (rules revision
+// 16), x is not a NaN (the C kernel's near_flag and its flags). Without a branch, so that the loops vectorise.
 inline int near_flag(double x, double t, int tiny) {
-  return (static_cast<float>(x - t) != static_cast<float>(x + t)) & ((static_cast<float>(x) != 0.0f) | (tiny & (x < 0.0)));
+  return (static_cast<float>(x - t) != static_cast<float>(x + t)) &
+         ((static_cast<float>(x) != 0.0f) | ((tiny & 1) & (x < 0.0))) & (((tiny >> 1) ^ 1) | (x == x));
 }
 
 // Whether any element of a dense FP64 buffer lies within T of an FP32 midpoint, T at the element as
 // rounding.near_midpoint computes it: clamp(|x| tau 2**-23, tau 2**-149, tau 2**104). The same IEEE
 // double and float operations as the reference and the C kernel (no fast-math, no FMA contraction).
-VECTOR_CLONES bool any_near(const double* x, int64_t n, double tau) {
+VECTOR_CLONES bool any_near(const double* x, int64_t n, double tau, int tiny) {
   const double c1 = tau * 0x1p-23, lo = tau * 0x1p-149, hi = tau * 0x1p104;
   int any = 0;
   for (int64_t i = 0; i < n; ++i) {
     double t = std::fabs(x[i]) * c1;
     t = t < lo ? lo : t;
     t = t > hi ? hi : t;
-    any |= near_flag(x[i], t, 0);
+    any |= near_flag(x[i], t, tiny & 2);
   }
   return any != 0;
 }
@@ -681,12 +685,12 @@ struct Unit {
 };
 
 // rounding.near_midpoint's test for a logged op's dense output: at the element (ELEMENTWISE), at the
-// product's unit (LOGGED_MM), or at its channel's scale (channel_layout); negative_zeros: a reduction's
-// negative value that rounds to -0 takes part (rules revision 7).
-bool output_near(int route, const at::Tensor& dense, double tau, const Unit& unit, bool negative_zeros) {
+// product's unit (LOGGED_MM), or at its channel's scale (channel_layout); flags: Table::near_flags (a
+// reduction's negative value that rounds to -0 takes part, rules revision 7; no NaN does, 16).
+bool output_near(int route, const at::Tensor& dense, double tau, const Unit& unit, int flags) {
   const double* x = dense.data_ptr<double>();
-  if (route == LOGGED) return any_near(x, dense.numel(), tau);
-  const int tiny = negative_zeros ? 1 : 0;
+  if (route == LOGGED) return any_near(x, dense.numel(), tau, flags);
+  const int tiny = flags;
   if (route == LOGGED_MM) return any_near_product(dense, unit.rows, unit.cols, tau, tiny);
   const Layout l = channel_layout(dense);
   return any_near_channels(x, l.outer, l.channels, l.inner, tau, tiny);
@@ -848,7 +852,7 @@ void take_entries(Step* step, const Entry& e, int route, double tau, at::Tensor&
   const double c1 = tau * 0x1p-23, lo = tau * 0x1p-149, hi = tau * 0x1p104;
   auto pass = [&](Py_ssize_t start, DetrlEntries* out, DetrlEntries* counts) {
     return api->near_pass(x, l.outer, l.channels, l.inner, thresholds, rows, tau, c1, lo, hi,
-                          step->table->negative_zeros, start, out, counts);
+                          step->table->near_flags(), start, out, counts);
   };
   const Py_ssize_t room = std::min(n, kFirstRoom);
   DetrlEntries out = found.after(0, 0, 0, room, room, room);
@@ -1256,7 +1260,8 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
       !targets[0].is_contiguous() && runs_of(targets[0], runs)) {
     const double* p = targets[0].const_data_ptr<double>();
     bool near = false;
-    for (const int64_t start : runs.starts) near = near || any_near(p + start, runs.run, tau_of(0));
+    for (const int64_t start : runs.starts)
+      near = near || any_near(p + start, runs.run, tau_of(0), step->table->near_flags());
     if (!near) {
       round_runs(targets[0], runs);
       count_rounded(step, targets[0].numel());
@@ -1319,7 +1324,7 @@ void round_logged(Step* step, const Entry& e, int route, const Taus& taus, std::
   // it; an op measured in its first argument's units has no such elements: the kernel takes its entries)
   if (!to_mode && !conv && (step->kernel == nullptr || (sum_inputs != nullptr && !by_first))) {
     for (size_t k = 0; k < dense.size(); ++k) {
-      if (output_near(route, as_measured(dense[k]), tau_of(k), unit, step->table->negative_zeros)) {
+      if (output_near(route, as_measured(dense[k]), tau_of(k), unit, step->table->near_flags())) {
         to_mode = true;
         break;
       }
@@ -2572,6 +2577,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return t;
            }))
       .def_readwrite("finite_extremes", &Table::finite_extremes)
+      .def_readwrite("nans_unlogged", &Table::nans_unlogged)
       .def("clear", [](Table& t) { t.entries.clear(); })
       .def("__len__", [](const Table& t) { return t.entries.size(); });
   py::class_<Declined>(m, "Declined", "calls of logged ops calibration has declined to measure again")

@@ -332,7 +332,11 @@ def _base_kind(func: Any) -> OpKind:
 #:    the units of the terms it sums (:func:`detrl.core.scale.reduction_scale`). Unlisted, a 2x2 pool of
 #:    FP32 values, a sum of four divided by 4, lay exactly on an FP32 midpoint for one element in twenty,
 #:    and each took an entry: local response norm's and LP pool's pools were 98 % of a model's log.
-RULES_REVISION = 15
+#: 16. A NaN is never near a midpoint (:func:`nans_unlogged`): it compares unequal to everything, so every
+#:    NaN element took an entry that changes nothing on replay (rounding a NaN in either direction leaves a
+#:    NaN, and commitments take every NaN as one from 13). A run gone NaN logged most of its elements: an
+#:    attention layer with one sample's keys all padding, 54,046 entries a step.
+RULES_REVISION = 16
 #: The revisions that fixed a replication hazard, with what they fixed: under the revision before, an honest
 #: replay on hardware unlike the recorder's could diverge, with no log entry where the machines disagreed.
 #: (The others made the log smaller.) The auditor names those after a bundle's revision when it diverges.
@@ -392,6 +396,12 @@ def finite_extremes(rules_revision: int) -> bool:
     """Whether, under rules revision ``rules_revision``, an op argument that is FP64's largest finite number,
     either sign, is taken as FP32's (revision 12, :func:`fp32_extremes`)."""
     return rules_revision >= 12
+
+
+def nans_unlogged(rules_revision: int) -> bool:
+    """Whether, under rules revision ``rules_revision``, a NaN is never near a midpoint (revision 16): no entry
+    changes a NaN, and commitments take every NaN as one from revision 13 (:func:`canonical_nans`)."""
+    return rules_revision >= 16
 
 
 def canonical_nans(rules_revision: int) -> bool:

@@ -43,6 +43,7 @@ from detrl.core.oprules import (
     exact_rule,
     finite_extremes,
     fp32_extremes,
+    nans_unlogged,
     negative_zeros,
     op_name,
     squares,
@@ -171,6 +172,7 @@ def near_midpoint(
     rounded: torch.Tensor | None = None,
     scratch: Scratch | None = None,
     negative_zeros: bool = False,
+    skip_nans: bool = False,
 ) -> torch.Tensor:
     """Bool mask (logical shape of ``x``) of FP64 elements within ``tau`` FP32 spacings of an FP32 midpoint.
 
@@ -185,7 +187,8 @@ def near_midpoint(
 
     An element that rounds to zero is never near, except with ``negative_zeros`` (a reduction's, from rules
     revision 7: :func:`detrl.core.oprules.negative_zeros`) a negative value that rounds to -0. An exact zero
-    never is.
+    never is. With ``skip_nans`` (rules revision 16: :func:`detrl.core.oprules.nans_unlogged`) a NaN never
+    is.
     """
     scratch = scratch or Scratch()
     if rounded is None:
@@ -210,12 +213,15 @@ def near_midpoint(
     hi.copy_(torch.add(x, t, out=work))
     near = torch.ne(lo, hi, out=scratch.get("near", x, torch.bool))
     # Exact zeros are on the grid (often structurally: untouched gradient slots), never near. (A NaN
-    # compares unequal and is logged, harmlessly: its entry changes nothing on replay.) From revision 7 a
-    # reduction's negative value that rounds to -0 is: the replayer takes an unlogged element within reach
-    # of zero for +0 (RoundingMode._replay), so the recorder logs the other zeros a rounding makes.
+    # compares unequal and was logged, harmlessly: its entry changes nothing on replay; from revision 16 it
+    # is not.) From revision 7 a reduction's negative value that rounds to -0 is: the replayer takes an
+    # unlogged element within reach of zero for +0 (RoundingMode._replay), so the recorder logs the other
+    # zeros a rounding makes.
     counted = torch.ne(rounded, 0, out=scratch.get("nonzero", x, torch.bool))
     if negative_zeros:
         counted.logical_or_(torch.lt(x, 0))
+    if skip_nans:
+        counted.logical_and_(torch.eq(x, x))
     near = near.logical_and_(counted)
     return near.view(shape) if isinstance(scale_relative, Scale) else near
 
@@ -760,18 +766,25 @@ class RoundingMode(EagerDispatchMode):
         # found only where some element is near a midpoint (most calls have none)
         sums = exact_rule(func, self.rules_revision)
         zeros = scaled is not False and negative_zeros(self.rules_revision)
+        nans = nans_unlogged(self.rules_revision)
         if step.replay is None:
             if kernel.applies(x, strided=True):  # native: test, compact and round, in one pass
                 # A strided view (split, in place on it) goes as a dense copy, whose flat order is the
                 # logical row-major order of the entries.
                 dense = x.contiguous()
-                entries = kernel.take_entries_(dense, tau, scaled, seq, zeros)
+                entries = kernel.take_entries_(dense, tau, scaled, seq, zeros, nans)
                 if dense is not x:
                     x.copy_(dense)
             else:
                 rounded = x.to(torch.float32)
                 near = near_midpoint(
-                    x, tau, scaled, rounded=rounded, scratch=self._scratch, negative_zeros=zeros
+                    x,
+                    tau,
+                    scaled,
+                    rounded=rounded,
+                    scratch=self._scratch,
+                    negative_zeros=zeros,
+                    skip_nans=nans,
                 )
                 idx = near.reshape(-1).nonzero().squeeze(1)
                 entries = None
@@ -820,7 +833,13 @@ class RoundingMode(EagerDispatchMode):
         )
         honour = max(tau, self.honour_floor)  # the largest threshold the recorder may have logged it with
         flat_near = near_midpoint(
-            x, check_tau, scaled, rounded=rounded, scratch=self._scratch, negative_zeros=zeros
+            x,
+            check_tau,
+            scaled,
+            rounded=rounded,
+            scratch=self._scratch,
+            negative_zeros=zeros,
+            skip_nans=nans_unlogged(self.rules_revision),
         ).reshape(-1)
         mask = None
         if exact is not None and (

@@ -22,17 +22,17 @@ typedef struct {
     Py_ssize_t max_kept, max_pinned, max_short, n_kept, n_pinned, n_short;
 } DetrlEntries;
 
-#define DETRL_KERNEL_API_VERSION 5
+#define DETRL_KERNEL_API_VERSION 6
 #define DETRL_KERNEL_API_CAPSULE "detrl.core._roundkernel._C_API"
 
 typedef struct {
     int version; /* DETRL_KERNEL_API_VERSION */
-    /* The near-midpoint pass of take_entries (see near_pass in _roundkernel.c); negative_zeros: a
-     * reduction's negative value that rounds to -0 takes part (rules revision 7; version 4). */
+    /* The near-midpoint pass of take_entries (see near_pass in _roundkernel.c); flags: 1, a reduction's
+     * negative value that rounds to -0 takes part (rules revision 7; version 4); 2, no NaN does (rules
+     * revision 16; version 6). */
     Py_ssize_t (*near_pass)(double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
                             const double *thresholds, const double *rows, double tau, double c1, double lo,
-                            double hi, int negative_zeros, Py_ssize_t start, DetrlEntries *out,
-                            DetrlEntries *counts);
+                            double hi, int flags, Py_ssize_t start, DetrlEntries *out, DetrlEntries *counts);
     /* channel_thresholds: out[c] = T of channel c; returns -1 where it could not allocate. */
     int (*channel_thresholds)(const double *x, Py_ssize_t outer, Py_ssize_t channels, Py_ssize_t inner,
                               double tau, double *out);
