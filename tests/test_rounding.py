@@ -1492,24 +1492,35 @@ class _RunningSums(torch.nn.Module):
         return self.out(decays.cumsum(-1) / 96 + spread.cumsum(-1) * 1e-4)
 
 
+def _before_and_after(specimen: Any, tmp_path: Any, monkeypatch: Any, revision: int) -> tuple[Any, Any]:
+    """``specimen`` recorded for 2 steps under rules revision ``revision - 1`` and under the current one (a
+    rule that changes only the log: the same weights), each replayed on every emulated profile with nothing
+    unlogged or refused and the same weights; returns the two sessions."""
+    from detrl.core import engine
+    from detrl.testing import zoo
+
+    with monkeypatch.context() as m:
+        m.setattr(engine, "RULES_REVISION", revision - 1)
+        before = zoo.record(specimen, tmp_path / "before", steps=2)
+    after = zoo.record(specimen, tmp_path / "after", steps=2)
+    assert after.leaves == before.leaves
+    for run, recorded in (("before", before), ("after", after)):
+        for hardware in ("emulated:splitk", "emulated:pairwise", "emulated:atomic", "emulated:reversed"):
+            replayed = zoo.replay(specimen, tmp_path / run, get_profile(hardware), steps=2)
+            assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, (run, hardware)
+            assert replayed.leaves == recorded.leaves, (run, hardware)
+    return before, after
+
+
 def test_cumulative_sums_log_only_their_inexact_elements_from_revision_14(tmp_path, monkeypatch) -> None:
     """Rules revision 14 logs a cumulative sum's elements only where some order could round them otherwise;
     the weights are the same under 13 and 14, and each replays on its own rules on every emulated profile
     (which scan in chunks) with nothing unlogged or refused."""
-    from detrl.core import engine
     from detrl.testing import zoo
 
     specimen = zoo.Specimen("running_sums", _RunningSums, zoo.features, zoo.classify)
-    with monkeypatch.context() as m:
-        m.setattr(engine, "RULES_REVISION", 13)
-        before = zoo.record(specimen, tmp_path / "rules13", steps=2)
-    after = zoo.record(specimen, tmp_path / "rules14", steps=2)
-    assert after.leaves == before.leaves
+    before, after = _before_and_after(specimen, tmp_path, monkeypatch, 14)
     assert after.totals.logged < before.totals.logged / 2, (after.totals.logged, before.totals.logged)
-    for run in ("rules13", "rules14"):
-        for hardware in ("emulated:splitk", "emulated:pairwise", "emulated:atomic"):
-            replayed = zoo.replay(specimen, tmp_path / run, get_profile(hardware), steps=2)
-            assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, (run, hardware)
 
 
 def test_average_pool_elements_exact_in_every_order_are_found() -> None:
@@ -1633,24 +1644,14 @@ def test_average_pools_log_only_their_inexact_elements_from_revision_15(tmp_path
     none of the forwards' here, and only backward elements with terms divided by 3, 6 or 9. The weights
     are the same under 14 and 15, and each replays on its own rules on every emulated profile (which sum
     the windows in their own orders) with nothing unlogged or refused."""
-    from detrl.core import engine
     from detrl.testing import zoo
 
     specimen = zoo.Specimen("pools", _Pools, zoo.features, zoo.classify)
-    with monkeypatch.context() as m:
-        m.setattr(engine, "RULES_REVISION", 14)
-        before = zoo.record(specimen, tmp_path / "rules14", steps=2)
-    after = zoo.record(specimen, tmp_path / "rules15", steps=2)
-    assert after.leaves == before.leaves
+    before, after = _before_and_after(specimen, tmp_path, monkeypatch, 15)
     assert after.totals.logged < before.totals.logged / 3, (
         after.totals.logged,
         before.totals.logged,
-    )  # 548 and 2,046
-    for run in ("rules14", "rules15"):
-        for hardware in ("emulated:splitk", "emulated:pairwise", "emulated:atomic", "emulated:reversed"):
-            replayed = zoo.replay(specimen, tmp_path / run, get_profile(hardware), steps=2)
-            assert replayed.totals.unlogged_near == 0 and replayed.totals.refused == 0, (run, hardware)
-            assert replayed.leaves == (before if run == "rules14" else after).leaves, (run, hardware)
+    )  # 548, 2,046
 
 
 def test_scatters_that_add_log_only_their_inexact_elements_from_revision_9(tmp_path, monkeypatch):
