@@ -8,8 +8,9 @@ and logged by its own rule), so that the model that calls it records and replays
 their kin call it (``torch.nn.functional.grouped_mm``) for every expert's tokens at once, and its backward
 calls it again. Its CPU kernel takes float32 and half types only.
 
-Quantization-aware training's observer and per-channel fake quantization are two more: their CPU kernels
-take float32 state and scales only (:mod:`detrl.core.fake_quant` writes them out).
+Quantization-aware training's observer, per-channel fake quantization and learned step sizes (LSQ) are
+more: their CPU kernels take float32 state, scales or gradients only (:mod:`detrl.core.fake_quant` writes
+them out).
 
 ``_efficientzerotensor`` is here for a kindred reason: its result is a "zero tensor" that holds no memory
 (autograd makes one for a gradient known to be zero: ``torch.sgn``'s backward on real values), which the

@@ -5,13 +5,16 @@ activation. Its op, ``_fused_moving_avg_obs_fq_helper``, updates the observer's 
 in place, chooses a scale and zero point from them, and rounds its input to that grid. Its CPU kernel
 takes float32 state only, and the per-channel fake quantization it calls for weights
 (``fake_quantize_per_channel_affine_cachemask``) refuses an FP64 scale: in verifiable precision, where every
-floating tensor is FP64, a QAT model failed at its first step. The rounding mode runs both as the
-functions here (:data:`detrl.core.composites.COMPOSITES`), every op in them an op of the step.
+floating tensor is FP64, a QAT model failed at its first step; so did learned step sizes (LSQ,
+``_LearnableFakeQuantize``), whose backward kernels take float32 only. The rounding mode runs them all as
+the functions here (:data:`detrl.core.composites.COMPOSITES`), every op in them an op of the step.
 
 The arithmetic is the kernels', in the same order. The kernels compute in float32, and each op here is
 one IEEE operation on float32 values, rounded to FP32 by the mode: ``+ - *`` and a reciprocal rounded once
 from FP64 are the float32 results (FP64 holds more than twice float32's precision). So a QAT step here
-quantizes to the grid a float32 step would. The scale and zero point are chosen in Python floats
+quantizes to the grid a float32 step would. (One exception: torch's CPU build fuses the LSQ backward's
+``(clamp(q) - z) * scale - x`` into a multiply-add, which rounds once; here it rounds twice, and the scale's
+gradient can differ from the CPU kernel's by a few ulps.) The scale and zero point are chosen in Python floats
 (IEEE double, the same on every machine), as torch's ``ChooseQuantizationParams`` chooses them in C++.
 """
 
@@ -152,8 +155,132 @@ def fused_observe(
     return _fake_quantize(x, scale.reshape(-1)[:1], zero_point.reshape(-1)[:1], quant_min, quant_max)
 
 
+def _learned_point(zero_point: torch.Tensor, quant_min: int, quant_max: int, forward: bool) -> int:
+    """A learnable per-tensor zero point (a float) as torch's kernels take it: rounded to nearest in the
+    forward, plus a half in the backward, clamped to the range, then truncated to an integer."""
+    value = _f32(zero_point.reshape(-1)[0].item())
+    value = float(round(value)) if forward else _f32(value + 0.5)
+    return int(min(max(value, float(quant_min)), float(quant_max)))
+
+
+def learnable_per_tensor(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    grad_factor: float = 1.0,
+) -> torch.Tensor:
+    """``_fake_quantize_learnable_per_tensor_affine`` (LSQ): :func:`_fake_quantize` at the learnable scale
+    and zero point (one-element tensors; the zero point rounded to nearest and clamped)."""
+    point = _learned_point(zero_point, quant_min, quant_max, forward=True)
+    scale_value = torch.full((1,), _f32(scale.reshape(-1)[0].item()), dtype=x.dtype, device=x.device)
+    return _fake_quantize(x, scale_value, torch.full_like(scale_value, point), quant_min, quant_max)[0]
+
+
+def _learnable_gradients(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    point: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    grad_factor: float,
+    point_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LSQ kernels' gradients at each element, before their sums: ``(d x, d scale, d zero point)``, each
+    ``x``'s shape; ``scale`` and ``point`` broadcast against ``x``. Inside the range, ``x``'s gradient
+    passes and the scale's is ``grad * (x_fq - x) / scale``; outside, the scale's is ``grad`` times the
+    distance of the clamped end from the zero point, and the zero point's ``-grad * scale`` (each times
+    ``grad_factor``, in the kernels' order of operations). ``point_first``: the per-channel kernel adds the
+    zero point before rounding to an integer (a float sum, which can round to a half), the per-tensor one
+    after."""
+    factor = _f32(grad_factor)
+    inverse = torch.reciprocal(scale)
+    q = torch.round(point + x * inverse) if point_first else torch.round(x * inverse) + point
+    inside = (q >= quant_min) & (q <= quant_max)
+    grad_x = grad * inside
+    fake = (q.clamp(quant_min, quant_max) - point) * scale
+    grad_scale_inside = grad * (fake - x) * inverse * factor
+    grad_scale_outside = (
+        torch.where(q < quant_min, grad * (quant_min - point), grad * (quant_max - point)) * factor
+    )
+    grad_scale = torch.where(inside, grad_scale_inside, grad_scale_outside)
+    grad_point = torch.where(inside, torch.zeros_like(grad), grad * -1 * scale * factor)
+    return grad_x, grad_scale, grad_point
+
+
+def learnable_per_tensor_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    grad_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_fake_quantize_learnable_per_tensor_affine_backward``: ``x``'s gradient, and the scale's and zero
+    point's, each the sum of its per-element gradients (``(1,)`` each)."""
+    point = _learned_point(zero_point, quant_min, quant_max, forward=False)
+    scale_value = torch.full((1,), _f32(scale.reshape(-1)[0].item()), dtype=x.dtype, device=x.device)
+    grad_x, grad_scale, grad_point = _learnable_gradients(
+        grad, x, scale_value, torch.full_like(scale_value, point), quant_min, quant_max, grad_factor, False
+    )
+    return (
+        grad_x,
+        grad_scale.sum().unsqueeze(0).to(scale.dtype),
+        grad_point.sum().unsqueeze(0).to(zero_point.dtype),
+    )
+
+
+def _rounded_points(zero_point: torch.Tensor, quant_min: int, quant_max: int) -> torch.Tensor:
+    """Learnable per-channel zero points as torch's kernels take them: rounded to nearest, clamped."""
+    return torch.round(zero_point).clamp(quant_min, quant_max)
+
+
+def learnable_per_channel(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    grad_factor: float = 1.0,
+) -> torch.Tensor:
+    """``_fake_quantize_learnable_per_channel_affine`` (LSQ per channel): :func:`per_channel` at the learnable
+    scales and the rounded zero points."""
+    points = _rounded_points(zero_point, quant_min, quant_max)
+    return per_channel(x, scale, points, axis, quant_min, quant_max)[0]
+
+
+def learnable_per_channel_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    axis: int,
+    quant_min: int,
+    quant_max: int,
+    grad_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_fake_quantize_learnable_per_channel_affine_backward``: ``x``'s gradient, and each channel's scale
+    and zero point gradient (``(C,)``), summed over every dim but ``axis``."""
+    along = [1] * x.dim()
+    along[axis] = -1
+    points = _rounded_points(zero_point, quant_min, quant_max).to(x.dtype).reshape(along)
+    grad_x, grad_scale, grad_point = _learnable_gradients(
+        grad, x, scale.to(x.dtype).reshape(along), points, quant_min, quant_max, grad_factor, True
+    )
+    others = [d for d in range(x.dim()) if d != axis]
+    return grad_x, grad_scale.sum(others).to(scale.dtype), grad_point.sum(others).to(zero_point.dtype)
+
+
 #: The fake quantizations torch has no FP64 kernel for, by overload: what the rounding mode runs instead.
 COMPOSITES = {
     aten._fused_moving_avg_obs_fq_helper.default: fused_observe,
     aten.fake_quantize_per_channel_affine_cachemask.default: per_channel,
+    aten._fake_quantize_learnable_per_tensor_affine.default: learnable_per_tensor,
+    aten._fake_quantize_learnable_per_tensor_affine_backward.default: learnable_per_tensor_backward,
+    aten._fake_quantize_learnable_per_channel_affine.default: learnable_per_channel,
+    aten._fake_quantize_learnable_per_channel_affine_backward.default: learnable_per_channel_backward,
 }
