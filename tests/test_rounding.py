@@ -1204,9 +1204,11 @@ def test_sparse_and_complex_results_are_refused_in_one_line(tmp_path, route: boo
             lambda m, x: m(x + torch.view_as_real(torch.randn(4, 8, dtype=torch.complex128))[..., 0]),
             "no rule for aten.randn on complex128 values",
         ),
-        "sparse_gradient": (
-            lambda: torch.nn.Embedding(10, 8, sparse=True),
-            lambda m, x: m((x.abs() * 3).long().clamp(max=9)),
+        "sparse_gradient": (  # a functional sparse embedding (a module with sparse=True is refused at init)
+            lambda: torch.nn.Embedding(10, 8),
+            lambda m, x: torch.nn.functional.embedding(
+                (x.abs() * 3).long().clamp(max=9), m.weight, sparse=True
+            ),
             "cannot round a sparse_coo result of aten._sparse_coo_tensor_with_dims_and_tensors",
         ),
     }
@@ -1222,6 +1224,35 @@ def test_sparse_and_complex_results_are_refused_in_one_line(tmp_path, route: boo
     message = str(raised.value)
     assert want in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("precision", ["verifiable", "fp32"])
+def test_a_module_that_makes_sparse_gradients_is_refused_at_init_in_verifiable_precision(
+    tmp_path, precision: str
+) -> None:
+    """An ``nn.Embedding(sparse=True)`` (here inside a model) is refused by ``Session.init`` in one line that
+    names it, before step 1 (the bundle holds no step); plain precisions train it."""
+    from detrl.core.engine import Session
+    from detrl.core.precision import Precision
+    from detrl.core.sources import Sources
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Embedding(10, 8, sparse=True), torch.nn.Linear(8, 2))
+
+    session = Session(
+        tmp_path / "run", mode="record", sources=Sources(), precision=Precision(precision), planned_steps=1
+    )
+    if precision == "fp32":
+        with session:
+            assert session.init(build)[0].sparse
+        return
+    with pytest.raises(ValueError) as raised, session:
+        session.init(build)
+    message = str(raised.value)
+    assert "\n" not in message and message == (
+        "Session.init: 0 (Embedding) makes sparse gradients (sparse=True); verifiable precision rounds dense "
+        "tensors: use nn.Embedding(..., sparse=False)"
+    )
 
 
 @pytest.mark.parametrize("route", [True, False])

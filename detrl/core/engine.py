@@ -661,6 +661,8 @@ class Session:
                     f"Session.init: {name} is a {str(t.layout).removeprefix('torch.')} tensor; a run commits "
                     "and rounds dense tensors: densify it"
                 )
+        if self.precision.kind == "verifiable":
+            _refuse_sparse_gradients(model)
         model = _cast_floats(model, torch.float32)  # weights start on the FP32 grid whatever the precision
         self.sources.apply_bitflip(model)
         model = _cast_floats(model.to(device=self.device), self.precision.dtype)
@@ -1131,6 +1133,20 @@ class _PlainStep:
 def _restore_host_rngs(python_state: Any, numpy_state: Any) -> None:
     random.setstate(python_state)
     np.random.set_state(numpy_state)
+
+
+def _refuse_sparse_gradients(model: torch.nn.Module) -> None:
+    """Refuse, before step 1, a module that makes sparse gradients (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``): verifiable precision rounds dense results only, and would refuse its
+    first backward (:class:`detrl.core.islands.UnroundableResult`) after calibration's work. A functional
+    ``F.embedding(..., sparse=True)`` is still refused there, naming the op."""
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and any(True for _ in module.parameters(recurse=False)):
+            kind = type(module).__name__
+            raise ValueError(
+                f"Session.init: {name or 'the model'} ({kind}) makes sparse gradients (sparse=True); verifiable "
+                f"precision rounds dense tensors: use nn.{kind}(..., sparse=False)"
+            )
 
 
 def _module_on_stack(model: torch.nn.Module | None) -> str:
