@@ -100,9 +100,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg, out = _train_config(args)
     if not args.no_tensorboard:
-        config_mod.check_tensorboard_dir(
-            out / "tb"
-        )  # before the bundle is touched: a refused start changes nothing on disk
+        # before the bundle is touched: a refused start changes nothing on disk
+        config_mod.check_tensorboard_dir(out / "tb")
     task = tasks.get(cfg.task)
     torch.set_num_threads(cfg.threads)
     session = sessions.session_for(cfg, out, "record", resume=bool(args.resume), force=args.force)

@@ -155,12 +155,22 @@ def fused_observe(
     return _fake_quantize(x, scale.reshape(-1)[:1], zero_point.reshape(-1)[:1], quant_min, quant_max)
 
 
-def _learned_point(zero_point: torch.Tensor, quant_min: int, quant_max: int, forward: bool) -> int:
-    """A learnable per-tensor zero point (a float) as torch's kernels take it: rounded to nearest in the
+def _learned_qparams(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    quant_min: int,
+    quant_max: int,
+    forward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable per-tensor scale and zero point (one-element float tensors) as torch's kernels take them,
+    as ``(1,)`` tensors of ``x``'s dtype: the scale a float32 value; the zero point rounded to nearest in the
     forward, plus a half in the backward, clamped to the range, then truncated to an integer."""
-    value = _f32(zero_point.reshape(-1)[0].item())
-    value = float(round(value)) if forward else _f32(value + 0.5)
-    return int(min(max(value, float(quant_min)), float(quant_max)))
+    point = _f32(zero_point.reshape(-1)[0].item())
+    point = float(round(point)) if forward else _f32(point + 0.5)
+    point = int(min(max(point, float(quant_min)), float(quant_max)))
+    scale_value = torch.full((1,), _f32(scale.reshape(-1)[0].item()), dtype=x.dtype, device=x.device)
+    return scale_value, torch.full_like(scale_value, point)
 
 
 def learnable_per_tensor(
@@ -173,9 +183,8 @@ def learnable_per_tensor(
 ) -> torch.Tensor:
     """``_fake_quantize_learnable_per_tensor_affine`` (LSQ): :func:`_fake_quantize` at the learnable scale
     and zero point (one-element tensors; the zero point rounded to nearest and clamped)."""
-    point = _learned_point(zero_point, quant_min, quant_max, forward=True)
-    scale_value = torch.full((1,), _f32(scale.reshape(-1)[0].item()), dtype=x.dtype, device=x.device)
-    return _fake_quantize(x, scale_value, torch.full_like(scale_value, point), quant_min, quant_max)[0]
+    scale_value, point = _learned_qparams(x, scale, zero_point, quant_min, quant_max, forward=True)
+    return _fake_quantize(x, scale_value, point, quant_min, quant_max)[0]
 
 
 def _learnable_gradients(
@@ -221,10 +230,9 @@ def learnable_per_tensor_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_fake_quantize_learnable_per_tensor_affine_backward``: ``x``'s gradient, and the scale's and zero
     point's, each the sum of its per-element gradients (``(1,)`` each)."""
-    point = _learned_point(zero_point, quant_min, quant_max, forward=False)
-    scale_value = torch.full((1,), _f32(scale.reshape(-1)[0].item()), dtype=x.dtype, device=x.device)
+    scale_value, point = _learned_qparams(x, scale, zero_point, quant_min, quant_max, forward=False)
     grad_x, grad_scale, grad_point = _learnable_gradients(
-        grad, x, scale_value, torch.full_like(scale_value, point), quant_min, quant_max, grad_factor, False
+        grad, x, scale_value, point, quant_min, quant_max, grad_factor, False
     )
     return (
         grad_x,

@@ -66,9 +66,10 @@ class Pool:
         )
 
     def divisors(self) -> torch.Tensor:
-        """Each window's divisor, FP64 ``(*out)`` (spatial only), found by the pool itself: its count of input
-        elements (pooled ones, divided by 1) over its mean of ones (the count over the divisor). Exact where
-        the divisor is a power of two, and within a few ulps of the integer it is elsewhere: rounded."""
+        """Each window's divisor, FP64 ``(*out)``: the output's spatial shape (a backward's ``grad``'s). Found
+        by the pool itself: its count of input elements (pooled ones, divided by 1) over its mean of ones (the
+        count over the divisor). Exact where the divisor is a power of two, and within a few ulps of the
+        integer it is elsewhere: rounded."""
         dims = len(self.kernel)
         forward = aten.avg_pool2d.default if dims == 2 else aten.avg_pool3d.default
         ones = torch.ones((1, *self.input.shape[-dims:]), dtype=torch.float64, device=self.input.device)
@@ -76,15 +77,9 @@ class Pool:
         mean = forward(ones, *self.options(self.divisor_override))
         return count.div_(mean).round_()[0]
 
-    def out_shape(self) -> tuple[int, ...]:
-        """The spatial shape of the output (of the forward; a backward's ``grad``)."""
-        if self.grad is not None:
-            return tuple(self.grad.shape[-len(self.kernel) :])
-        return tuple(self.divisors().shape)
-
     def padded(self, t: torch.Tensor, out: tuple[int, ...], value: float = 0.0) -> torch.Tensor:
-        """``t`` (input-shaped) with ``value`` (zeros) around its spatial dims: ``padding`` before, and after at least as
-        none past the input, or as many as the last window reaches (ceil mode's windows reach past the padding)."""
+        """``t`` (input-shaped) with ``value`` around its spatial dims: ``padding`` before, and after as many as
+        the last window reaches (ceil mode's windows reach past the padding), at least none."""
         pads: list[int] = []
         spatial = zip(t.shape[-len(out) :], self.kernel, self.stride, self.padding, out, strict=True)
         for size, k, s, p, o in reversed(list(spatial)):  # F.pad takes the last dim first

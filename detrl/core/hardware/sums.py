@@ -92,13 +92,14 @@ def _avg_pool(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -
     pool = pools.pool_call(func, args, kwargs)
     if pool is None or not p.splits(pool.terms, "row"):
         return func(*args, **kwargs)
-    out = pool.out_shape()
+    divisors = pool.divisors()
+    out = tuple(divisors.shape)
     x = pool.input.to(_acc_dtype(pool.input.dtype))
     terms = torch.stack(list(pool.views(pool.padded(x, out), out)), dim=-1)  # (*B, *S', terms)
     total = _sum(p, terms, [-1], False, None, "row")
     if total is None:
         return func(*args, **kwargs)
-    return total.add_(0.0).div_(pool.divisors().to(total.dtype)).to(pool.input.dtype)
+    return total.add_(0.0).div_(divisors.to(total.dtype)).to(pool.input.dtype)
 
 
 @_register(*_POOL_BACKWARDS)
@@ -109,8 +110,9 @@ def _avg_pool_backward(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs
     pool = pools.pool_call(func, args, kwargs)
     if pool is None or pool.grad is None or not p.splits(pool.terms, "row"):
         return func(*args, **kwargs)
-    out = pool.out_shape()
-    share = pool.grad.to(_acc_dtype(pool.grad.dtype)) / pool.divisors().to(_acc_dtype(pool.grad.dtype))
+    divisors = pool.divisors()
+    out = tuple(divisors.shape)
+    share = pool.grad.to(_acc_dtype(pool.grad.dtype)) / divisors.to(_acc_dtype(pool.grad.dtype))
     blank = pool.padded(torch.zeros(pool.input.shape, dtype=share.dtype, device=share.device), out)
     placed = []
     for view in reversed(list(pool.views(blank, out))):
