@@ -702,3 +702,25 @@ def test_a_model_that_resizes_a_buffer_after_its_first_commitment_records_and_re
     assert recorded.model.running_max.shape == (16,) and bool(recorded.model.running_max.isfinite().all())
     replayed = zoo.replay(specimen, tmp_path / "run", "emulated:splitk", steps=2)
     assert torch.equal(replayed.model.running_max, recorded.model.running_max)
+
+
+def test_a_batch_of_dicts_lists_and_none_is_hashed_by_path() -> None:
+    """``Session.step(batch=...)`` takes a Hugging Face batch (a dict), nested tuples and ``None``: each leaf is
+    named by its path, so moving a tensor to another key or changing any value changes the digest. A flat
+    batch hashes as it always did (the same records, no extras), and an object that is none of those is
+    refused in one line."""
+    ids, mask = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1, 0]])
+    assert commit.hash_batch(ids, mask) == commit.hash_tensors({"0": ids, "1": mask}, tag=commit.BATCH_TAG)
+    assert commit.hash_batch(ids, [1, 2]) == commit.hash_batch(ids, torch.tensor([1, 2]))  # as before
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": None}
+    digest = commit.hash_batch(batch)
+    assert digest == commit.hash_batch(dict(batch))
+    assert digest != commit.hash_batch({"input_ids": mask, "attention_mask": ids, "labels": None})
+    assert digest != commit.hash_batch({**batch, "labels": ids})
+    assert digest != commit.hash_batch({"input_ids": ids, "attention_mask": mask})
+    assert digest != commit.hash_batch({**batch, "attention_mask": torch.tensor([[1, 0, 0]])})
+    nested = ((ids, torch.ones(4, 2), None), "a prompt")
+    assert commit.hash_batch(*nested) != commit.hash_batch((ids, torch.ones(4, 2), None), "another")
+    assert commit.hash_batch(*nested) != commit.hash_batch((ids, torch.zeros(4, 2), None), "a prompt")
+    with pytest.raises(TypeError, match=r"cannot hash the batch's object at 1\['x'\]"):
+        commit.hash_batch(ids, {"x": object()})

@@ -812,7 +812,8 @@ class Session:
         """One training step: forward, backward and optimizer update go inside. Commits on exit.
 
         ``batch``: the data the step consumes, if it did not come from :meth:`loader` (hashed into the
-        step's commitment).
+        step's commitment): tensors, arrays or numbers, or dicts, lists and tuples of them, such as a
+        Hugging Face batch (:func:`detrl.formats.commit.hash_batch`).
         ``frozen``: the step writes no model parameter, buffer or optimizer state (a DQN step that only
         acts). A hint only, kept for compatibility: commitments never depend on it, since the digest
         cache finds unchanged tensors by comparing their bytes (a false claim changes nothing).

@@ -662,11 +662,37 @@ class MerkleFrontier:
 
 
 def hash_batch(*tensors: Any) -> bytes:
-    """Digest of a training batch (tensors, arrays or bytes), so a changed example shows at its step."""
-    items = {}
-    for i, t in enumerate(tensors):
+    """Digest of a training batch, so a changed example shows at its step.
+
+    Each argument is a tensor, an array or a number, or a dict, list or tuple of them, nested as deep as
+    wanted (a Hugging Face batch of ``input_ids``, ``attention_mask`` and ``labels``). Every leaf is named
+    by its path (``0``, ``1['labels']``, ``2[0]``); a ``None`` or a string leaf is hashed by name and value.
+    Whatever ``torch.as_tensor`` takes is one tensor, as it always was.
+    """
+    items: dict[str, torch.Tensor] = {}
+    extra: list[tuple[str, bytes]] = []
+
+    def leaf(name: str, t: Any) -> None:
         if isinstance(t, torch.Tensor):
-            items[f"{i}"] = t
+            items[name] = t
+        elif isinstance(t, Mapping):
+            for key, value in t.items():
+                leaf(f"{name}[{key!r}]", value)
+        elif t is None or isinstance(t, str):
+            extra.append((name, b"\0" if t is None else b"\1" + t.encode()))
         else:
-            items[f"{i}"] = torch.as_tensor(t)
-    return hash_tensors(items, tag=BATCH_TAG)
+            try:
+                items[name] = torch.as_tensor(t)  # an array, a number, a list of numbers: as always
+            except (TypeError, ValueError, RuntimeError):
+                if isinstance(t, (list, tuple)):  # of tensors of several elements, of dicts, ...
+                    for i, value in enumerate(t):
+                        leaf(f"{name}[{i}]", value)
+                    return
+                raise TypeError(
+                    f"cannot hash the batch's {type(t).__name__} at {name}: a batch holds tensors, arrays, "
+                    "numbers, strings or None, or dicts, lists and tuples of them"
+                ) from None
+
+    for i, t in enumerate(tensors):
+        leaf(f"{i}", t)
+    return hash_tensors(items, extra, tag=BATCH_TAG)
