@@ -249,6 +249,83 @@ def test_average_pools_sum_each_window_in_the_profiles_chunks(name: str) -> None
     assert torch.equal(profile(aten.avg_pool2d.default, (x, [1, 1]), {}), x)  # one term a window
 
 
+#: Adaptive pools' shapes: (input's spatial shape, output's), shrinking, growing (windows that overlap) and
+#: mixed.
+ADAPTIVE_CALLS = {
+    2: [((7, 9), (4, 5)), ((9, 9), (3, 3)), ((5, 6), (7, 11)), ((8, 3), (3, 5))],
+    3: [((5, 6, 7), (2, 4, 3)), ((4, 4, 4), (3, 3, 3)), ((3, 5, 2), (5, 2, 3))],
+}
+
+
+def _adaptive(dims: int) -> tuple:
+    forward = aten._adaptive_avg_pool2d.default if dims == 2 else aten._adaptive_avg_pool3d.default
+    backward = (
+        aten._adaptive_avg_pool2d_backward.default
+        if dims == 2
+        else aten._adaptive_avg_pool3d_backward.default
+    )
+    return forward, backward
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_adaptive_pools_in_kernel_order_are_a_kernels_bits(dims: int) -> None:
+    """With one term a chunk, added left to right, the emulated adaptive pools and their backwards give each
+    window's elements row-major (backward: each element's windows in order), divided by the window's size:
+    a CPU's channels-last kernel's bits in 2d, written out in 3d (whose CPU kernels divide by each length
+    in turn instead). A sum of one term everywhere runs natively."""
+    from detrl.core import pools
+    from detrl.core.hardware.profiles import EmulatedProfile
+
+    in_order = EmulatedProfile("in-order", "one term a chunk", {"k": 1, "channel": 1, "batch": 1, "row": 1})
+    forward, backward = _adaptive(dims)
+    for i, (size, out) in enumerate(ADAPTIVE_CALLS[dims]):
+        shape = (2, 16, *size)
+        spread = torch.exp2(
+            torch.randint(-30, 30, shape, generator=torch.Generator().manual_seed(i)).double()
+        )
+        x = _randn(*shape, seed=i) * spread
+        grad = _randn(2, 16, *out, seed=100 + i) * 2.0**20
+        for func, args in ((forward, (x, list(out))), (backward, (grad, x))):
+            got = in_order(func, args, {})
+            pool = pools.adaptive_pool_call(func, args, {})
+            assert pool is not None
+            divisors = pool.divisors()
+            values = x if func is forward else grad / divisors
+            terms = pool.gathered(values, 0.0).flatten(-dims)
+            want = torch.zeros(terms.shape[:-1], dtype=torch.float64)
+            for k in range(terms.shape[-1]):
+                want = want + terms[..., k]
+            want = want / divisors if func is forward else want
+            if pool.terms == 1:  # a sum of one term: not split, run natively
+                want = func(*args)
+            assert torch.equal(got.view(torch.int64), want.view(torch.int64)), (func, size, out)
+            if dims == 2 and pool.terms > 1:
+                cl = [
+                    a.contiguous(memory_format=torch.channels_last) if torch.is_tensor(a) else a for a in args
+                ]
+                native = func(*cl)
+                assert torch.equal(got.view(torch.int64), native.contiguous().view(torch.int64)), (func, size)
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_adaptive_pools_sum_each_window_in_the_profiles_chunks(name: str) -> None:
+    """Each profile sums an adaptive pool's windows (and a backward's windows per element) in its own order:
+    the same values up to rounding, other bits for some elements."""
+    profile = get_profile(name, seed=0)
+    differ = 0
+    for dims in (2, 3):
+        forward, backward = _adaptive(dims)
+        for i, (size, out) in enumerate(ADAPTIVE_CALLS[dims]):
+            x = _randn(2, 3, *size, seed=i) * 1e3
+            grad = _randn(2, 3, *out, seed=100 + i)
+            for func, args in ((forward, (x, list(out))), (backward, (grad, x))):
+                ref, got = func(*args), profile(func, args, {})
+                assert got.shape == ref.shape and got.dtype == ref.dtype
+                assert float((got - ref).abs().max()) <= 1e-14 * float(ref.abs().max()), (func, size, out)
+                differ += int((got != ref).sum())
+    assert differ > 0
+
+
 @pytest.mark.parametrize("name", EMULATED)
 def test_sum_and_mean(name: str):
     profile = get_profile(name)

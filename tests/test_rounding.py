@@ -416,7 +416,7 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 16]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 17]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
@@ -1683,6 +1683,121 @@ def test_average_pools_log_only_their_inexact_elements_from_revision_15(tmp_path
         after.totals.logged,
         before.totals.logged,
     )  # 548, 2,046
+
+
+def test_adaptive_pool_elements_exact_in_every_order_and_division_are_found() -> None:
+    """Rules revision 17: an adaptive pool's element is exact where its window's sum is and where that sum,
+    divided by the window's size or by its lengths in turn, rounds alike: its divisor a power of two, or its
+    terms within ``26 - ceil(log2(size))`` binades. A backward's where every window holding it divides by a
+    power of two. Before 17, no rule."""
+    from detrl.core.scale import exact_elements, exact_pool_elements
+
+    aten = torch.ops.aten
+    forward, backward = aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool2d_backward.default
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(2, 3, 9, 8, generator=g, dtype=torch.float64) + 1.0).float().double()  # one binade
+    x[0, 0, 0, 0] *= 2.0**-20  # 20 + ceil(log2(6)) = 23 binades: divided alike
+    x[0, 1, 0, 0] *= 2.0**-24  # 24 + 3 = 27: an exact sum (27 + 3 <= 29), but not divided alike
+    x[1, 0, 0, 0] *= 2.0**-30  # 30 + 3: not an exact sum
+    pool = (x, [3, 4])  # windows of 3 x 2: divisor 6
+    out = forward(*pool)
+    exact = exact_pool_elements(forward, pool, out)
+    assert exact is not None
+    want = torch.ones(2, 3, 3, 4, dtype=torch.bool)
+    want[0, 1, 0, 0] = want[1, 0, 0, 0] = False
+    assert torch.equal(exact.view(2, 3, 3, 4), want)
+    halves = (x[..., :8, :], [4, 4])  # windows of 2 x 2: divisor 4, the sum rule alone
+    exact_halves = exact_pool_elements(forward, halves, forward(*halves))
+    assert exact_halves is not None and int((~exact_halves).sum()) == 1  # the 2**-30 one
+    grad = (torch.rand(2, 3, 3, 4, generator=g, dtype=torch.float64) + 1.0).float().double()
+    exact_back = exact_pool_elements(backward, (grad, x), backward(grad, x))
+    assert exact_back is not None and not bool(exact_back.any())  # divided by 6
+    grown = (grad, x[..., :2, :2])  # 2 x 2 grown to 3 x 4: windows of 1 or 2 along each dim, divisors 1, 2, 4
+    exact_grown = exact_pool_elements(backward, grown, backward(*grown))
+    assert exact_grown is not None and bool(exact_grown.all())
+    assert exact_elements(forward, pool, out) is not None
+    for name in ("emulated:splitk", "emulated:pairwise", "emulated:atomic", "emulated:reversed"):
+        got = get_profile(name)(forward, pool, {}).reshape(-1)
+        assert torch.equal(got[exact], out.reshape(-1)[exact]), name
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_every_profile_gives_an_adaptive_pools_exact_elements_the_same_bits(dims: int) -> None:
+    """Over adaptive pools that shrink, grow (overlapping windows) or both, of values in 3 binades and over
+    40, in both memory formats (a CPU divides by a window's size, or by its lengths in turn): the elements
+    found exact round to the same FP32 bits under every profile and format, forward and backward, and the
+    disagreements elsewhere are far inside the unit."""
+    from detrl.core.scale import exact_pool_elements
+
+    aten = torch.ops.aten
+    forward = aten._adaptive_avg_pool2d.default if dims == 2 else aten._adaptive_avg_pool3d.default
+    backward = (
+        aten._adaptive_avg_pool2d_backward.default
+        if dims == 2
+        else aten._adaptive_avg_pool3d_backward.default
+    )
+    last = torch.channels_last if dims == 2 else torch.channels_last_3d
+    g = torch.Generator().manual_seed(dims)
+
+    def values(*size: int, binades: int) -> torch.Tensor:
+        spread = torch.exp2(-torch.randint(0, binades, size, generator=g).double())
+        return (torch.randn(*size, generator=g, dtype=torch.float64) * spread).float().double()
+
+    calls = {2: [((9, 8), (3, 3)), ((7, 9), (4, 5)), ((5, 6), (7, 11)), ((6, 6), (4, 4))],
+             3: [((5, 6, 7), (2, 4, 3)), ((3, 5, 2), (5, 2, 3))]}[dims]  # fmt: skip
+    exact_seen = differ = 0
+    for (size, out_size), binades in itertools.product(calls, (3, 40)):
+        x = values(2, 8, *size, binades=binades)
+        back = (values(2, 8, *out_size, binades=binades), x)
+        for func, args in ((forward, (x, list(out_size))), (backward, back)):
+            ref = func(*args)
+            exact = exact_pool_elements(func, args, ref)
+            unit = reduction_scale(func, args, ref)
+            assert exact is not None and unit is not None
+            exact_seen += int(exact.sum())
+            formatted = func(*(a.contiguous(memory_format=last) if torch.is_tensor(a) else a for a in args))
+            results = [("channels last", formatted.contiguous())]
+            results += [
+                (name, get_profile(name, seed=0)(func, args, {}))
+                for name in ("emulated:splitk", "emulated:pairwise", "emulated:reversed", "emulated:atomic")
+            ]
+            for name, got in results:
+                # their FP32 roundings: the FP64 quotients of one exact sum may differ in their last bits
+                rounded = got.reshape(-1).float().view(torch.int32) == ref.reshape(-1).float().view(
+                    torch.int32
+                )
+                assert bool(rounded[exact].all()), (name, func, size, out_size)
+                differ += int((got != ref).sum())
+                apart = (got - ref).abs().reshape(-1) / unit.dense().reshape(-1)
+                assert float(apart.max()) < 2.0**-20, (name, func, float(apart.max()))
+    assert exact_seen > 0 and differ > 0
+
+
+class _AdaptivePools(torch.nn.Module):
+    """Adaptive average pools of values in one binade: an area upsampling (``F.interpolate(mode="area")``,
+    windows of one or two elements along each dim) and a pyramid pooling's bins of 2, 3 and 6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(16, 4 * 6 * 6), torch.nn.Linear(4 * (81 + 4 + 9 + 36), 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5)
+        h = (torch.sigmoid(self.inp(x)) + 1.0).view(-1, 4, 6, 6)  # in [1, 2)
+        area = torch.nn.functional.interpolate(h, size=(9, 9), mode="area")  # (N, 4, 9, 9)
+        bins = [torch.nn.functional.adaptive_avg_pool2d(h * torch.tanh(h), b).flatten(1) for b in (2, 3, 6)]
+        return self.out(torch.cat([area.flatten(1), *bins], 1))
+
+
+def test_adaptive_pools_log_only_their_inexact_elements_from_revision_17(tmp_path, monkeypatch) -> None:
+    """Rules revision 17 logs an adaptive pool's elements only where some order or way of dividing could round
+    them otherwise. The weights are the same under 16 and 17, and each replays on its own rules on every
+    emulated profile (which sum the windows in their own orders and divide by their sizes) with nothing
+    unlogged or refused."""
+    from detrl.testing import zoo
+
+    specimen = zoo.Specimen("adaptive_pools", _AdaptivePools, zoo.features, zoo.classify)
+    before, after = _before_and_after(specimen, tmp_path, monkeypatch, 17)
+    assert after.totals.logged < before.totals.logged / 3, (after.totals.logged, before.totals.logged)
 
 
 def test_scatters_that_add_log_only_their_inexact_elements_from_revision_9(tmp_path, monkeypatch):

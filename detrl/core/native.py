@@ -34,6 +34,7 @@ import torch
 from detrl.core import extensions, kernel, randomness
 from detrl.core.fused import SPLIT
 from detrl.core.oprules import (
+    ADAPTIVE_POOLS_FROM_17,
     EXACT_PRODUCTS,
     EXACT_SCATTERS,
     EXACT_SUMS,
@@ -165,6 +166,8 @@ def route(
         if rules_revision >= 14 and func in RUNNING_SUMS_FROM_14:  # each element in its own terms' units
             return Route.PYTHON
         if rules_revision >= 15 and func in POOL_SUMS_FROM_15:  # so are a pool's: scale.exact_pool_elements
+            return Route.PYTHON
+        if rules_revision >= 17 and func in ADAPTIVE_POOLS_FROM_17:  # and an adaptive pool's
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:
             return Route.LOGGED_SUM

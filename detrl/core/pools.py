@@ -135,3 +135,136 @@ def pool_call(func: object, args: tuple, kwargs: dict) -> Pool | None:
     if k is None or s is None or p is None or min(k) < 1 or min(s) < 1:
         return None
     return Pool(x, grad, k, s, p, bool(ceil_mode), bool(include), override)
+
+
+#: The adaptive average pools and their backwards, by the number of spatial dims (rules revision 17).
+ADAPTIVE_DIMS = {
+    aten._adaptive_avg_pool2d.default: 2,
+    aten._adaptive_avg_pool3d.default: 3,
+    aten._adaptive_avg_pool2d_backward.default: 2,
+    aten._adaptive_avg_pool3d_backward.default: 3,
+}
+ADAPTIVE_BACKWARDS = frozenset(
+    {aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptivePool:
+    """One adaptive average-pool call: ``input`` ``(*batch, *spatial)``, ``out`` the output's spatial shape,
+    and for a backward its ``grad`` ``(*batch, *out)``.
+
+    Along each spatial dim of size ``n`` pooled to ``m``, window ``i`` is ``[floor(i n / m), ceil((i + 1) n /
+    m))``: windows of unequal lengths, overlapping where ``m`` does not divide ``n``, so no strided view holds
+    them. Each is read instead through index tensors, one per dim (:meth:`slots`, :meth:`holders`).
+    """
+
+    input: torch.Tensor
+    grad: torch.Tensor | None
+    out: tuple[int, ...]
+
+    def windows(self, dim: int) -> list[tuple[int, int]]:
+        """Spatial dim ``dim``'s windows, ``(start, end)``, as the kernels bound them."""
+        n, m = self.input.shape[dim - len(self.out)], self.out[dim]
+        return [(i * n // m, -(-(i + 1) * n // m)) for i in range(m)]
+
+    @property
+    def terms(self) -> int:
+        """The most terms one sum adds: a forward's longest window; a backward's most windows holding one
+        element (their product over the spatial dims)."""
+        if self.grad is None:
+            return math.prod(max(e - s for s, e in self.windows(d)) for d in range(len(self.out)))
+        return math.prod(int(self._holders(d)[1].sum(1).max()) for d in range(len(self.out)))
+
+    def divisors(self) -> torch.Tensor:
+        """Each window's size, FP64 ``(*out)`` (the kernels divide by its length along each dim in turn)."""
+        sizes = torch.ones((), dtype=torch.float64, device=self.input.device)
+        for d in range(len(self.out)):
+            lengths = torch.tensor([float(e - s) for s, e in self.windows(d)], dtype=torch.float64)
+            shape = [1] * len(self.out)
+            shape[d] = -1
+            sizes = sizes * lengths.to(self.input.device).view(shape)
+        return sizes
+
+    def _slots(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Along ``dim``: ``(index, valid)``, each ``(out[dim], longest)``: the input position of each window's
+        ``j``-th element (its last where the window is shorter), and whether it has one."""
+        windows = self.windows(dim)
+        longest = max(e - s for s, e in windows)
+        index = torch.tensor([[min(s + j, e - 1) for j in range(longest)] for s, e in windows])
+        valid = torch.tensor([[s + j < e for j in range(longest)] for s, e in windows])
+        return index.to(self.input.device), valid.to(self.input.device)
+
+    def _holders(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Along ``dim``: ``(index, valid)``, each ``(size, most)``: the windows holding each input position,
+        in order (the last repeated where fewer hold it), and whether there is one."""
+        n = self.input.shape[dim - len(self.out)]
+        holding: list[list[int]] = [[] for _ in range(n)]
+        for i, (s, e) in enumerate(self.windows(dim)):
+            for j in range(s, e):
+                holding[j].append(i)
+        most = max(len(h) for h in holding)
+        index = torch.tensor([[h[min(k, len(h) - 1)] for k in range(most)] for h in holding])
+        valid = torch.tensor([[k < len(h) for k in range(most)] for h in holding])
+        return index.to(self.input.device), valid.to(self.input.device)
+
+    def gathered(self, t: torch.Tensor, fill: float) -> torch.Tensor:
+        """The terms of every sum, laid out in the kernels' order: a forward's from input-shaped ``t``, each
+        window's elements row-major, ``(*batch, *out, longest...)``; a backward's from output-shaped ``t``,
+        each input element's windows in order, ``(*batch, *spatial, most...)``. ``fill`` where a sum has
+        fewer terms."""
+        dims = len(self.out)
+        tables = [self._slots(d) if self.grad is None else self._holders(d) for d in range(dims)]
+        index, valid = [], None
+        for d, (idx, ok) in enumerate(tables):
+            shape = [1] * (2 * dims)
+            shape[d], shape[dims + d] = idx.shape
+            index.append(idx.view(shape))
+            valid = ok.view(shape) if valid is None else valid & ok.view(shape)
+        assert valid is not None
+        terms = t[(..., *index)]
+        return terms.masked_fill(~valid, fill)
+
+    def reduced(self, t: torch.Tensor, combine: str, fill: float) -> torch.Tensor:
+        """``amax`` or ``amin`` (``combine``) of each sum's terms (:meth:`gathered`), one spatial dim at a
+        time (a box's extreme is the extreme of its rows' extremes): ``(*batch, *out)`` forward,
+        ``(*batch, *spatial)`` backward."""
+        dims = len(self.out)
+        for d in range(dims):
+            idx, ok = self._slots(d) if self.grad is None else self._holders(d)
+            axis = t.dim() - dims + d
+            picked = t.index_select(axis, idx.reshape(-1))
+            shape = list(picked.shape)
+            shape[axis : axis + 1] = list(idx.shape)
+            picked = picked.view(shape)
+            mask_shape = [1] * len(shape)
+            mask_shape[axis : axis + 2] = list(ok.shape)
+            picked = picked.masked_fill(~ok.view(mask_shape), fill)
+            t = picked.amax(axis + 1) if combine == "amax" else picked.amin(axis + 1)
+        return t
+
+
+def adaptive_pool_call(func: object, args: tuple, kwargs: dict) -> AdaptivePool | None:
+    """The :class:`AdaptivePool` of a call of an adaptive average pool or its backward
+    (:data:`ADAPTIVE_DIMS`), or None where ``func`` is none of those or the call is not a plain one
+    (floating dense tensors, batched or not, no empty window)."""
+    dims = ADAPTIVE_DIMS.get(func)
+    if dims is None:
+        return None
+    bound = bound_arguments(func, args, kwargs)
+    if func in ADAPTIVE_BACKWARDS:
+        grad, x = bound
+        out = tuple(grad.shape[-dims:]) if isinstance(grad, torch.Tensor) else ()
+    else:
+        (x, size), grad = bound, None
+        out = tuple(size) if isinstance(size, (list, tuple)) else ()
+    tensors = [x] if grad is None else [x, grad]
+    if not all(
+        isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided for t in tensors
+    ):
+        return None
+    if len(out) != dims or not all(isinstance(m, int) and m >= 1 for m in out):
+        return None
+    if x.dim() not in (dims + 1, dims + 2) or x.numel() == 0 or min(x.shape[-dims:]) < 1:
+        return None
+    return AdaptivePool(x, grad, out)

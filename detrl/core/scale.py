@@ -19,6 +19,7 @@ import torch
 
 from detrl.core import pools
 from detrl.core.oprules import (
+    ADAPTIVE_POOLS_FROM_17,
     EXACT_SCATTERS,
     GRADIENT_SCALED_FROM_11,
     POOL_SUMS_FROM_15,
@@ -158,6 +159,8 @@ def reduction_scale(
         return _running_terms_scale(args, out) if rules_revision >= 14 else None
     if func in POOL_SUMS_FROM_15:
         return _pool_terms_scale(func, args, out) if rules_revision >= 15 else None
+    if func in ADAPTIVE_POOLS_FROM_17:
+        return _pool_terms_scale(func, args, out) if rules_revision >= 17 else None
     if func is not _MM or len(args) < 2:
         return None
     a, b = args[0], args[1]
@@ -297,7 +300,7 @@ class _PoolTerms:
     the divisor is a power of two, or the gradient zero). ``divisors``: a forward's windows' divisors (its
     spatial shape), None for a backward."""
 
-    pool: pools.Pool
+    pool: pools.Pool | pools.AdaptivePool
     largest: torch.Tensor
     smallest: torch.Tensor
     on_grid: torch.Tensor
@@ -308,6 +311,8 @@ def _pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
     """:class:`_PoolTerms` of a call of an average pool or its backward. A forward's terms are its window's
     elements, a backward's ``grad_output / divisor`` of each window that holds the element. None where the
     call is not a plain one of ``out``'s shape."""
+    if func in ADAPTIVE_POOLS_FROM_17:
+        return _adaptive_pool_terms(func, args, out)
     pool = pools.pool_call(func, args, {})
     if pool is None or out.numel() == 0:
         return None
@@ -335,6 +340,46 @@ def _pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
         least.copy_(torch.minimum(least, nonzero))
         any_off.logical_or_(off_grid)
     return _PoolTerms(pool, pool.crop(largest), pool.crop(smallest), ~pool.crop(off), None)
+
+
+def _adaptive_pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
+    """:func:`_pool_terms` of an adaptive average pool or its backward (rules revision 17): the same terms,
+    over windows of unequal lengths (:class:`detrl.core.pools.AdaptivePool`)."""
+    pool = pools.adaptive_pool_call(func, args, {})
+    if pool is None or out.numel() == 0:
+        return None
+    divisors = pool.divisors()
+    batch = pool.input.shape[: -len(pool.out)]
+    if pool.grad is None:
+        if out.shape != (*batch, *pool.out):
+            return None
+        magnitude = pool.input.detach().double().abs()
+        nonzero = magnitude.masked_fill(magnitude == 0, math.inf)
+        largest, smallest = pool.reduced(magnitude, "amax", 0.0), pool.reduced(nonzero, "amin", math.inf)
+        on_grid = torch.ones((), dtype=torch.bool, device=out.device).expand(out.shape)
+        return _PoolTerms(pool, largest, smallest, on_grid, divisors)
+    if out.shape != pool.input.shape or pool.grad.shape != (*batch, *pool.out):
+        return None
+    share = pool.grad.detach().double().abs() / divisors  # each window's term, in magnitude
+    nonzero = share.masked_fill(share == 0, math.inf)
+    off_grid = ((share != 0) & ~_is_power_of_two(divisors)).to(torch.uint8)
+    largest, smallest = pool.reduced(share, "amax", 0.0), pool.reduced(nonzero, "amin", math.inf)
+    on_grid = pool.reduced(off_grid, "amax", 0) == 0
+    return _PoolTerms(pool, largest, smallest, on_grid, None)
+
+
+def _divided_alike(terms: _PoolTerms) -> torch.Tensor:
+    """Where an exact sum over a window (a forward's ``terms``) divided by the window's size rounds to FP32
+    alike however the divisions go: by the size, or by its factors in turn (two or three FP64 roundings).
+    A divisor that is a power of two divides exactly. Else the exact quotient ``q`` is an FP32 midpoint
+    only if every way gives it exactly (``q`` times any factor has few enough bits), and otherwise lies at
+    least a quantum of the window's smallest term, over the divisor, from every midpoint: far beyond the
+    FP64 roundings (``3 * 2**-53 q``) where the window's terms span fewer than ``26 - ceil(log2(d))``
+    binades. A bool tensor of the output's shape."""
+    assert terms.divisors is not None
+    spread = torch.frexp(terms.largest)[1] - torch.frexp(terms.smallest.clamp(max=1e308))[1]
+    within = spread.double().add_(torch.frexp(terms.divisors - 1)[1]) <= 26
+    return within | _is_power_of_two(terms.divisors)
 
 
 def _reduced(views: Iterator[torch.Tensor], combine: Callable[..., torch.Tensor]) -> torch.Tensor:
@@ -612,7 +657,7 @@ def exact_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | 
         return exact_scatter_elements(func, args, out)
     if func in RUNNING_SUMS_FROM_14:
         return exact_running_sum_elements(args, out)
-    if func in POOL_SUMS_FROM_15:
+    if func in POOL_SUMS_FROM_15 or func in ADAPTIVE_POOLS_FROM_17:
         return exact_pool_elements(func, args, out)
     return exact_sum_elements(func, args, out)
 
@@ -628,7 +673,11 @@ def exact_pool_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tens
     element, on the FP32 grid only where the divisor is a power of two: elsewhere its element is not exact.
     A 2x2 pool of FP32 values of one binade lies exactly on an FP32 midpoint for one element in twenty, and
     a local response norm's pool over 3 channels (a sum of three squares divided by 3) for 4 % of a small
-    model's."""
+    model's.
+
+    An adaptive pool's (rules revision 17) is found alike, over its windows of unequal lengths; a forward's
+    element needs one more thing, since torch's kernels divide its sum in more ways than one: that every
+    way rounds to the same FP32 value (:func:`_divided_alike`)."""
     values = args[0] if args else None  # the input, or a backward's grad_output: the terms' numerators
     if not isinstance(values, torch.Tensor) or not _fp32_grid(values):
         return None
@@ -636,7 +685,10 @@ def exact_pool_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tens
     if terms is None:
         return None
     count = torch.tensor(float(terms.pool.terms), dtype=torch.float64, device=out.device)
-    return (_exact_of(terms.largest, terms.smallest, count) & terms.on_grid).reshape(-1)
+    exact = _exact_of(terms.largest, terms.smallest, count) & terms.on_grid
+    if isinstance(terms.pool, pools.AdaptivePool) and terms.divisors is not None:
+        exact &= _divided_alike(terms)  # the kernels divide it in more ways than one
+    return exact.reshape(-1)
 
 
 def exact_running_sum_elements(args: tuple, out: torch.Tensor) -> torch.Tensor | None:
