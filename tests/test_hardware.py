@@ -287,7 +287,7 @@ def test_adaptive_pools_in_kernel_order_are_a_kernels_bits(dims: int) -> None:
         grad = _randn(2, 16, *out, seed=100 + i) * 2.0**20
         for func, args in ((forward, (x, list(out))), (backward, (grad, x))):
             got = in_order(func, args, {})
-            pool = pools.adaptive_pool_call(func, args, {})
+            pool = pools.box_pool_call(func, args, {})
             assert pool is not None
             divisors = pool.divisors()
             values = x if func is forward else grad / divisors
@@ -305,6 +305,40 @@ def test_adaptive_pools_in_kernel_order_are_a_kernels_bits(dims: int) -> None:
                 ]
                 native = func(*cl)
                 assert torch.equal(got.view(torch.int64), native.contiguous().view(torch.int64)), (func, size)
+
+
+#: Nearest upsamplings' backwards: (op, input's shape, output's spatial shape, scales).
+NEAREST_CALLS = [
+    (aten.upsample_nearest1d_backward.default, (2, 3, 5), (13,), (None,)),
+    (aten.upsample_nearest2d_backward.default, (2, 3, 5, 6), (10, 12), (2.0, 2.0)),
+    (aten.upsample_nearest2d_backward.default, (2, 3, 5, 6), (8, 10), (1.7, 1.7)),
+    (aten.upsample_nearest2d_backward.default, (2, 3, 5, 6), (7, 11), (None, None)),
+    (aten._upsample_nearest_exact2d_backward.default, (2, 3, 5, 6), (7, 11), (None, None)),
+    (aten.upsample_nearest3d_backward.default, (1, 2, 3, 4, 5), (6, 8, 7), (None, None, None)),
+    (aten._upsample_nearest_exact3d_backward.default, (1, 2, 3, 4, 5), (5, 9, 7), (None, None, None)),
+]
+
+
+def test_nearest_upsampling_backwards_in_kernel_order_are_the_native_bits() -> None:
+    """With one term a chunk, added left to right, the emulated backward of a nearest upsampling (plain and
+    exact, 1d to 3d, by sizes and by scales) gives the native bits: each input element's copies' gradients
+    in the order of the output positions; and every profile sums them in its own order."""
+    from detrl.core.hardware.profiles import EmulatedProfile
+
+    in_order = EmulatedProfile("in-order", "one term a chunk", {"k": 1, "channel": 1, "batch": 1, "row": 1})
+    differ = 0
+    for i, (func, shape, out, scales) in enumerate(NEAREST_CALLS):
+        grad = _randn(*shape[:2], *out, seed=i) * torch.exp2(
+            torch.randint(-30, 30, (*shape[:2], *out), generator=torch.Generator().manual_seed(i)).double()
+        )
+        args = (grad, list(out), list(shape), *scales)
+        ref = func(*args)
+        assert torch.equal(in_order(func, args, {}).view(torch.int64), ref.view(torch.int64)), (func, out)
+        for name in EMULATED:
+            got = get_profile(name, seed=0)(func, args, {})
+            assert float((got - ref).abs().max()) <= 1e-7 * float(ref.abs().max()), (name, func, out)
+            differ += int((got != ref).sum())
+    assert differ > 0
 
 
 @pytest.mark.parametrize("name", EMULATED)

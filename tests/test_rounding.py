@@ -1773,29 +1773,60 @@ def test_every_profile_gives_an_adaptive_pools_exact_elements_the_same_bits(dims
     assert exact_seen > 0 and differ > 0
 
 
-class _AdaptivePools(torch.nn.Module):
-    """Adaptive average pools of values in one binade: an area upsampling (``F.interpolate(mode="area")``,
-    windows of one or two elements along each dim) and a pyramid pooling's bins of 2, 3 and 6."""
+def test_a_nearest_upsamplings_backward_elements_exact_in_every_order_are_found() -> None:
+    """Rules revision 17: a nearest upsampling's backward sums the gradients of each input element's copies;
+    an element is exact where that sum is exact in every order (the sum rule over the most copies). Those
+    elements have the same bits under every profile, which sum the copies in their own orders. The rules
+    list the ops that ``pools.BoxPool`` describes, no more and no fewer."""
+    from detrl.core import pools
+    from detrl.core.oprules import BOX_POOLS_FROM_17
+    from detrl.core.scale import exact_pool_elements
+
+    assert pools.BOX_POOLS == BOX_POOLS_FROM_17
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    for func, scales in (
+        (aten.upsample_nearest2d_backward.default, (2.0, 2.0)),  # four copies of each
+        (aten._upsample_nearest_exact2d_backward.default, (None, None)),  # one to four
+    ):
+        grad = (torch.rand(2, 3, 10, 12, generator=g, dtype=torch.float64) + 1.0).float().double()
+        grad[0, 0, 0, 0] *= 2.0**-28  # 28 + ceil(log2(4)) = 30 binades for its element's sum: not exact
+        args = (grad, [10, 12], [2, 3, 5, 6], *scales)
+        ref = func(*args)
+        exact = exact_pool_elements(func, args, ref)
+        assert exact is not None
+        assert int((~exact).sum()) == 1 and not bool(exact[0]), func
+        for name in ("emulated:splitk", "emulated:pairwise", "emulated:atomic", "emulated:reversed"):
+            got = get_profile(name, seed=0)(func, args, {}).reshape(-1)
+            assert torch.equal(got[exact], ref.reshape(-1)[exact]), (name, func)
+
+
+class _BoxPools(torch.nn.Module):
+    """Sums over windows of unequal lengths, of values in one binade: an area upsampling
+    (``F.interpolate(mode="area")``, windows of one or two elements along each dim), a pyramid pooling's
+    bins of 2, 3 and 6, and a feature pyramid's top-down path (a nearest upsampling by 2, whose backward
+    sums four gradients)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.inp, self.out = torch.nn.Linear(16, 4 * 6 * 6), torch.nn.Linear(4 * (81 + 4 + 9 + 36), 5)
+        self.inp, self.out = torch.nn.Linear(16, 4 * 6 * 6), torch.nn.Linear(4 * (81 + 4 + 9 + 36 + 144), 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5)
         h = (torch.sigmoid(self.inp(x)) + 1.0).view(-1, 4, 6, 6)  # in [1, 2)
         area = torch.nn.functional.interpolate(h, size=(9, 9), mode="area")  # (N, 4, 9, 9)
         bins = [torch.nn.functional.adaptive_avg_pool2d(h * torch.tanh(h), b).flatten(1) for b in (2, 3, 6)]
-        return self.out(torch.cat([area.flatten(1), *bins], 1))
+        top = torch.nn.functional.interpolate(h, scale_factor=2.0, mode="nearest")  # (N, 4, 12, 12)
+        return self.out(torch.cat([area.flatten(1), *bins, torch.tanh(top).flatten(1)], 1))
 
 
-def test_adaptive_pools_log_only_their_inexact_elements_from_revision_17(tmp_path, monkeypatch) -> None:
-    """Rules revision 17 logs an adaptive pool's elements only where some order or way of dividing could round
-    them otherwise. The weights are the same under 16 and 17, and each replays on its own rules on every
-    emulated profile (which sum the windows in their own orders and divide by their sizes) with nothing
-    unlogged or refused."""
+def test_box_pools_log_only_their_inexact_elements_from_revision_17(tmp_path, monkeypatch) -> None:
+    """Rules revision 17 logs the elements of an adaptive pool and of a nearest upsampling's backward only
+    where some order or way of dividing could round them otherwise. The weights are the same under 16 and
+    17, and each replays on its own rules on every emulated profile (which sum the windows in their own
+    orders and divide by their sizes) with nothing unlogged or refused."""
     from detrl.testing import zoo
 
-    specimen = zoo.Specimen("adaptive_pools", _AdaptivePools, zoo.features, zoo.classify)
+    specimen = zoo.Specimen("box_pools", _BoxPools, zoo.features, zoo.classify)
     before, after = _before_and_after(specimen, tmp_path, monkeypatch, 17)
     assert after.totals.logged < before.totals.logged / 3, (after.totals.logged, before.totals.logged)
 

@@ -34,7 +34,7 @@ import torch
 from detrl.core import extensions, kernel, randomness
 from detrl.core.fused import SPLIT
 from detrl.core.oprules import (
-    ADAPTIVE_POOLS_FROM_17,
+    BOX_POOLS_FROM_17,
     EXACT_PRODUCTS,
     EXACT_SCATTERS,
     EXACT_SUMS,
@@ -167,7 +167,7 @@ def route(
             return Route.PYTHON
         if rules_revision >= 15 and func in POOL_SUMS_FROM_15:  # so are a pool's: scale.exact_pool_elements
             return Route.PYTHON
-        if rules_revision >= 17 and func in ADAPTIVE_POOLS_FROM_17:  # and an adaptive pool's
+        if rules_revision >= 17 and func in BOX_POOLS_FROM_17:  # and those over boxes: pools.BoxPool
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:
             return Route.LOGGED_SUM

@@ -51,6 +51,10 @@ class Pool:
     divisor_override: int | None
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.input.dtype
+
+    @property
     def terms(self) -> int:
         """The most terms one sum adds: a window's size (a backward's element is in at most as many)."""
         return math.prod(self.kernel)
@@ -144,127 +148,184 @@ ADAPTIVE_DIMS = {
     aten._adaptive_avg_pool2d_backward.default: 2,
     aten._adaptive_avg_pool3d_backward.default: 3,
 }
-ADAPTIVE_BACKWARDS = frozenset(
-    {aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default}
-)
+#: The backwards of nearest upsampling (rules revision 17), each with its forward, which maps an output
+#: position to the input position it copies.
+NEAREST_BACKWARDS = {
+    aten.upsample_nearest1d_backward.default: aten.upsample_nearest1d.default,
+    aten.upsample_nearest2d_backward.default: aten.upsample_nearest2d.default,
+    aten.upsample_nearest3d_backward.default: aten.upsample_nearest3d.default,
+    aten._upsample_nearest_exact1d_backward.default: aten._upsample_nearest_exact1d.default,
+    aten._upsample_nearest_exact2d_backward.default: aten._upsample_nearest_exact2d.default,
+    aten._upsample_nearest_exact3d_backward.default: aten._upsample_nearest_exact3d.default,
+}
+#: Every op a :class:`BoxPool` describes.
+BOX_POOLS = frozenset({*ADAPTIVE_DIMS, *NEAREST_BACKWARDS})
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaptivePool:
-    """One adaptive average-pool call: ``input`` ``(*batch, *spatial)``, ``out`` the output's spatial shape,
-    and for a backward its ``grad`` ``(*batch, *out)``.
+class BoxPool:
+    """A pool whose window, along each spatial dim, is one run of input positions per output position:
+    an adaptive average pool's, or nearest upsampling's (one position each: its backward sums the gradient
+    of every copy of an input element).
 
-    Along each spatial dim of size ``n`` pooled to ``m``, window ``i`` is ``[floor(i n / m), ceil((i + 1) n /
-    m))``: windows of unequal lengths, overlapping where ``m`` does not divide ``n``, so no strided view holds
-    them. Each is read instead through index tensors, one per dim (:meth:`slots`, :meth:`holders`).
+    ``values`` are the sums' numerators: a forward's input ``(*batch, *spatial)``, a backward's gradient
+    ``(*batch, *out)``. ``in_shape`` is the input's whole shape, ``windows[d][i]`` the input positions
+    ``(start, end)`` of output position ``i`` along spatial dim ``d``, and ``averages`` whether each
+    window's sum is divided by its size (an adaptive pool's is; a copy is not).
+
+    An adaptive pool's window ``i`` along a dim of ``n`` pooled to ``m`` is ``[floor(i n / m), ceil((i + 1)
+    n / m))``: windows of unequal lengths, overlapping where ``m`` does not divide ``n``, so no strided view
+    holds them. Each is read through index tensors, one per dim.
     """
 
-    input: torch.Tensor
-    grad: torch.Tensor | None
-    out: tuple[int, ...]
+    values: torch.Tensor
+    in_shape: tuple[int, ...]
+    windows: tuple[tuple[tuple[int, int], ...], ...]
+    backward: bool
+    averages: bool
 
-    def windows(self, dim: int) -> list[tuple[int, int]]:
-        """Spatial dim ``dim``'s windows, ``(start, end)``, as the kernels bound them."""
-        n, m = self.input.shape[dim - len(self.out)], self.out[dim]
-        return [(i * n // m, -(-(i + 1) * n // m)) for i in range(m)]
+    @property
+    def out(self) -> tuple[int, ...]:
+        """The output's spatial shape."""
+        return tuple(len(w) for w in self.windows)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
 
     @property
     def terms(self) -> int:
         """The most terms one sum adds: a forward's longest window; a backward's most windows holding one
         element (their product over the spatial dims)."""
-        if self.grad is None:
-            return math.prod(max(e - s for s, e in self.windows(d)) for d in range(len(self.out)))
-        return math.prod(int(self._holders(d)[1].sum(1).max()) for d in range(len(self.out)))
+        if not self.backward:
+            return math.prod(max(e - s for s, e in w) for w in self.windows)
+        return math.prod(int(self._holders(d)[1].sum(1).max()) for d in range(len(self.windows)))
 
     def divisors(self) -> torch.Tensor:
-        """Each window's size, FP64 ``(*out)`` (the kernels divide by its length along each dim in turn)."""
-        sizes = torch.ones((), dtype=torch.float64, device=self.input.device)
-        for d in range(len(self.out)):
-            lengths = torch.tensor([float(e - s) for s, e in self.windows(d)], dtype=torch.float64)
-            shape = [1] * len(self.out)
+        """Each window's divisor, FP64 ``(*out)``: its size where the pool averages (the kernels divide by
+        its length along each dim in turn, or by the size), else 1."""
+        sizes = torch.ones((), dtype=torch.float64, device=self.values.device)
+        if not self.averages:
+            return sizes.expand(self.out)
+        for d, windows in enumerate(self.windows):
+            lengths = torch.tensor([float(e - s) for s, e in windows], dtype=torch.float64)
+            shape = [1] * len(self.windows)
             shape[d] = -1
-            sizes = sizes * lengths.to(self.input.device).view(shape)
+            sizes = sizes * lengths.to(self.values.device).view(shape)
         return sizes
 
     def _slots(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Along ``dim``: ``(index, valid)``, each ``(out[dim], longest)``: the input position of each window's
         ``j``-th element (its last where the window is shorter), and whether it has one."""
-        windows = self.windows(dim)
+        windows = self.windows[dim]
         longest = max(e - s for s, e in windows)
         index = torch.tensor([[min(s + j, e - 1) for j in range(longest)] for s, e in windows])
         valid = torch.tensor([[s + j < e for j in range(longest)] for s, e in windows])
-        return index.to(self.input.device), valid.to(self.input.device)
+        return index.to(self.values.device), valid.to(self.values.device)
 
     def _holders(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Along ``dim``: ``(index, valid)``, each ``(size, most)``: the windows holding each input position,
-        in order (the last repeated where fewer hold it), and whether there is one."""
-        n = self.input.shape[dim - len(self.out)]
+        in order (the last repeated where fewer hold it, the first where none does), and whether there is
+        one."""
+        n = self.in_shape[dim - len(self.windows)]
         holding: list[list[int]] = [[] for _ in range(n)]
-        for i, (s, e) in enumerate(self.windows(dim)):
+        for i, (s, e) in enumerate(self.windows[dim]):
             for j in range(s, e):
                 holding[j].append(i)
-        most = max(len(h) for h in holding)
-        index = torch.tensor([[h[min(k, len(h) - 1)] for k in range(most)] for h in holding])
+        most = max(1, max(len(h) for h in holding))
+        index = torch.tensor([[h[min(k, len(h) - 1)] if h else 0 for k in range(most)] for h in holding])
         valid = torch.tensor([[k < len(h) for k in range(most)] for h in holding])
-        return index.to(self.input.device), valid.to(self.input.device)
+        return index.to(self.values.device), valid.to(self.values.device)
+
+    def _tables(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._holders(dim) if self.backward else self._slots(dim)
 
     def gathered(self, t: torch.Tensor, fill: float) -> torch.Tensor:
         """The terms of every sum, laid out in the kernels' order: a forward's from input-shaped ``t``, each
         window's elements row-major, ``(*batch, *out, longest...)``; a backward's from output-shaped ``t``,
         each input element's windows in order, ``(*batch, *spatial, most...)``. ``fill`` where a sum has
         fewer terms."""
-        dims = len(self.out)
-        tables = [self._slots(d) if self.grad is None else self._holders(d) for d in range(dims)]
+        dims = len(self.windows)
         index, valid = [], None
-        for d, (idx, ok) in enumerate(tables):
+        for d in range(dims):
+            idx, ok = self._tables(d)
             shape = [1] * (2 * dims)
             shape[d], shape[dims + d] = idx.shape
             index.append(idx.view(shape))
             valid = ok.view(shape) if valid is None else valid & ok.view(shape)
         assert valid is not None
-        terms = t[(..., *index)]
-        return terms.masked_fill(~valid, fill)
+        return t[(..., *index)].masked_fill(~valid, fill)
 
     def reduced(self, t: torch.Tensor, combine: str, fill: float) -> torch.Tensor:
         """``amax`` or ``amin`` (``combine``) of each sum's terms (:meth:`gathered`), one spatial dim at a
         time (a box's extreme is the extreme of its rows' extremes): ``(*batch, *out)`` forward,
-        ``(*batch, *spatial)`` backward."""
-        dims = len(self.out)
+        ``(*batch, *spatial)`` backward; ``fill`` where a sum has no term."""
+        dims = len(self.windows)
         for d in range(dims):
-            idx, ok = self._slots(d) if self.grad is None else self._holders(d)
+            idx, ok = self._tables(d)
             axis = t.dim() - dims + d
             picked = t.index_select(axis, idx.reshape(-1))
             shape = list(picked.shape)
             shape[axis : axis + 1] = list(idx.shape)
-            picked = picked.view(shape)
-            mask_shape = [1] * len(shape)
-            mask_shape[axis : axis + 2] = list(ok.shape)
-            picked = picked.masked_fill(~ok.view(mask_shape), fill)
+            mask = [1] * len(shape)
+            mask[axis : axis + 2] = list(ok.shape)
+            picked = picked.view(shape).masked_fill(~ok.view(mask), fill)
             t = picked.amax(axis + 1) if combine == "amax" else picked.amin(axis + 1)
         return t
 
 
-def adaptive_pool_call(func: object, args: tuple, kwargs: dict) -> AdaptivePool | None:
-    """The :class:`AdaptivePool` of a call of an adaptive average pool or its backward
-    (:data:`ADAPTIVE_DIMS`), or None where ``func`` is none of those or the call is not a plain one
-    (floating dense tensors, batched or not, no empty window)."""
-    dims = ADAPTIVE_DIMS.get(func)
-    if dims is None:
+def box_pool_call(func: object, args: tuple, kwargs: dict) -> BoxPool | None:
+    """The :class:`BoxPool` of a call of an op of :data:`BOX_POOLS`, or None where ``func`` is none of those
+    or the call is not a plain one (floating dense tensors, batched or not, of the sizes it names)."""
+    if func not in BOX_POOLS:
         return None
     bound = bound_arguments(func, args, kwargs)
-    if func in ADAPTIVE_BACKWARDS:
-        grad, x = bound
-        out = tuple(grad.shape[-dims:]) if isinstance(grad, torch.Tensor) else ()
-    else:
-        (x, size), grad = bound, None
-        out = tuple(size) if isinstance(size, (list, tuple)) else ()
-    tensors = [x] if grad is None else [x, grad]
-    if not all(
-        isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided for t in tensors
+    values = bound[0]
+    if not (
+        isinstance(values, torch.Tensor) and values.is_floating_point() and values.layout == torch.strided
     ):
         return None
+    if func in NEAREST_BACKWARDS:
+        return _nearest_backward(func, values, bound[1:])
+    dims = ADAPTIVE_DIMS[func]
+    if func in (aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default):
+        x = bound[1]
+        if not isinstance(x, torch.Tensor) or values.dim() != x.dim():
+            return None
+        in_shape, out, backward = tuple(x.shape), tuple(values.shape[-dims:]), True
+    else:
+        size = bound[1]
+        in_shape, out, backward = (
+            tuple(values.shape),
+            tuple(size) if isinstance(size, (list, tuple)) else (),
+            False,
+        )
     if len(out) != dims or not all(isinstance(m, int) and m >= 1 for m in out):
         return None
-    if x.dim() not in (dims + 1, dims + 2) or x.numel() == 0 or min(x.shape[-dims:]) < 1:
+    if len(in_shape) not in (dims + 1, dims + 2) or math.prod(in_shape) == 0:
         return None
-    return AdaptivePool(x, grad, out)
+    spatial = in_shape[-dims:]
+    windows = tuple(tuple((i * n // m, -(-(i + 1) * n // m)) for i in range(m)) for n, m in zip(spatial, out))
+    return BoxPool(values, in_shape, windows, backward, averages=True)
+
+
+def _nearest_backward(func: object, grad: torch.Tensor, rest: list) -> BoxPool | None:
+    """The :class:`BoxPool` of a nearest upsampling's backward: each output position's window is the one
+    input position it copies, found by running the forward on the positions themselves, dim by dim (so its
+    rounding of scales is the kernel's own)."""
+    forward = NEAREST_BACKWARDS[func]  # type: ignore[index]
+    out, in_shape, *scales = rest
+    if not (isinstance(out, (list, tuple)) and isinstance(in_shape, (list, tuple))):
+        return None
+    dims = len(out)
+    if len(in_shape) != dims + 2 or tuple(grad.shape) != (*in_shape[:2], *out) or grad.numel() == 0:
+        return None
+    windows = []
+    for d in range(dims):
+        n = in_shape[2 + d]
+        shape = [1, 1] + [n if k == d else 1 for k in range(dims)]
+        positions = torch.arange(n, dtype=torch.float64).view(shape)
+        size = [out[k] if k == d else 1 for k in range(dims)]
+        copied = forward(positions, size, *[scales[k] if k == d else None for k in range(dims)])
+        windows.append(tuple((int(j), int(j) + 1) for j in copied.reshape(-1).tolist()))
+    return BoxPool(grad, tuple(in_shape), tuple(windows), backward=True, averages=False)

@@ -19,7 +19,7 @@ import torch
 
 from detrl.core import pools
 from detrl.core.oprules import (
-    ADAPTIVE_POOLS_FROM_17,
+    BOX_POOLS_FROM_17,
     EXACT_SCATTERS,
     GRADIENT_SCALED_FROM_11,
     POOL_SUMS_FROM_15,
@@ -159,7 +159,7 @@ def reduction_scale(
         return _running_terms_scale(args, out) if rules_revision >= 14 else None
     if func in POOL_SUMS_FROM_15:
         return _pool_terms_scale(func, args, out) if rules_revision >= 15 else None
-    if func in ADAPTIVE_POOLS_FROM_17:
+    if func in BOX_POOLS_FROM_17:
         return _pool_terms_scale(func, args, out) if rules_revision >= 17 else None
     if func is not _MM or len(args) < 2:
         return None
@@ -283,7 +283,7 @@ def _pool_terms_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None
     terms = _pool_terms(func, args, out)
     if terms is None:
         return None
-    bound = FP32_OVERFLOW if terms.pool.input.dtype == torch.float64 else math.inf  # as finite_amax
+    bound = FP32_OVERFLOW if terms.pool.dtype == torch.float64 else math.inf  # as finite_amax
     largest = terms.largest.masked_fill(~(terms.largest < bound), 0)
     row = _power_of_two(largest).clamp_(min=2.0**-149)
     if terms.divisors is not None:
@@ -300,7 +300,7 @@ class _PoolTerms:
     the divisor is a power of two, or the gradient zero). ``divisors``: a forward's windows' divisors (its
     spatial shape), None for a backward."""
 
-    pool: pools.Pool | pools.AdaptivePool
+    pool: pools.Pool | pools.BoxPool
     largest: torch.Tensor
     smallest: torch.Tensor
     on_grid: torch.Tensor
@@ -311,8 +311,8 @@ def _pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
     """:class:`_PoolTerms` of a call of an average pool or its backward. A forward's terms are its window's
     elements, a backward's ``grad_output / divisor`` of each window that holds the element. None where the
     call is not a plain one of ``out``'s shape."""
-    if func in ADAPTIVE_POOLS_FROM_17:
-        return _adaptive_pool_terms(func, args, out)
+    if func in BOX_POOLS_FROM_17:
+        return _box_pool_terms(func, args, out)
     pool = pools.pool_call(func, args, {})
     if pool is None or out.numel() == 0:
         return None
@@ -342,25 +342,25 @@ def _pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
     return _PoolTerms(pool, pool.crop(largest), pool.crop(smallest), ~pool.crop(off), None)
 
 
-def _adaptive_pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
-    """:func:`_pool_terms` of an adaptive average pool or its backward (rules revision 17): the same terms,
-    over windows of unequal lengths (:class:`detrl.core.pools.AdaptivePool`)."""
-    pool = pools.adaptive_pool_call(func, args, {})
+def _box_pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
+    """:func:`_pool_terms` of an adaptive average pool, its backward or a nearest upsampling's backward (rules
+    revision 17): the same terms, over windows of unequal lengths (:class:`detrl.core.pools.BoxPool`)."""
+    pool = pools.box_pool_call(func, args, {})
     if pool is None or out.numel() == 0:
         return None
     divisors = pool.divisors()
-    batch = pool.input.shape[: -len(pool.out)]
-    if pool.grad is None:
+    batch = pool.in_shape[: -len(pool.out)]
+    if not pool.backward:
         if out.shape != (*batch, *pool.out):
             return None
-        magnitude = pool.input.detach().double().abs()
+        magnitude = pool.values.detach().double().abs()
         nonzero = magnitude.masked_fill(magnitude == 0, math.inf)
         largest, smallest = pool.reduced(magnitude, "amax", 0.0), pool.reduced(nonzero, "amin", math.inf)
         on_grid = torch.ones((), dtype=torch.bool, device=out.device).expand(out.shape)
         return _PoolTerms(pool, largest, smallest, on_grid, divisors)
-    if out.shape != pool.input.shape or pool.grad.shape != (*batch, *pool.out):
+    if out.shape != pool.in_shape or pool.values.shape != (*batch, *pool.out):
         return None
-    share = pool.grad.detach().double().abs() / divisors  # each window's term, in magnitude
+    share = pool.values.detach().double().abs() / divisors  # each window's term, in magnitude
     nonzero = share.masked_fill(share == 0, math.inf)
     off_grid = ((share != 0) & ~_is_power_of_two(divisors)).to(torch.uint8)
     largest, smallest = pool.reduced(share, "amax", 0.0), pool.reduced(nonzero, "amin", math.inf)
@@ -657,7 +657,7 @@ def exact_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | 
         return exact_scatter_elements(func, args, out)
     if func in RUNNING_SUMS_FROM_14:
         return exact_running_sum_elements(args, out)
-    if func in POOL_SUMS_FROM_15 or func in ADAPTIVE_POOLS_FROM_17:
+    if func in POOL_SUMS_FROM_15 or func in BOX_POOLS_FROM_17:
         return exact_pool_elements(func, args, out)
     return exact_sum_elements(func, args, out)
 
@@ -675,9 +675,10 @@ def exact_pool_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tens
     a local response norm's pool over 3 channels (a sum of three squares divided by 3) for 4 % of a small
     model's.
 
-    An adaptive pool's (rules revision 17) is found alike, over its windows of unequal lengths; a forward's
-    element needs one more thing, since torch's kernels divide its sum in more ways than one: that every
-    way rounds to the same FP32 value (:func:`_divided_alike`)."""
+    An adaptive pool's and a nearest upsampling's backward (rules revision 17) are found alike, over their
+    windows of unequal lengths (:class:`detrl.core.pools.BoxPool`); an adaptive pool's forward element needs
+    one more thing, since torch's kernels divide its sum in more ways than one: that every way rounds to the
+    same FP32 value (:func:`_divided_alike`)."""
     values = args[0] if args else None  # the input, or a backward's grad_output: the terms' numerators
     if not isinstance(values, torch.Tensor) or not _fp32_grid(values):
         return None
@@ -686,7 +687,7 @@ def exact_pool_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tens
         return None
     count = torch.tensor(float(terms.pool.terms), dtype=torch.float64, device=out.device)
     exact = _exact_of(terms.largest, terms.smallest, count) & terms.on_grid
-    if isinstance(terms.pool, pools.AdaptivePool) and terms.divisors is not None:
+    if isinstance(terms.pool, pools.BoxPool) and terms.divisors is not None:
         exact &= _divided_alike(terms)  # the kernels divide it in more ways than one
     return exact.reshape(-1)
 

@@ -131,37 +131,29 @@ def _avg_pool_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: 
     return pool is not None and p.splits(pool.terms, "row")
 
 
-_ADAPTIVE = tuple(pools.ADAPTIVE_DIMS)
-
-
-@_register(*_ADAPTIVE)
-def _adaptive_avg_pool(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
-    """``_adaptive_avg_pool2d/3d(x: (*B, *S), out) -> (*B, *out)`` and their backwards, as
-    :func:`_avg_pool` and :func:`_avg_pool_backward` order them: each window's elements row-major (backward:
-    each input element's windows in order) summed in the profile's ``row`` chunks. A window's sum is divided
-    by its size, as a CPU's vectorised channels-last kernel divides; the plain kernels divide by its length
-    along each dim in turn, which rounds otherwise (:func:`detrl.core.scale.exact_pool_elements` claims
-    only what every way of dividing gives alike)."""
-    pool = pools.adaptive_pool_call(func, args, kwargs)
+@_register(*pools.BOX_POOLS)
+def _box_pool(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """``_adaptive_avg_pool2d/3d(x: (*B, *S), out) -> (*B, *out)``, their backwards and the backwards of
+    nearest upsampling, as :func:`_avg_pool` and :func:`_avg_pool_backward` order them: each window's
+    elements row-major (backward: each input element's windows in order) summed in the profile's ``row``
+    chunks. An adaptive window's sum is divided by its size, as a CPU's vectorised channels-last kernel
+    divides; the plain kernels divide by its length along each dim in turn, which rounds otherwise
+    (:func:`detrl.core.scale.exact_pool_elements` claims only what every way of dividing gives alike)."""
+    pool = pools.box_pool_call(func, args, kwargs)
     if pool is None or not p.splits(pool.terms, "row"):
         return func(*args, **kwargs)
-    dims = len(pool.out)
-    divisors = pool.divisors()
-    if pool.grad is None:
-        values = pool.input.to(_acc_dtype(pool.input.dtype))
-    else:
-        values = pool.grad.to(_acc_dtype(pool.grad.dtype)) / divisors.to(_acc_dtype(pool.grad.dtype))
-    terms = pool.gathered(values, 0.0).flatten(-dims)  # (*B, *S', terms): +0 where a sum has fewer
+    acc = _acc_dtype(pool.dtype)
+    divisors = pool.divisors().to(acc)
+    values = pool.values.to(acc) / divisors if pool.backward else pool.values.to(acc)
+    terms = pool.gathered(values, 0.0).flatten(-len(pool.out))  # (*B, *S', terms): +0 where fewer
     total = _sum(p, terms, [-1], False, None, "row")
     if total is None:
         return func(*args, **kwargs)
     total = total.add_(0.0)  # the kernels' sums start from +0
-    if pool.grad is None:
-        total = total.div_(divisors.to(total.dtype))
-    return total.to(pool.input.dtype)
+    return (total if pool.backward else total.div_(divisors)).to(pool.dtype)
 
 
-@_splits(*_ADAPTIVE)
-def _adaptive_avg_pool_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
-    pool = pools.adaptive_pool_call(func, args, kwargs)
+@_splits(*pools.BOX_POOLS)
+def _box_pool_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> bool:
+    pool = pools.box_pool_call(func, args, kwargs)
     return pool is not None and p.splits(pool.terms, "row")
