@@ -341,6 +341,39 @@ def test_nearest_upsampling_backwards_in_kernel_order_are_the_native_bits() -> N
     assert differ > 0
 
 
+#: ``col2im`` calls: (columns' shape, output size, kernel, dilation, padding, stride).
+COL2IM_CALLS = [
+    ((2, 27, 9), [8, 8], [3, 3], [2, 2], [1, 1], [2, 2]),
+    ((27, 16), [8, 8], [3, 3], [1, 1], [1, 1], [2, 2]),
+    ((2, 12, 49), [8, 8], [2, 2], [1, 1], [0, 0], [1, 1]),
+    ((1, 18, 28), [7, 9], [3, 2], [1, 2], [1, 0], [1, 2]),
+]
+
+
+def test_col2im_in_kernel_order_is_the_native_bits() -> None:
+    """With one term a chunk, added left to right, the emulated ``col2im`` (``F.fold``, ``F.unfold``'s
+    backward) gives the native bits: each image element's copies in the order of their kernel offsets; and
+    every profile sums them in its own order."""
+    from detrl.core.hardware.profiles import EmulatedProfile
+
+    in_order = EmulatedProfile("in-order", "one term a chunk", {"k": 1, "channel": 1, "batch": 1, "row": 1})
+    differ = 0
+    for i, (shape, *options) in enumerate(COL2IM_CALLS):
+        spread = torch.exp2(
+            torch.randint(-30, 30, shape, generator=torch.Generator().manual_seed(i)).double()
+        )
+        args = (_randn(*shape, seed=i) * spread, *options)
+        ref = aten.col2im.default(*args)
+        assert torch.equal(
+            in_order(aten.col2im.default, args, {}).view(torch.int64), ref.view(torch.int64)
+        ), i
+        for name in EMULATED:
+            got = get_profile(name, seed=0)(aten.col2im.default, args, {})
+            assert float((got - ref).abs().max()) <= 1e-7 * float(ref.abs().max()), (name, i)
+            differ += int((got != ref).sum())
+    assert differ > 0
+
+
 @pytest.mark.parametrize("name", EMULATED)
 def test_adaptive_pools_sum_each_window_in_the_profiles_chunks(name: str) -> None:
     """Each profile sums an adaptive pool's windows (and a backward's windows per element) in its own order:

@@ -1801,22 +1801,46 @@ def test_a_nearest_upsamplings_backward_elements_exact_in_every_order_are_found(
             assert torch.equal(got[exact], ref.reshape(-1)[exact]), (name, func)
 
 
+def test_col2im_elements_exact_in_every_order_are_found() -> None:
+    """Rules revision 17: ``col2im`` (``F.fold``, ``F.unfold``'s backward) sums each image element's copies
+    in the columns; an element is exact where that sum is exact in every order, and those elements have the
+    same bits under every profile."""
+    from detrl.core.scale import exact_pool_elements
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    columns = (torch.rand(2, 3 * 9, 36, generator=g, dtype=torch.float64) + 1.0).float().double()
+    columns[0, 8, 0] *= 2.0**-26  # offset (2, 2) of block 0: image element (2, 2), 9 copies, 30 binades
+    args = (columns, [8, 8], [3, 3], [1, 1], [0, 0], [1, 1])  # up to 9 copies of an element
+    ref = aten.col2im.default(*args)
+    exact = exact_pool_elements(aten.col2im.default, args, ref)
+    assert exact is not None and int((~exact).sum()) == 1 and not bool(exact[2 * 8 + 2])
+    for name in ("emulated:splitk", "emulated:pairwise", "emulated:atomic", "emulated:reversed"):
+        got = get_profile(name, seed=0)(aten.col2im.default, args, {}).reshape(-1)
+        assert torch.equal(got[exact], ref.reshape(-1)[exact]), name
+
+
 class _BoxPools(torch.nn.Module):
     """Sums over windows of unequal lengths, of values in one binade: an area upsampling
     (``F.interpolate(mode="area")``, windows of one or two elements along each dim), a pyramid pooling's
-    bins of 2, 3 and 6, and a feature pyramid's top-down path (a nearest upsampling by 2, whose backward
-    sums four gradients)."""
+    bins of 2, 3 and 6, a feature pyramid's top-down path (a nearest upsampling by 2, whose backward
+    sums four gradients), and an overlap-add (``F.fold`` of 3 x 3 patches, ``F.unfold``'s backward alike)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.inp, self.out = torch.nn.Linear(16, 4 * 6 * 6), torch.nn.Linear(4 * (81 + 4 + 9 + 36 + 144), 5)
+        self.inp, self.out = (
+            torch.nn.Linear(16, 4 * 6 * 6),
+            torch.nn.Linear(4 * (81 + 4 + 9 + 36 + 144 + 36), 5),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5)
         h = (torch.sigmoid(self.inp(x)) + 1.0).view(-1, 4, 6, 6)  # in [1, 2)
         area = torch.nn.functional.interpolate(h, size=(9, 9), mode="area")  # (N, 4, 9, 9)
         bins = [torch.nn.functional.adaptive_avg_pool2d(h * torch.tanh(h), b).flatten(1) for b in (2, 3, 6)]
         top = torch.nn.functional.interpolate(h, scale_factor=2.0, mode="nearest")  # (N, 4, 12, 12)
-        return self.out(torch.cat([area.flatten(1), *bins, torch.tanh(top).flatten(1)], 1))
+        patches = torch.nn.functional.unfold(h, 3, padding=1)  # (N, 36, 36)
+        added = torch.nn.functional.fold(patches, (6, 6), 3, padding=1)  # (N, 4, 6, 6): up to 9 copies
+        return self.out(torch.cat([area.flatten(1), *bins, torch.tanh(top).flatten(1), added.flatten(1)], 1))
 
 
 def test_box_pools_log_only_their_inexact_elements_from_revision_17(tmp_path, monkeypatch) -> None:

@@ -204,14 +204,15 @@ POOL_SUMS_FROM_15 = frozenset({
     aten.avg_pool2d.default, aten.avg_pool3d.default,
     aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default,
 })  # fmt: skip
-#: Rules revision 17: the adaptive average pools and their backwards, and the backwards of nearest
-#: upsampling, as the average pools from 15 (their windows: :class:`detrl.core.pools.BoxPool`).
+#: Rules revision 17: the adaptive average pools and their backwards, the backwards of nearest upsampling,
+#: and ``col2im``, as the average pools from 15 (their windows: :class:`detrl.core.pools.BoxPool`).
 BOX_POOLS_FROM_17 = frozenset({
     aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default,
     aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default,
     aten.upsample_nearest1d_backward.default, aten.upsample_nearest2d_backward.default,
     aten.upsample_nearest3d_backward.default, aten._upsample_nearest_exact1d_backward.default,
     aten._upsample_nearest_exact2d_backward.default, aten._upsample_nearest_exact3d_backward.default,
+    aten.col2im.default,
 })  # fmt: skip
 
 
@@ -345,15 +346,16 @@ def _base_kind(func: Any) -> OpKind:
 #:    NaN element took an entry that changes nothing on replay (rounding a NaN in either direction leaves a
 #:    NaN, and commitments take every NaN as one from 13). A run gone NaN logged most of its elements: an
 #:    attention layer with one sample's keys all padding, 54,046 entries a step.
-#: 17. An adaptive average pool, its backward and a nearest upsampling's backward (:data:`BOX_POOLS_FROM_17`)
-#:    are sums at each element, as the average pools are from 15, over windows of unequal lengths
-#:    (``F.interpolate(mode="area")``, a pyramid pooling's bins; a feature pyramid's upsampling by 2, whose
-#:    backward sums four gradients). An adaptive pool's forward element is exact where its window's sum is
-#:    and every way of dividing that sum rounds alike (:func:`detrl.core.scale.exact_pool_elements`): a CPU
-#:    divides by the window's size in its vectorised channels-last loop and by each of its lengths in turn
-#:    elsewhere, in one call. Unlisted, a window of two FP32 values of one binade lay exactly on an FP32
-#:    midpoint for about half of its elements: an area upsampling from 7 x 7 to 11 x 11 logged 1,208 entries
-#:    in 3 steps and logs none, a nearest one 369 and 1.
+#: 17. An adaptive average pool, its backward, a nearest upsampling's backward and ``col2im``
+#:    (:data:`BOX_POOLS_FROM_17`) are sums at each element, as the average pools are from 15, over windows of
+#:    unequal lengths (``F.interpolate(mode="area")``, a pyramid pooling's bins; a feature pyramid's
+#:    upsampling by 2, whose backward sums four gradients; ``F.fold``'s overlap-add). An adaptive pool's
+#:    forward element is exact where its window's sum is and every way of dividing that sum rounds alike
+#:    (:func:`detrl.core.scale.exact_pool_elements`): a CPU divides by the window's size in its vectorised
+#:    channels-last loop and by each of its lengths in turn elsewhere, in one call. Unlisted, a window of two
+#:    FP32 values of one binade lay exactly on an FP32 midpoint for about half of its elements: an area
+#:    upsampling from 7 x 7 to 11 x 11 logged 1,208 entries in 3 steps and logs none, a nearest one 369 and
+#:    1, an unfold and fold of 3 x 3 patches 473 and 1.
 RULES_REVISION = 17
 #: The revisions that fixed a replication hazard, with what they fixed: under the revision before, an honest
 #: replay on hardware unlike the recorder's could diverge, with no log entry where the machines disagreed.

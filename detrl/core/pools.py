@@ -158,15 +158,16 @@ NEAREST_BACKWARDS = {
     aten._upsample_nearest_exact2d_backward.default: aten._upsample_nearest_exact2d.default,
     aten._upsample_nearest_exact3d_backward.default: aten._upsample_nearest_exact3d.default,
 }
-#: Every op a :class:`BoxPool` describes.
-BOX_POOLS = frozenset({*ADAPTIVE_DIMS, *NEAREST_BACKWARDS})
+#: Every op a :class:`BoxPool` describes: those, and ``col2im`` (``F.fold``, and ``F.unfold``'s backward).
+BOX_POOLS = frozenset({*ADAPTIVE_DIMS, *NEAREST_BACKWARDS, aten.col2im.default})
 
 
 @dataclasses.dataclass(frozen=True)
 class BoxPool:
     """A pool whose window, along each spatial dim, is one run of input positions per output position:
     an adaptive average pool's, or nearest upsampling's (one position each: its backward sums the gradient
-    of every copy of an input element).
+    of every copy of an input element). ``col2im`` is such a backward too: each column entry is a copy of
+    one image position, or of padding (an empty run).
 
     ``values`` are the sums' numerators: a forward's input ``(*batch, *spatial)``, a backward's gradient
     ``(*batch, *out)``. ``in_shape`` is the input's whole shape, ``windows[d][i]`` the input positions
@@ -215,8 +216,8 @@ class BoxPool:
         return sizes
 
     def _slots(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Along ``dim``: ``(index, valid)``, each ``(out[dim], longest)``: the input position of each window's
-        ``j``-th element (its last where the window is shorter), and whether it has one."""
+        """Along ``dim``: ``(index, valid)``, each ``(out[dim], longest)``: the input position of each
+        window's ``j``-th element (its last where the window is shorter), and whether it has one."""
         windows = self.windows[dim]
         longest = max(e - s for s, e in windows)
         index = torch.tensor([[min(s + j, e - 1) for j in range(longest)] for s, e in windows])
@@ -287,6 +288,8 @@ def box_pool_call(func: object, args: tuple, kwargs: dict) -> BoxPool | None:
         return None
     if func in NEAREST_BACKWARDS:
         return _nearest_backward(func, values, bound[1:])
+    if func is aten.col2im.default:
+        return _col2im(values, bound[1:])
     dims = ADAPTIVE_DIMS[func]
     if func in (aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default):
         x = bound[1]
@@ -329,3 +332,44 @@ def _nearest_backward(func: object, grad: torch.Tensor, rest: list) -> BoxPool |
         copied = forward(positions, size, *[scales[k] if k == d else None for k in range(dims)])
         windows.append(tuple((int(j), int(j) + 1) for j in copied.reshape(-1).tolist()))
     return BoxPool(grad, tuple(in_shape), tuple(windows), backward=True, averages=False)
+
+
+def _col2im(columns: torch.Tensor, rest: list) -> BoxPool | None:
+    """The :class:`BoxPool` of ``col2im(columns, output_size, kernel_size, dilation, padding, stride)``:
+    ``columns`` ``(*N, C * kh * kw, Lh * Lw)`` hold, at kernel offset ``(i, j)`` of block ``(a, b)``, a copy
+    of image position ``(a sh - ph + i dh, b sw - pw + j dw)`` (none where that is padding), and the image
+    ``(*N, C, H, W)`` sums each position's copies. Laid out as ``(*N, C, kh * Lh, kw * Lw)``, position ``i
+    Lh + a`` along the first spatial dim copies one image row, so each image element's copies, in order
+    along each dim, are those of kernel offsets ``(i, j)`` row-major: the order the kernels add them."""
+    size, kernel, dilation, padding, stride = rest
+    params = [size, kernel, dilation, padding, stride]
+    if not all(
+        isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(i, int) for i in v) for v in params
+    ):
+        return None
+    if columns.dim() not in (2, 3) or columns.numel() == 0 or min(kernel) < 1 or min(stride) < 1:
+        return None
+    blocks = [
+        (n + 2 * p - d * (k - 1) - 1) // s + 1
+        for n, k, d, p, s in zip(size, kernel, dilation, padding, stride)
+    ]
+    if (
+        min(blocks) < 1
+        or columns.shape[-1] != blocks[0] * blocks[1]
+        or columns.shape[-2] % (kernel[0] * kernel[1])
+    ):
+        return None
+    (kh, kw), (lh, lw) = kernel, blocks
+    channels = columns.shape[-2] // (kh * kw)
+    batch = tuple(columns.shape[:-2])
+    laid = columns.reshape(*batch, channels, kh, kw, lh, lw).movedim(-2, -3)  # (*N, C, kh, Lh, kw, Lw)
+    laid = laid.reshape(*batch, channels, kh * lh, kw * lw)
+    windows = []
+    for n, k, d, p, s, count in zip(size, kernel, dilation, padding, stride, blocks):
+        runs = []
+        for i in range(k):
+            for a in range(count):
+                at = a * s - p + i * d
+                runs.append((at, at + 1) if 0 <= at < n else (0, 0))
+        windows.append(tuple(runs))
+    return BoxPool(laid, (*batch, channels, *size), tuple(windows), backward=True, averages=False)
