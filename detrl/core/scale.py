@@ -343,8 +343,9 @@ def _pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
 
 
 def _box_pool_terms(func: Any, args: tuple, out: torch.Tensor) -> _PoolTerms | None:
-    """:func:`_pool_terms` of an adaptive average pool, its backward or a nearest upsampling's backward (rules
-    revision 17): the same terms, over windows of unequal lengths (:class:`detrl.core.pools.BoxPool`)."""
+    """:func:`_pool_terms` of an adaptive average pool, its backward, a nearest upsampling's backward or
+    ``col2im`` (rules revision 17): the same terms, over windows of unequal lengths
+    (:class:`detrl.core.pools.BoxPool`)."""
     pool = pools.box_pool_call(func, args, {})
     if pool is None or out.numel() == 0:
         return None
@@ -675,10 +676,10 @@ def exact_pool_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tens
     a local response norm's pool over 3 channels (a sum of three squares divided by 3) for 4 % of a small
     model's.
 
-    An adaptive pool's and a nearest upsampling's backward (rules revision 17) are found alike, over their
-    windows of unequal lengths (:class:`detrl.core.pools.BoxPool`); an adaptive pool's forward element needs
-    one more thing, since torch's kernels divide its sum in more ways than one: that every way rounds to the
-    same FP32 value (:func:`_divided_alike`)."""
+    An adaptive pool's, a nearest upsampling's backward's and ``col2im``'s (rules revision 17) are found
+    alike, over their windows of unequal lengths (:class:`detrl.core.pools.BoxPool`). An adaptive pool's
+    forward element needs one more thing, since torch's kernels divide its sum in more ways than one: that
+    every way rounds to the same FP32 value (:func:`_divided_alike`)."""
     values = args[0] if args else None  # the input, or a backward's grad_output: the terms' numerators
     if not isinstance(values, torch.Tensor) or not _fp32_grid(values):
         return None

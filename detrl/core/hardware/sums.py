@@ -1,5 +1,5 @@
-"""Sums, means, batch norm, cumulative sums and average pools (adaptive ones too): the reduced axis cut into
-a profile's chunks."""
+"""Sums, means, batch norm, cumulative sums, average pools and the other sums over windows (adaptive pools,
+nearest upsampling's backward, ``col2im``): the reduced axis cut into a profile's chunks."""
 
 from __future__ import annotations
 
@@ -133,12 +133,13 @@ def _avg_pool_splits(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: 
 
 @_register(*pools.BOX_POOLS)
 def _box_pool(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
-    """``_adaptive_avg_pool2d/3d(x: (*B, *S), out) -> (*B, *out)``, their backwards and the backwards of
-    nearest upsampling, as :func:`_avg_pool` and :func:`_avg_pool_backward` order them: each window's
-    elements row-major (backward: each input element's windows in order) summed in the profile's ``row``
-    chunks. An adaptive window's sum is divided by its size, as a CPU's vectorised channels-last kernel
-    divides; the plain kernels divide by its length along each dim in turn, which rounds otherwise
-    (:func:`detrl.core.scale.exact_pool_elements` claims only what every way of dividing gives alike)."""
+    """``_adaptive_avg_pool2d/3d(x: (*B, *S), out) -> (*B, *out)``, their backwards, the backwards of nearest
+    upsampling and ``col2im`` (:class:`detrl.core.pools.BoxPool`), as :func:`_avg_pool` and
+    :func:`_avg_pool_backward` order them: each window's elements row-major (backward: each input element's
+    windows in order) summed in the profile's ``row`` chunks. An adaptive window's sum is divided by its
+    size, as a CPU's vectorised channels-last kernel divides; the plain kernels divide by its length along
+    each dim in turn, which rounds otherwise (:func:`detrl.core.scale.exact_pool_elements` claims only what
+    every way of dividing gives alike)."""
     pool = pools.box_pool_call(func, args, kwargs)
     if pool is None or not p.splits(pool.terms, "row"):
         return func(*args, **kwargs)
