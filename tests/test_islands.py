@@ -251,3 +251,31 @@ def test_in_place_view_ops_on_narrow_tensors_keep_their_new_shape(tmp_path, dtyp
     want = weights(zoo.record(s, tmp_path / "run", steps=2))
     rep = zoo.replay(s, tmp_path / "run", "emulated:pairwise", steps=2)
     assert all(torch.equal(v, want[k]) for k, v in weights(rep).items())
+
+
+@pytest.mark.parametrize("kind", ["verifiable", "fp64", "fp32"])
+def test_float32_data_a_convolution_refuses_is_explained_in_fp64_runs(tmp_path, kind: str) -> None:
+    """torch checks a convolution's dtypes before any dispatch mode sees it, so float32 data that a script
+    passes to an FP64 model fails there, with torch's words. In fp64 and verifiable precision the error
+    carries a note that says why and how to cast; an error of another kind carries none, and in fp32
+    precision the same data simply runs."""
+    import detrl
+
+    precision = detrl.Precision(kind)
+    with detrl.Session(
+        tmp_path / "run", mode="record", precision=precision, sources=detrl.Sources(seed=0)
+    ) as s:
+        model = s.init(lambda: nn.Sequential(nn.Conv2d(3, 4, 3)))
+        x = torch.randn(2, 3, 5, 5)
+        if kind == "fp32":
+            with s.step(batch=(x,)):
+                model(x).sum().backward()
+            return
+        with pytest.raises(RuntimeError, match="bias type") as raised, s.step(batch=(x,)):
+            model(x).sum().backward()
+        assert any("session.precision.cast(x)" in note for note in raised.value.__notes__)
+        with pytest.raises(RuntimeError, match="unrelated") as other, s.step(batch=(x,)):
+            raise RuntimeError("unrelated")
+        assert not getattr(other.value, "__notes__", [])
+        with s.step(batch=(x,)):
+            model(s.precision.cast(x)).sum().backward()

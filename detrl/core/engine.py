@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import re
 import sys
 import time
 import weakref
@@ -878,6 +879,9 @@ class Session:
                 raise BundleError(f"{bundle_mod.ROUNDLOG}: step {step}: {e}") from None
             except RoundLogError as e:
                 raise BundleError(str(e)) from None
+            except RuntimeError as e:
+                _note_float32_data(e, self.precision)
+                raise
         if rounding is not None and rounding.replay is not None:
             try:
                 rounding.replay.finish()
@@ -1124,11 +1128,31 @@ class _PlainStep:
         self._t0 = time.perf_counter()
         self._kernels.__enter__()
 
-    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, *exc: object) -> None:
         self._kernels.__exit__()
         if kind is None:
             session = self._session
             session._end_step(session.step_index + 1, None, self._t0, self._frozen)
+        elif isinstance(error, RuntimeError):
+            _note_float32_data(error, self._session.precision)
+
+
+#: How torch words an op given float32 data and FP64 weights: a convolution and an RNN check the dtypes
+#: before any dispatch mode sees the op, and in FP64 precision nothing widens the data.
+_MIXED_DTYPES = re.compile(
+    r"mixed dtype|(float\b|float32|FloatTensor).*(double|float64|DoubleTensor)|(double|float64).*(float\b|float32)",
+    re.IGNORECASE,
+)
+
+
+def _note_float32_data(error: RuntimeError, precision: Precision) -> None:
+    """Add to ``error`` (raised inside a step) what it most likely means where the run holds its model in FP64
+    and torch complains of mixed float dtypes: data the script brought itself, still in float32."""
+    if precision.dtype == torch.float64 and _MIXED_DTYPES.search(str(error)) and hasattr(error, "add_note"):
+        error.add_note(
+            f"detrl: a run in {precision.kind} precision holds its model in FP64; cast the data you pass in "
+            "yourself with session.precision.cast(x) (Session.loader casts its batches)"
+        )
 
 
 def _restore_host_rngs(python_state: Any, numpy_state: Any) -> None:
