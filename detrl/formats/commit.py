@@ -671,28 +671,32 @@ def hash_batch(*tensors: Any) -> bytes:
     """
     items: dict[str, torch.Tensor] = {}
     extra: list[tuple[str, bytes]] = []
-
-    def leaf(name: str, t: Any) -> None:
-        if isinstance(t, torch.Tensor):
-            items[name] = t
-        elif isinstance(t, Mapping):
-            for key, value in t.items():
-                leaf(f"{name}[{key!r}]", value)
-        elif t is None or isinstance(t, str):
-            extra.append((name, b"\0" if t is None else b"\1" + t.encode()))
-        else:
-            try:
-                items[name] = torch.as_tensor(t)  # an array, a number, a list of numbers: as always
-            except (TypeError, ValueError, RuntimeError):
-                if isinstance(t, (list, tuple)):  # of tensors of several elements, of dicts, ...
-                    for i, value in enumerate(t):
-                        leaf(f"{name}[{i}]", value)
-                    return
-                raise TypeError(
-                    f"cannot hash the batch's {type(t).__name__} at {name}: a batch holds tensors, arrays, "
-                    "numbers, strings or None, or dicts, lists and tuples of them"
-                ) from None
-
     for i, t in enumerate(tensors):
-        leaf(f"{i}", t)
+        _batch_leaf(f"{i}", t, items, extra)
     return hash_tensors(items, extra, tag=BATCH_TAG)
+
+
+def _batch_leaf(name: str, t: Any, items: dict[str, torch.Tensor], extra: list[tuple[str, bytes]]) -> None:
+    """Put ``t`` (at path ``name``) into ``items`` or ``extra`` for :func:`hash_batch`. ``torch.as_tensor`` is
+    tried first: a DQN hashes a transition of arrays and numbers at every env step."""
+    if isinstance(t, torch.Tensor):
+        items[name] = t
+        return
+    try:
+        items[name] = torch.as_tensor(t)  # an array, a number, a list of numbers: as always
+        return
+    except (TypeError, ValueError, RuntimeError):
+        pass
+    if isinstance(t, Mapping):
+        for key, value in t.items():
+            _batch_leaf(f"{name}[{key!r}]", value, items, extra)
+    elif t is None or isinstance(t, str):
+        extra.append((name, b"\0" if t is None else b"\1" + t.encode()))
+    elif isinstance(t, (list, tuple)):  # of tensors of several elements, of dicts, ...
+        for i, value in enumerate(t):
+            _batch_leaf(f"{name}[{i}]", value, items, extra)
+    else:
+        raise TypeError(
+            f"cannot hash the batch's {type(t).__name__} at {name}: a batch holds tensors, arrays, numbers, "
+            "strings or None, or dicts, lists and tuples of them"
+        )
