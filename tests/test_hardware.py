@@ -374,6 +374,56 @@ def test_col2im_in_kernel_order_is_the_native_bits() -> None:
     assert differ > 0
 
 
+#: Linear interpolations: (op, input's shape, output's spatial shape, align_corners, scales).
+INTERPOLATION_CALLS = [
+    (aten.upsample_linear1d.default, (2, 3, 6), (13,), False, (None,)),
+    (aten.upsample_bilinear2d.default, (2, 3, 5, 6), (10, 12), False, (2.0, 2.0)),
+    (aten.upsample_bilinear2d.default, (2, 3, 5, 6), (7, 11), True, (None, None)),
+    (aten.upsample_bilinear2d.default, (2, 3, 9, 8), (4, 5), False, (None, None)),
+    (aten.upsample_bilinear2d.default, (2, 3, 5, 6), (8, 10), False, (1.7, 1.7)),
+    (aten.upsample_trilinear3d.default, (1, 2, 3, 4, 5), (6, 8, 7), False, (None, None, None)),
+]
+_INTERPOLATION_BACKWARDS = {
+    aten.upsample_linear1d.default: aten.upsample_linear1d_backward.default,
+    aten.upsample_bilinear2d.default: aten.upsample_bilinear2d_backward.default,
+    aten.upsample_trilinear3d.default: aten.upsample_trilinear3d_backward.default,
+}
+
+
+def interpolation_calls(seed: int = 0) -> list[tuple]:
+    """Each of :data:`INTERPOLATION_CALLS` forward and backward: ``(func, args)``, of values in 3 binades."""
+    calls = []
+    for i, (forward, shape, out, corners, scales) in enumerate(INTERPOLATION_CALLS):
+        g = torch.Generator().manual_seed(seed + i)
+        x = (
+            (
+                torch.randn(*shape, generator=g, dtype=torch.float64)
+                * torch.exp2(-torch.randint(0, 3, shape, generator=g).double())
+            )
+            .float()
+            .double()
+        )
+        grad = torch.randn(*shape[:2], *out, generator=g, dtype=torch.float64).float().double()
+        calls.append((forward, (x, list(out), corners, *scales)))
+        calls.append((_INTERPOLATION_BACKWARDS[forward], (grad, list(out), list(shape), corners, *scales)))
+    return calls
+
+
+def test_profiles_interpolate_one_dim_at_a_time() -> None:
+    """Every emulated profile computes a linear interpolation (1d to 3d, corners aligned or not, sizes or
+    scales) and its backward one spatial dim at a time, with weights found by the 1d kernel: the kernels'
+    values within a few ulps, with other last bits for some elements."""
+    for name in EMULATED:
+        profile = get_profile(name, seed=0)
+        differ = 0
+        for func, args in interpolation_calls():
+            ref, got = func(*args), profile(func, args, {})
+            assert got.shape == ref.shape and got.dtype == ref.dtype
+            assert float((got - ref).abs().max()) <= 1e-14 * float(ref.abs().max()), (name, func)
+            differ += int((got != ref).sum())
+        assert differ > 0, name
+
+
 @pytest.mark.parametrize("name", EMULATED)
 def test_adaptive_pools_sum_each_window_in_the_profiles_chunks(name: str) -> None:
     """Each profile sums an adaptive pool's windows (and a backward's windows per element) in its own order:

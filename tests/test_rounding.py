@@ -416,7 +416,7 @@ def test_each_rules_revision_replays_as_it_was_recorded(tmp_path, monkeypatch):
         after = zoo.record(specimen, middle, steps=3)
     zoo.record(specimen, new, steps=3)
     manifests = [json.loads((d / bundle_mod.MANIFEST).read_text()) for d in (old, middle, new)]
-    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 17]
+    assert [m["rules_revision"] for m in manifests] == [1, 4, RULES_REVISION] == [1, 4, 18]
     assert len({m["durable"]["merkle_root"] for m in manifests}) == 1
     assert 0 < after.totals.logged < before.totals.logged
     for bundle in (old, middle, new):
@@ -1820,6 +1820,49 @@ def test_col2im_elements_exact_in_every_order_are_found() -> None:
         assert torch.equal(got[exact], ref.reshape(-1)[exact]), name
 
 
+def test_a_box_pools_extremes_are_those_of_its_gathered_terms() -> None:
+    """``BoxPool.reduced`` (runs of consecutive positions: one sliding extreme per run length; col2im's
+    holders, which are not consecutive: gathered) gives each sum's largest and smallest term, as the terms
+    laid out in kernel order say: adaptive pools shrinking and growing, forward and backward, in 2d and 3d,
+    a nearest backward, col2im, and an interpolation's boxes."""
+    import math
+
+    from detrl.core import interpolation, pools
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x = randn(2, 3, 7, 9)
+    calls = [
+        (aten._adaptive_avg_pool2d.default, (x, [4, 5])),
+        (aten._adaptive_avg_pool2d.default, (x, [11, 13])),
+        (aten._adaptive_avg_pool2d_backward.default, (randn(2, 3, 11, 13), x)),
+        (aten._adaptive_avg_pool2d_backward.default, (randn(2, 3, 3, 4), x)),
+        (aten._adaptive_avg_pool3d.default, (randn(1, 2, 3, 4, 5), [5, 2, 3])),
+        (aten.upsample_nearest2d_backward.default, (randn(2, 3, 2, 3), [2, 3], [2, 3, 5, 6], None, None)),
+        (aten.col2im.default, (randn(2, 27, 9), [8, 8], [3, 3], [2, 2], [1, 1], [2, 2])),
+    ]
+    boxes = [pools.box_pool_call(func, args, {}) for func, args in calls]
+    for func, args in (
+        (aten.upsample_bilinear2d.default, (x, [20, 13], False)),
+        (aten.upsample_bilinear2d_backward.default, (randn(2, 3, 3, 4), [3, 4], [2, 3, 7, 9], False)),
+    ):
+        call = interpolation.interpolation_call(func, args, {})
+        assert call is not None
+        boxes.append(call.box())
+    for box in boxes:
+        assert box is not None
+        t = box.values.abs()
+        terms = box.gathered(t, math.nan).flatten(-len(box.out))
+        for combine in ("amax", "amin"):
+            fill = 0.0 if combine == "amax" else math.inf
+            want = terms.nan_to_num(fill).amax(-1) if combine == "amax" else terms.nan_to_num(fill).amin(-1)
+            assert torch.equal(box.reduced(t, combine, fill), want), (box.out, box.backward, combine)
+
+
 class _BoxPools(torch.nn.Module):
     """Sums over windows of unequal lengths, of values in one binade: an area upsampling
     (``F.interpolate(mode="area")``, windows of one or two elements along each dim), a pyramid pooling's
@@ -1852,6 +1895,99 @@ def test_box_pools_log_only_their_inexact_elements_from_revision_17(tmp_path, mo
 
     specimen = zoo.Specimen("box_pools", _BoxPools, zoo.features, zoo.classify)
     before, after = _before_and_after(specimen, tmp_path, monkeypatch, 17)
+    assert after.totals.logged < before.totals.logged / 3, (after.totals.logged, before.totals.logged)
+
+
+def test_an_interpolations_exact_elements_and_units_hold_on_every_profile() -> None:
+    """Rules revision 18: a linear interpolation's element (or its backward's) is exact where every dim's
+    weights are exact on every machine (a dyadic scale) and the sum rule holds with their bits; nothing is
+    claimed where a weight is rounded. Exact elements have the same bits under every profile (which
+    interpolate one dim at a time), and elsewhere the profiles' disagreement is far inside each element's
+    unit (the values its weights reach). Before 18, no unit and no rule."""
+    from test_hardware import interpolation_calls
+
+    from detrl.core.scale import exact_elements
+
+    exact_seen, differ = 0, 0
+    for func, args in interpolation_calls(seed=7):
+        ref = func(*args)
+        exact, unit = exact_elements(func, args, ref), reduction_scale(func, args, ref)
+        assert exact is not None and unit is not None, func
+        assert reduction_scale(func, args, ref, rules_revision=17) is None
+        exact_seen += int(exact.sum())
+        corners, scales = args[2] if func in _FORWARD_INTERPOLATIONS else args[3], args[-1]
+        if corners and func is not torch.ops.aten.upsample_linear1d.default and scales is None:
+            assert not bool(exact.any()), func  # 5 -> 7 with corners aligned: weights of 2/3, rounded
+        for name in ("emulated:splitk", "emulated:pairwise", "emulated:reversed", "emulated:atomic"):
+            got = get_profile(name, seed=0)(func, args, {})
+            same = got.reshape(-1).view(torch.int64) == ref.reshape(-1).view(torch.int64)
+            assert bool(same[exact].all()), (name, func)
+            differ += int((~same).sum())
+            apart = (got - ref).abs().reshape(-1) / unit.dense().reshape(-1)
+            assert float(apart.max()) < 2.0**-20, (name, func, float(apart.max()))
+    assert exact_seen > 0 and differ > 0
+
+
+_FORWARD_INTERPOLATIONS = {
+    torch.ops.aten.upsample_linear1d.default,
+    torch.ops.aten.upsample_bilinear2d.default,
+    torch.ops.aten.upsample_trilinear3d.default,
+}
+
+
+def test_an_upsampling_by_two_is_exact_where_the_sum_rule_holds_with_its_weights_bits() -> None:
+    """Upsampling by 2 (corners not aligned) weighs each pair of values by 3/4 and 1/4, in each dim: terms
+    that are FP32 values times multiples of 2**-4 in 2d. An element is exact where its values span at most
+    29 - 4 - 1 - ceil(log2(4)) binades; a value 2**-30 below its neighbours makes the elements around it
+    inexact, and only those. Scales such as 1.7 give rounded weights: nothing is claimed."""
+    from detrl.core.scale import exact_elements
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(1, 1, 6, 6, generator=g, dtype=torch.float64) + 1.0).float().double()
+    x[0, 0, 3, 3] *= 2.0**-30
+    args = (x, [12, 12], False, 2.0, 2.0)
+    ref = aten.upsample_bilinear2d.default(*args)
+    exact = exact_elements(aten.upsample_bilinear2d.default, args, ref)
+    assert exact is not None
+    near = torch.zeros(12, 12, dtype=torch.bool)
+    near[3:11, 3:11] = True  # the outputs whose boxes (weighted positions and one more each side) hold it
+    assert torch.equal(~exact.view(12, 12), near)
+    rounded = (x, [10, 10], False, 1.7, 1.7)
+    none = exact_elements(
+        aten.upsample_bilinear2d.default, rounded, aten.upsample_bilinear2d.default(*rounded)
+    )
+    assert none is not None and not bool(none.any())
+
+
+class _Interpolations(torch.nn.Module):
+    """A segmentation head's upsamplings of values in one binade: bilinear by 2 and to a size 8 times the
+    input's (weights of a few bits: exact sums, a fifth of them on FP32 midpoints), trilinear by 2, and
+    bilinear by 1.7 (rounded weights: measured in their values' units)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(16, 2 * 4 * 4), torch.nn.Linear(2 * (64 + 1024 + 128 + 36), 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, 16) -> (N, 5)
+        h = (torch.sigmoid(self.inp(x)) + 1.0).view(-1, 2, 4, 4)  # in [1, 2)
+        up = torch.nn.functional.interpolate(h, scale_factor=2.0, mode="bilinear")  # (N, 2, 8, 8)
+        big = torch.nn.functional.interpolate(h, size=(32, 32), mode="bilinear")  # (N, 2, 32, 32)
+        cube = torch.nn.functional.interpolate(h.view(-1, 2, 2, 2, 4), scale_factor=2.0, mode="trilinear")
+        odd = torch.nn.functional.interpolate(h, scale_factor=1.7, mode="bilinear")  # (N, 2, 6, 6)
+        flat = [t.flatten(1) for t in (up, torch.tanh(big), cube, odd)]
+        return self.out(torch.cat(flat, 1))
+
+
+def test_interpolations_log_only_their_inexact_elements_from_revision_18(tmp_path, monkeypatch) -> None:
+    """Rules revision 18 logs a linear interpolation's elements only where some machine could round them
+    otherwise, measured in their values' units. The weights are the same under 17 and 18, and each replays
+    on its own rules on every emulated profile (which interpolate one dim at a time) with nothing unlogged
+    or refused."""
+    from detrl.testing import zoo
+
+    specimen = zoo.Specimen("interpolations", _Interpolations, zoo.features, zoo.classify)
+    before, after = _before_and_after(specimen, tmp_path, monkeypatch, 18)
     assert after.totals.logged < before.totals.logged / 3, (after.totals.logged, before.totals.logged)
 
 

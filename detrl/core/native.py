@@ -41,6 +41,7 @@ from detrl.core.oprules import (
     FLOAT32_EXACT,
     GRADIENT_SCALED_FROM_11,
     HIDDEN_WRITES,
+    INTERPOLATIONS_FROM_18,
     POOL_SUMS_FROM_15,
     RULES_REVISION,
     RUNNING_SUMS_FROM_14,
@@ -168,6 +169,8 @@ def route(
         if rules_revision >= 15 and func in POOL_SUMS_FROM_15:  # so are a pool's: scale.exact_pool_elements
             return Route.PYTHON
         if rules_revision >= 17 and func in BOX_POOLS_FROM_17:  # and those over boxes: pools.BoxPool
+            return Route.PYTHON
+        if rules_revision >= 18 and func in INTERPOLATIONS_FROM_18:  # and an interpolation's
             return Route.PYTHON
         if rules_revision >= 2 and func in EXACT_SUMS:
             return Route.LOGGED_SUM

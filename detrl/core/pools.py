@@ -228,15 +228,19 @@ class BoxPool:
         """Along ``dim``: ``(index, valid)``, each ``(size, most)``: the windows holding each input position,
         in order (the last repeated where fewer hold it, the first where none does), and whether there is
         one."""
-        n = self.in_shape[dim - len(self.windows)]
-        holding: list[list[int]] = [[] for _ in range(n)]
-        for i, (s, e) in enumerate(self.windows[dim]):
-            for j in range(s, e):
-                holding[j].append(i)
+        holding = self._holding(dim)
         most = max(1, max(len(h) for h in holding))
         index = torch.tensor([[h[min(k, len(h) - 1)] if h else 0 for k in range(most)] for h in holding])
         valid = torch.tensor([[k < len(h) for k in range(most)] for h in holding])
         return index.to(self.values.device), valid.to(self.values.device)
+
+    def _holding(self, dim: int) -> list[list[int]]:
+        """Along ``dim``, the windows holding each input position, in order."""
+        holding: list[list[int]] = [[] for _ in range(self.in_shape[dim - len(self.windows)])]
+        for i, (s, e) in enumerate(self.windows[dim]):
+            for j in range(s, e):
+                holding[j].append(i)
+        return holding
 
     def _tables(self, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._holders(dim) if self.backward else self._slots(dim)
@@ -263,8 +267,12 @@ class BoxPool:
         ``(*batch, *spatial)`` backward; ``fill`` where a sum has no term."""
         dims = len(self.windows)
         for d in range(dims):
-            idx, ok = self._tables(d)
             axis = t.dim() - dims + d
+            runs = self._runs(d)
+            if runs is not None:
+                t = _run_extremes(t, axis, *runs, combine, fill)
+                continue
+            idx, ok = self._tables(d)  # runs that are not contiguous (col2im's holders): gathered
             picked = t.index_select(axis, idx.reshape(-1))
             shape = list(picked.shape)
             shape[axis : axis + 1] = list(idx.shape)
@@ -273,6 +281,40 @@ class BoxPool:
             picked = picked.view(shape).masked_fill(~ok.view(mask), fill)
             t = picked.amax(axis + 1) if combine == "amax" else picked.amin(axis + 1)
         return t
+
+    def _runs(self, dim: int) -> tuple[list[int], list[int]] | None:
+        """Along ``dim``, each sum's terms as one run of consecutive positions: ``(starts, lengths)``, of the
+        input positions in each window forward, of the windows holding each input position backward (a run
+        where windows move only forward); None where some run is not consecutive."""
+        if not self.backward:
+            return [s for s, _ in self.windows[dim]], [e - s for s, e in self.windows[dim]]
+        starts, lengths = [], []
+        for holding in self._holding(dim):
+            if holding and holding[-1] - holding[0] + 1 != len(holding):
+                return None
+            starts.append(holding[0] if holding else 0)
+            lengths.append(len(holding))
+        return starts, lengths
+
+
+def _run_extremes(
+    t: torch.Tensor, axis: int, starts: list[int], lengths: list[int], combine: str, fill: float
+) -> torch.Tensor:
+    """``amax`` or ``amin`` of ``t`` over runs of consecutive positions along ``axis``: run ``i`` is
+    ``lengths[i]`` positions from ``starts[i]`` (``fill`` where it is empty). One sliding extreme over
+    ``t`` for each distinct length, then each run's taken from it: memory of the result's size, not of its
+    size times the longest run's."""
+    shape = list(t.shape)
+    shape[axis] = len(starts)
+    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    for length in sorted(set(lengths) - {0}):
+        sliding = t.unfold(axis, length, 1)  # (..., n - length + 1, ..., length): every run of this length
+        extreme = sliding.amax(-1) if combine == "amax" else sliding.amin(-1)
+        which = [i for i, n in enumerate(lengths) if n == length]
+        at = torch.tensor(which, device=t.device)
+        begin = torch.tensor([starts[i] for i in which], device=t.device)
+        out.index_copy_(axis, at, extreme.index_select(axis, begin))
+    return out
 
 
 def box_pool_call(func: object, args: tuple, kwargs: dict) -> BoxPool | None:

@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
-from detrl.core import pools
+from detrl.core import interpolation, pools
 from detrl.core.oprules import (
     BOX_POOLS_FROM_17,
     EXACT_SCATTERS,
     GRADIENT_SCALED_FROM_11,
+    INTERPOLATIONS_FROM_18,
     POOL_SUMS_FROM_15,
     RULES_REVISION,
     RUNNING_SUMS_FROM_14,
@@ -161,6 +162,8 @@ def reduction_scale(
         return _pool_terms_scale(func, args, out) if rules_revision >= 15 else None
     if func in BOX_POOLS_FROM_17:
         return _pool_terms_scale(func, args, out) if rules_revision >= 17 else None
+    if func in INTERPOLATIONS_FROM_18:
+        return _interpolation_scale(func, args, out) if rules_revision >= 18 else None
     if func is not _MM or len(args) < 2:
         return None
     a, b = args[0], args[1]
@@ -289,6 +292,27 @@ def _pool_terms_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None
     if terms.divisors is not None:
         row = row.div_(_power_of_two(terms.divisors))
     col = torch.full((1,), 2.0**-23 * terms_factor(terms.pool.terms), dtype=torch.float64, device=row.device)
+    return Scale(outer=out.numel(), channels=1, inner=1, col=col, row=row.reshape(-1))
+
+
+def _interpolation_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | None:
+    """The unit of a linear interpolation's output, or of its backward's (rules revision 18), at each
+    element: the FP32 spacing of the largest finite ``|value|`` its weights can reach (a forward's inputs
+    around it, a backward's gradients of the outputs around it: :meth:`Interpolation.box`), times
+    ``terms_factor`` of its most products. Each weight is at most 1, so no product is larger. As
+    ``(out.numel(),)`` row factors; None where the call is not a plain one."""
+    call = interpolation.interpolation_call(func, args, {})
+    if call is None or out.numel() == 0:
+        return None
+    expected = call.in_shape if call.backward else (*call.in_shape[:2], *call.out)
+    if tuple(out.shape) != tuple(expected):
+        return None
+    magnitude = call.values.detach().double().abs()
+    bound = FP32_OVERFLOW if call.values.dtype == torch.float64 else math.inf  # as finite_amax
+    magnitude = magnitude.masked_fill(~(magnitude < bound), 0)
+    largest = call.box().reduced(magnitude, "amax", 0.0)
+    row = _power_of_two(largest).clamp_(min=2.0**-149)
+    col = torch.full((1,), 2.0**-23 * terms_factor(call.terms), dtype=torch.float64, device=row.device)
     return Scale(outer=out.numel(), channels=1, inner=1, col=col, row=row.reshape(-1))
 
 
@@ -660,6 +684,8 @@ def exact_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | 
         return exact_running_sum_elements(args, out)
     if func in POOL_SUMS_FROM_15 or func in BOX_POOLS_FROM_17:
         return exact_pool_elements(func, args, out)
+    if func in INTERPOLATIONS_FROM_18:
+        return exact_interpolation_elements(func, args, out)
     return exact_sum_elements(func, args, out)
 
 
@@ -691,6 +717,35 @@ def exact_pool_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tens
     if isinstance(terms.pool, pools.BoxPool) and terms.divisors is not None:
         exact &= _divided_alike(terms)  # the kernels divide it in more ways than one
     return exact.reshape(-1)
+
+
+def exact_interpolation_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """Which elements of a linear interpolation's output, or of its backward's, every machine computes alike
+    (rules revision 18): a flat bool mask over ``out``'s row-major elements, or None where the call is not a
+    plain one of FP64 values on the FP32 grid. Where every dim's weights are exact on every machine
+    (:meth:`detrl.core.interpolation.Interpolation.weight_bits`: a scale factor of 2, 4, 8, ...), each term
+    is an FP32 value times a short dyadic weight, and an element is exact where the sum rule holds with
+    those weights' bits counted (over the values its weights can reach, and its most products). Upsampling
+    by 2 without corners aligned weighs two values of one binade by 3/4 and 1/4: an exact sum that lies on
+    an FP32 midpoint for a fifth of its elements. Elsewhere (a weight rounded on some machine) none is."""
+    values = args[0] if args else None
+    if not isinstance(values, torch.Tensor) or not _fp32_grid(values):
+        return None
+    call = interpolation.interpolation_call(func, args, {})
+    if call is None or out.numel() == 0:
+        return None
+    expected = call.in_shape if call.backward else (*call.in_shape[:2], *call.out)
+    if tuple(out.shape) != tuple(expected):
+        return None
+    bits = [call.weight_bits(d) for d in range(len(call.out))]
+    if any(b is None for b in bits):
+        return torch.zeros(out.numel(), dtype=torch.bool, device=out.device)
+    box = call.box()
+    magnitude = call.values.detach().double().abs()
+    nonzero = magnitude.masked_fill(magnitude == 0, math.inf)
+    largest, smallest = box.reduced(magnitude, "amax", 0.0), box.reduced(nonzero, "amin", math.inf)
+    count = torch.tensor(float(call.terms), dtype=torch.float64, device=out.device)
+    return _exact_of(largest, smallest, count, sum(b for b in bits if b is not None) + 1).reshape(-1)
 
 
 def exact_running_sum_elements(args: tuple, out: torch.Tensor) -> torch.Tensor | None:
@@ -781,14 +836,18 @@ def exact_scatter_elements(func: Any, args: tuple, out: torch.Tensor) -> torch.T
     return exact
 
 
-def _exact_of(largest: torch.Tensor, smallest: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+def _exact_of(
+    largest: torch.Tensor, smallest: torch.Tensor, terms: torch.Tensor, fraction_bits: int = 0
+) -> torch.Tensor:
     """The rule of :func:`exact_sum_elements`, from each sum's largest and smallest nonzero term magnitude
-    (inf: none) and its number of terms (broadcast against them): a bool tensor of their shape."""
+    (inf: none) and its number of terms (broadcast against them): a bool tensor of their shape.
+    ``fraction_bits``: each term is an FP32 value times a multiple of ``2**-fraction_bits`` of at most 1
+    (an interpolation's weights), finer by as many bits."""
     # frexp exponents e: |x| in [2**(e - 1), 2**e); a term's FP32 quantum is 2**(e - 24) at least
     spread = torch.frexp(largest)[1] - torch.frexp(smallest.clamp(max=1e308))[1]
     # ceil(log2(n)) of the counts n >= 1, exactly: frexp's exponent of n - 1 (0 for n = 1). CUDA's log2 of a
     # power of two can miss the integer it is, and ceil or a cast then moves it a whole binade.
-    exact = spread.double().add_(torch.frexp(terms.clamp(min=1) - 1)[1]) <= 29
+    exact = spread.double().add_(torch.frexp(terms.clamp(min=1) - 1)[1]) <= 29 - fraction_bits
     exact |= torch.isinf(smallest)  # no nonzero term: the sum is zero
     exact &= torch.isfinite(largest)
     return exact

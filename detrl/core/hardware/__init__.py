@@ -50,7 +50,12 @@ Emulated ops (float32 and float64 everywhere, half types where noted; any device
   ``convolution_backward`` (grad_input split over output channels, grad_weight / grad_bias over the batch).
 * ``sum`` and ``mean``; batch norm forward and backward in training mode (per-channel sums in profile order,
   :mod:`detrl.core.decompose`); ``cumsum`` as a chunked scan; ``avg_pool2d``, ``avg_pool3d`` and their
-  backward (each element's terms, :mod:`detrl.core.pools`, summed in the profile's row chunks).
+  backward (each element's terms, :mod:`detrl.core.pools`, summed in the profile's row chunks); the same for
+  the adaptive average pools and their backward (each window's sum divided by its size), nearest
+  upsampling's backward and ``col2im``.
+* Linear interpolations (``upsample_linear1d``, ``upsample_bilinear2d``, ``upsample_trilinear3d``) and
+  their backward, one spatial dim at a time as products with each dim's weights (a separable kernel's
+  order, :mod:`detrl.core.interpolation`).
 * Rows, recomputed from their textbook formulas with every sum in the profile's row order (the ``"row"``
   chunk) and pairwise's libm: layer norm and group norm, forward (two-pass mean and variance where native
   kernels use Welford's update, which leaves an ulp of error in the mean that a two-pass sum of FP32-grid

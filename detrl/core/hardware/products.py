@@ -1,4 +1,5 @@
-"""Matrix products and convolutions, forward and backward: split-K accumulation in a profile's order."""
+"""Matrix products and convolutions, forward and backward: split-K accumulation in a profile's order. And
+linear interpolations, as products with their weights one dim at a time."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
+from detrl.core import interpolation
 from detrl.core.dispatch import bound_arguments
 from detrl.core.hardware.machinery import _acc_dtype, _combine, _emulable, _pieces
 from detrl.core.hardware.profiles import EmulatedProfile, _register, _splits, aten
@@ -160,3 +162,16 @@ def _convolution_backward_splits(p: EmulatedProfile, func: OpOverload, args: tup
     return bool(mask[0] and p.splits(go.shape[1] // groups, "channel")) or bool(
         (mask[1] or mask[2]) and p.splits(x.shape[0], "batch")
     )
+
+
+@_register(*interpolation.INTERPOLATIONS)
+def _interpolation(p: EmulatedProfile, func: OpOverload, args: tuple, kwargs: dict) -> Tensor:
+    """A linear interpolation (``F.interpolate`` in the ``linear``, ``bilinear`` or ``trilinear`` mode) or its
+    backward computed one spatial dim at a time, as products with each dim's weights: the same sums as the
+    kernels', which add each element's 2, 4 or 8 weighted terms at once, associated otherwise (a separable
+    kernel's order), so their last bits differ."""
+    call = interpolation.interpolation_call(func, args, kwargs)
+    if call is None or not _emulable(call.values):
+        return func(*args, **kwargs)
+    acc = _acc_dtype(call.values.dtype)
+    return call.separably(call.values.to(acc)).to(call.values.dtype).contiguous()
