@@ -167,7 +167,8 @@ class BoxPool:
     """A pool whose window, along each spatial dim, is one run of input positions per output position:
     an adaptive average pool's, or nearest upsampling's (one position each: its backward sums the gradient
     of every copy of an input element). ``col2im`` is such a backward too: each column entry is a copy of
-    one image position, or of padding (an empty run).
+    one image position, or of padding (an empty run). A linear interpolation's units are read over such
+    boxes as well (:meth:`detrl.core.interpolation.Interpolation.box`).
 
     ``values`` are the sums' numerators: a forward's input ``(*batch, *spatial)``, a backward's gradient
     ``(*batch, *out)``. ``in_shape`` is the input's whole shape, ``windows[d][i]`` the input positions
