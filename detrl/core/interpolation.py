@@ -134,9 +134,7 @@ def interpolation_call(func: object, args: tuple, kwargs: dict) -> Interpolation
         return None
     bound = bound_arguments(func, args, kwargs)
     values = bound[0]
-    if not (
-        isinstance(values, torch.Tensor) and values.is_floating_point() and values.layout == torch.strided
-    ):
+    if not pools.dense_floating(values):
         return None
     if func in BACKWARDS:
         out, in_shape, align_corners, *scales = bound[1:]

@@ -318,6 +318,11 @@ def _run_extremes(
     return out
 
 
+def dense_floating(t: object) -> bool:
+    """Whether ``t`` is a dense tensor of a floating dtype: the only values a pool's rules read."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
+
+
 def box_pool_call(func: object, args: tuple, kwargs: dict) -> BoxPool | None:
     """The :class:`BoxPool` of a call of an op of :data:`BOX_POOLS`, or None where ``func`` is none of those
     or the call is not a plain one (floating dense tensors, batched or not, of the sizes it names)."""
@@ -325,9 +330,7 @@ def box_pool_call(func: object, args: tuple, kwargs: dict) -> BoxPool | None:
         return None
     bound = bound_arguments(func, args, kwargs)
     values = bound[0]
-    if not (
-        isinstance(values, torch.Tensor) and values.is_floating_point() and values.layout == torch.strided
-    ):
+    if not dense_floating(values):
         return None
     if func in NEAREST_BACKWARDS:
         return _nearest_backward(func, values, bound[1:])

@@ -301,11 +301,8 @@ def _interpolation_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | N
     around it, a backward's gradients of the outputs around it: :meth:`Interpolation.box`), times
     ``terms_factor`` of its most products. Each weight is at most 1, so no product is larger. As
     ``(out.numel(),)`` row factors; None where the call is not a plain one."""
-    call = interpolation.interpolation_call(func, args, {})
-    if call is None or out.numel() == 0:
-        return None
-    expected = call.in_shape if call.backward else (*call.in_shape[:2], *call.out)
-    if tuple(out.shape) != tuple(expected):
+    call = _interpolation_of(func, args, out)
+    if call is None:
         return None
     magnitude = call.values.detach().double().abs()
     bound = FP32_OVERFLOW if call.values.dtype == torch.float64 else math.inf  # as finite_amax
@@ -314,6 +311,15 @@ def _interpolation_scale(func: Any, args: tuple, out: torch.Tensor) -> Scale | N
     row = _power_of_two(largest).clamp_(min=2.0**-149)
     col = torch.full((1,), 2.0**-23 * terms_factor(call.terms), dtype=torch.float64, device=row.device)
     return Scale(outer=out.numel(), channels=1, inner=1, col=col, row=row.reshape(-1))
+
+
+def _interpolation_of(func: Any, args: tuple, out: torch.Tensor) -> interpolation.Interpolation | None:
+    """The :class:`detrl.core.interpolation.Interpolation` of a plain call whose result is ``out``."""
+    call = interpolation.interpolation_call(func, args, {})
+    if call is None or out.numel() == 0:
+        return None
+    expected = call.in_shape if call.backward else (*call.in_shape[:2], *call.out)
+    return call if tuple(out.shape) == tuple(expected) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -731,11 +737,8 @@ def exact_interpolation_elements(func: Any, args: tuple, out: torch.Tensor) -> t
     values = args[0] if args else None
     if not isinstance(values, torch.Tensor) or not _fp32_grid(values):
         return None
-    call = interpolation.interpolation_call(func, args, {})
-    if call is None or out.numel() == 0:
-        return None
-    expected = call.in_shape if call.backward else (*call.in_shape[:2], *call.out)
-    if tuple(out.shape) != tuple(expected):
+    call = _interpolation_of(func, args, out)
+    if call is None:
         return None
     bits = [call.weight_bits(d) for d in range(len(call.out))]
     if any(b is None for b in bits):
