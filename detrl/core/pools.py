@@ -126,10 +126,7 @@ def pool_call(func: object, args: tuple, kwargs: dict) -> Pool | None:
             return None
         return v * dims if len(v) == 1 else v
 
-    tensors = [x] if grad is None else [x, grad]
-    if not all(
-        isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided for t in tensors
-    ):
+    if not all(dense_floating(t) for t in ([x] if grad is None else [x, grad])):
         return None  # (a float16 pool on the CPU, a sparse one: as they are)
     if x.dim() not in (dims + 1, dims + 2) or x.numel() == 0:
         return None
@@ -201,7 +198,7 @@ class BoxPool:
         element (their product over the spatial dims)."""
         if not self.backward:
             return math.prod(max(e - s for s, e in w) for w in self.windows)
-        return math.prod(int(self._holders(d)[1].sum(1).max()) for d in range(len(self.windows)))
+        return math.prod(max(len(h) for h in self._holding(d)) for d in range(len(self.windows)))
 
     def divisors(self) -> torch.Tensor:
         """Each window's divisor, FP64 ``(*out)``: its size where the pool averages (the kernels divide by
